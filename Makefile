@@ -1,0 +1,37 @@
+# The two commands that matter: `make run` and `make test`. Both set up everything they need.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.tandem-installed
+OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
+
+.PHONY: run test setup system-deps bench clean
+
+run: setup
+	$(BIN)/tandem model fetch
+	$(BIN)/tandem demo
+
+test: setup
+	$(BIN)/tandem model fetch
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python bench/bench_pages.py
+
+setup: system-deps $(STAMP)
+
+# mlx on Linux CPU needs Debian's OpenBLAS to be fast (engine_adapters/mlx_adapter.py).
+system-deps:
+	@if [ "$$(uname -s)" = Linux ] && [ "$$(uname -m)" = x86_64 ] && [ ! -e $(OPENBLAS) ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's OpenBLAS for mlx (libopenblas0-pthread)"; \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopenblas0-pthread; \
+	fi
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,34 @@
+"""Engine adapters: the only package that imports torch, transformers, mlx, vllm or sglang.
+
+Importing this package is cheap: each adapter module (and its engine) is imported only when
+`load_adapter` asks for it. The page format (`pages`), the model contract (`contract`) and the
+adapter interface (`base`) import no engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import EngineAdapter
+
+# engine name -> "module:Class"
+ADAPTERS = {
+    "torch": "engine_adapters.torch_adapter:TorchAdapter",
+    "mlx": "engine_adapters.mlx_adapter:MLXAdapter",
+}
+
+
+def adapter_class(engine: str) -> type["EngineAdapter"]:
+    try:
+        module, cls = ADAPTERS[engine].split(":")
+    except KeyError:
+        raise ValueError(f"unknown engine {engine!r}; known engines: {', '.join(ADAPTERS)}") from None
+    return getattr(importlib.import_module(module), cls)
+
+
+def load_adapter(engine: str, model_dir: str | Path, context_length: int | None = None, **kwargs) -> "EngineAdapter":
+    """Start `engine` on the model in `model_dir`."""
+    return adapter_class(engine)(model_dir, context_length, **kwargs)

@@ -1,0 +1,328 @@
+"""The engine adapter contract.
+
+An adapter hosts one model on one engine (transformers, mlx-lm, …) and speaks three things:
+token ids, canonical KV pages (`engine_adapters.pages`) and requests. Everything above the
+adapters — the node agent, the panel — sees only this interface.
+
+An in-process adapter implements six *engine primitives*, always called on the adapter's own
+engine thread (one thread per adapter, so engines that are not thread-safe stay correct):
+
+    _load()                        load weights (called once, on the engine thread)
+    new_session(capacity)          an empty KV cache for one request
+    forward(session, ids)          run `ids` after the cached tokens; return last-position logits
+    export_kv(session, start, end) K/V of cached positions [start, end) as [layers][2][n][heads][dim]
+    import_kv(session, start, kv)  write K/V for positions [start, start + n) into the cache
+    set_length(session, n)         declare the first n positions valid (after imports)
+
+On top of them this class builds what the agent calls, all `async` and cancellable:
+
+    prefill(request)           -> async iterator of KVPage … then one PrefillDone(first_token)
+                                  Pages leave as each prefill chunk finishes (chunks are a
+                                  multiple of 64 tokens), so transfer can overlap compute.
+    decode(request, stream)    -> async iterator of token ids; `stream` is what prefill
+                                  yielded (pages still arriving, then PrefillDone), usually
+                                  after a trip over the wire.
+    generate(request)          -> async iterator of token ids (the whole job on this engine).
+    cancel(request_id)         -> stops a running request at its next step; idempotent.
+
+First-token modes (the decoder chooses, see `FirstTokenMode`):
+
+- recompute-last: the decoder imports KV of prompt[:-1], runs the last prompt token itself and
+  samples the first output token (vLLM's way). Needs a prompt of at least 2 tokens.
+- commit-first: the decoder imports KV of the whole prompt and continues from the first token
+  the prefiller sampled (SGLang's way).
+
+KV storage is FP16 on every engine: on CPU the math runs in float32 and K/V are rounded to FP16
+as they enter the cache, so a local run and a P/D run read identical cache values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, AsyncIterable, AsyncIterator, Callable, ClassVar, TypeVar
+
+import numpy as np
+
+from .contract import HashCache, Progress, compute_contract
+from .errors import Cancelled, FrameError, RequestError
+from .model_dir import inspect_model
+from .pages import KVPage, make_page
+from .sampling import Sampler, SamplingParams
+
+# Tandem never downloads weights or tokenizers at run time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+T = TypeVar("T")
+
+
+class FirstTokenMode(str, Enum):
+    RECOMPUTE_LAST = "recompute-last"
+    COMMIT_FIRST = "commit-first"
+
+
+def kv_tokens(prompt_tokens: int, mode: FirstTokenMode) -> int:
+    """How many prompt tokens of KV move from prefiller to decoder in `mode`."""
+    if mode is FirstTokenMode.RECOMPUTE_LAST:
+        if prompt_tokens < 2:
+            raise RequestError(
+                "recompute-last mode needs a prompt of at least 2 tokens: the decoder recomputes the "
+                "last prompt token, so a 1-token prompt leaves no KV to transfer (use commit-first)"
+            )
+        return prompt_tokens - 1
+    return prompt_tokens
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    mode: FirstTokenMode = FirstTokenMode.COMMIT_FIRST
+
+
+@dataclass
+class PrefillDone:
+    first_token: int
+    kv_tokens: int
+    pages: int
+    prefill_seconds: float
+
+
+class EngineAdapter(ABC):
+    name: ClassVar[str]
+    decoder_modes: ClassVar[tuple[FirstTokenMode, ...]] = (FirstTokenMode.COMMIT_FIRST, FirstTokenMode.RECOMPUTE_LAST)
+    prefill_chunk_tokens: ClassVar[int] = 256
+
+    def __init__(self, model_dir: str | Path, context_length: int | None = None,
+                 hash_cache: HashCache | None = None, progress: Progress | None = None):
+        self.info = inspect_model(model_dir)
+        self.model_dir = self.info.path
+        max_context = self.info.max_context or context_length or 0
+        self.context_length = int(context_length or max_context)
+        if not 1 <= self.context_length <= max_context:
+            raise RequestError(
+                f"context length {self.context_length} is outside 1..{max_context} (the model's maximum)")
+        self.geometry = self.info.geometry
+        self.contract = compute_contract(self.info, self.context_length, hash_cache, progress)
+        self.eos_token_ids = self.info.eos_token_ids
+        self._cancels: dict[str, threading.Event] = {}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}")
+        self._executor.submit(self._load).result()
+        self.tokenizer = self._executor.submit(self._load_tokenizer).result()
+
+    # ---- engine primitives (engine thread only) -------------------------------------------
+    @abstractmethod
+    def _load(self) -> None: ...
+
+    @abstractmethod
+    def new_session(self, capacity: int) -> Any: ...
+
+    @abstractmethod
+    def forward(self, session: Any, token_ids: list[int]) -> np.ndarray: ...
+
+    @abstractmethod
+    def export_kv(self, session: Any, start: int, end: int) -> np.ndarray: ...
+
+    @abstractmethod
+    def import_kv(self, session: Any, start: int, kv: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def set_length(self, session: Any, length: int) -> None: ...
+
+    def release(self, session: Any) -> None:
+        """Free the session's KV memory (engines with pooled memory override this)."""
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.model_dir))
+
+    # ---- tokenizer ------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat_token_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ---- running work on the engine thread -----------------------------------------------
+    async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        for event in self._cancels.values():
+            event.set()
+        self._executor.shutdown(wait=True)
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask a running request to stop; True if it was running. Safe to call twice."""
+        event = self._cancels.get(request_id)
+        if event is None:
+            return False
+        event.set()
+        return True
+
+    def _begin(self, req: EngineRequest) -> threading.Event:
+        if req.request_id in self._cancels:
+            raise RequestError(f"request id {req.request_id!r} is already running on this engine")
+        event = threading.Event()
+        self._cancels[req.request_id] = event
+        return event
+
+    def _check(self, req: EngineRequest, event: threading.Event) -> None:
+        if event.is_set():
+            raise Cancelled(f"request {req.request_id} was cancelled")
+
+    def _validate(self, req: EngineRequest, generates: bool) -> None:
+        ids = req.token_ids
+        if not ids:
+            raise RequestError("the prompt is empty: at least one token is needed")
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= self.info.vocab_size:
+            raise RequestError(f"prompt token ids must be integers in 0..{self.info.vocab_size - 1}")
+        need = len(ids) + (req.sampling.max_tokens if generates else 0)
+        if need > self.context_length:
+            raise RequestError(
+                f"prompt of {len(ids)} tokens" + (f" plus max_tokens {req.sampling.max_tokens}" if generates else "")
+                + f" exceeds the context length {self.context_length}")
+
+    # ---- high-level operations -----------------------------------------------------------
+    async def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
+        """Run the prompt; yield its KV pages as they are produced, then one PrefillDone."""
+        self._validate(req, generates=False)
+        export = kv_tokens(len(req.token_ids), req.mode)
+        event = self._begin(req)
+        session = None
+        try:
+            t0 = time.perf_counter()
+            ids, n, P = req.token_ids, len(req.token_ids), self.geometry.page_tokens
+            session = await self.on_engine(self.new_session, n)
+            sent, logits = 0, None
+            for start in range(0, n, self.prefill_chunk_tokens):
+                self._check(req, event)
+                end = min(start + self.prefill_chunk_tokens, n)
+                logits = await self.on_engine(self.forward, session, ids[start:end])
+                ready = export if end == n else min(end, export) // P * P
+                if ready > sent:
+                    kv = await self.on_engine(self.export_kv, session, sent, ready)
+                    for a in range(0, ready - sent, P):
+                        yield make_page(self.geometry, (sent + a) // P, kv[:, :, a:a + P])
+                    sent = ready
+            first = Sampler(req.sampling)(logits)
+            yield PrefillDone(first_token=first, kv_tokens=export, pages=self.geometry.pages_for(export),
+                              prefill_seconds=time.perf_counter() - t0)
+        finally:
+            self._cancels.pop(req.request_id, None)
+            if session is not None:
+                await self._release(session)
+
+    async def decode(self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone]) -> AsyncIterator[int]:
+        """Import pages as they arrive, then stream output tokens."""
+        if req.mode not in self.decoder_modes:
+            raise RequestError(f"{self.name} cannot decode in {req.mode.value} mode")
+        self._validate(req, generates=True)
+        expected_tokens = kv_tokens(len(req.token_ids), req.mode)
+        event = self._begin(req)
+        session = None
+        try:
+            session = await self.on_engine(self.new_session, len(req.token_ids) + req.sampling.max_tokens)
+            done = await self._import_stream(req, event, session, stream, expected_tokens)
+            await self.on_engine(self.set_length, session, expected_tokens)
+            sampler = Sampler(req.sampling)
+            if req.mode is FirstTokenMode.COMMIT_FIRST:
+                sampler.skip()
+                first = done.first_token
+            else:
+                self._check(req, event)
+                first = await self.on_engine(self._next_token, session, req.token_ids[-1], sampler)
+            async for token in self._continue(req, event, session, sampler, first):
+                yield token
+        finally:
+            self._cancels.pop(req.request_id, None)
+            if session is not None:
+                await self._release(session)
+
+    async def _import_stream(self, req: EngineRequest, event: threading.Event, session: Any,
+                             stream: AsyncIterable[KVPage | PrefillDone], expected_tokens: int) -> PrefillDone:
+        """Write arriving pages into the session, checking order and counts; return the final item."""
+        P = self.geometry.page_tokens
+        expected_pages = self.geometry.pages_for(expected_tokens)
+        index, done = 0, None
+        async for page in stream:
+            self._check(req, event)
+            if done is not None:
+                raise FrameError("the page stream continued after the prefiller's final frame")
+            if isinstance(page, PrefillDone):
+                done = page
+                continue
+            if index >= expected_pages:
+                raise FrameError(f"page stream carries more than the {expected_pages} pages a "
+                                 f"{expected_tokens}-token KV import needs")
+            want_valid = min(P, expected_tokens - index * P)
+            if page.index != index:
+                raise FrameError(f"page {page.index} arrived where page {index} was expected (out of order)")
+            if page.valid_tokens != want_valid:
+                raise FrameError(f"page {index} holds {page.valid_tokens} tokens, expected {want_valid}")
+            if page.data.shape != self.geometry.page_shape:
+                raise FrameError(f"page {index} has shape {page.data.shape}, this model needs {self.geometry.page_shape}")
+            await self.on_engine(self.import_kv, session, index * P, page.kv)
+            index += 1
+        if index != expected_pages:
+            raise FrameError(f"page stream ended after {index} of {expected_pages} pages: nothing was decoded")
+        if done is None:
+            raise FrameError("page stream ended without the prefiller's final frame: nothing was decoded")
+        if done.kv_tokens != expected_tokens:
+            raise FrameError(f"prefiller exported {done.kv_tokens} tokens of KV, this decoder needs {expected_tokens}")
+        return done
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
+        """Serve the whole request on this engine (local prefill, then decode)."""
+        self._validate(req, generates=True)
+        event = self._begin(req)
+        session = None
+        try:
+            ids = req.token_ids
+            session = await self.on_engine(self.new_session, len(ids) + req.sampling.max_tokens)
+            logits = None
+            for start in range(0, len(ids), self.prefill_chunk_tokens):
+                self._check(req, event)
+                logits = await self.on_engine(self.forward, session, ids[start:start + self.prefill_chunk_tokens])
+            sampler = Sampler(req.sampling)
+            async for token in self._continue(req, event, session, sampler, sampler(logits)):
+                yield token
+        finally:
+            self._cancels.pop(req.request_id, None)
+            if session is not None:
+                await self._release(session)
+
+    async def _continue(self, req: EngineRequest, event: threading.Event, session: Any,
+                        sampler: Sampler, token: int) -> AsyncIterator[int]:
+        params = req.sampling
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        produced = 0
+        while True:
+            yield token
+            produced += 1
+            if produced >= params.max_tokens or token in stops:
+                return
+            self._check(req, event)
+            token = await self.on_engine(self._next_token, session, token, sampler)
+
+    def _next_token(self, session: Any, token: int, sampler: Sampler) -> int:
+        return sampler(self.forward(session, [token]))
+
+    async def _release(self, session: Any) -> None:
+        # Release on the engine thread so it runs after any engine work still queued for it.
+        await asyncio.shield(self.on_engine(self.release, session))

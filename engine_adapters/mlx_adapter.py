@@ -1,0 +1,103 @@
+"""mlx-lm engine: Metal in FP16 on Apple Silicon, CPU in float32 (FP16 KV storage) elsewhere.
+
+On Linux the `mlx[cpu]` wheel's bundled reference BLAS runs a matmul at a few GFLOP/s. Loading
+Debian's OpenBLAS with RTLD_GLOBAL *before* mlx makes mlx resolve its BLAS calls there (about
+10x faster here). This must happen before the first `import mlx`, so it lives at the top.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+
+
+def _preload_openblas() -> bool:
+    if sys.platform != "linux" or "mlx.core" in sys.modules:
+        return False
+    for path in (os.environ.get("TANDEM_OPENBLAS", ""), OPENBLAS, "/usr/lib/aarch64-linux-gnu/libopenblas.so.0"):
+        if path and os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return True
+    return False
+
+
+OPENBLAS_LOADED = _preload_openblas()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm import load as mlx_load  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from .base import EngineAdapter  # noqa: E402
+
+
+class _FP16KVCache(KVCache):
+    """mlx-lm's KVCache with values rounded through FP16 on the way in (see base module doc)."""
+
+    def update_and_fetch(self, keys, values):
+        if keys.dtype != mx.float16:
+            keys = keys.astype(mx.float16).astype(keys.dtype)
+            values = values.astype(mx.float16).astype(values.dtype)
+        return super().update_and_fetch(keys, values)
+
+
+class MLXAdapter(EngineAdapter):
+    name = "mlx"
+
+    def _load(self) -> None:
+        self.on_metal = mx.metal.is_available()
+        self.dtype = mx.float16 if self.on_metal else mx.float32
+        self.model, _ = mlx_load(str(self.model_dir))
+        self.model.set_dtype(self.dtype)
+        mx.eval(self.model.parameters())
+
+    def new_session(self, capacity: int) -> list[_FP16KVCache]:
+        return [_FP16KVCache() for _ in range(self.geometry.layers)]
+
+    def _logits(self, hidden: mx.array) -> mx.array:
+        # Apply the LM head to the last position only (mlx-lm's Model.__call__ does all positions).
+        if getattr(self.model.args, "tie_word_embeddings", False):
+            return self.model.model.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
+
+    def forward(self, session: list[_FP16KVCache], token_ids: list[int]) -> np.ndarray:
+        hidden = self.model.model(mx.array([token_ids]), session)
+        logits = self._logits(hidden[:, -1, :]).astype(mx.float32)
+        mx.eval(logits, [(c.keys, c.values) for c in session])
+        return np.array(logits[0])
+
+    def export_kv(self, session: list[_FP16KVCache], start: int, end: int) -> np.ndarray:
+        # per layer (1, heads, capacity, dim) -> [layers][2][n][heads][dim] in FP16
+        kv = mx.stack([mx.stack([c.keys[0, :, start:end], c.values[0, :, start:end]]) for c in session])
+        kv = kv.transpose(0, 1, 3, 2, 4).astype(mx.float16)
+        return np.array(kv)
+
+    def import_kv(self, session: list[_FP16KVCache], start: int, kv: np.ndarray) -> None:
+        end = start + kv.shape[2]
+        block = mx.array(np.ascontiguousarray(kv)).astype(self.dtype).transpose(0, 1, 3, 2, 4)  # [L][2][H][n][D]
+        for i, cache in enumerate(session):
+            if cache.keys is None or cache.keys.shape[2] < end:
+                self._grow(cache, end)
+            cache.keys[0, :, start:end] = block[i, 0]
+            cache.values[0, :, start:end] = block[i, 1]
+        mx.eval([(c.keys, c.values) for c in session])
+
+    def _grow(self, cache: _FP16KVCache, length: int) -> None:
+        g = self.geometry
+        capacity = -(-length // cache.step) * cache.step
+        grown_k = mx.zeros((1, g.kv_heads, capacity, g.head_dim), self.dtype)
+        grown_v = mx.zeros_like(grown_k)
+        if cache.keys is not None:
+            old = cache.keys.shape[2]
+            grown_k[:, :, :old] = cache.keys
+            grown_v[:, :, :old] = cache.values
+        cache.keys, cache.values = grown_k, grown_v
+
+    def set_length(self, session: list[_FP16KVCache], length: int) -> None:
+        for cache in session:
+            if cache.keys is None:
+                self._grow(cache, length)
+            cache.offset = length

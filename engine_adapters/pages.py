@@ -1,0 +1,240 @@
+"""Canonical KV pages: the one format every Tandem engine speaks.
+
+A **page** holds the KV cache of up to 64 consecutive prompt tokens for every layer:
+
+    payload = FP16, little-endian, C order, shape [layers][2][64][kv_heads][head_dim]
+              index 0 of the second axis is K (after RoPE), index 1 is V.
+              Token slots past `valid_tokens` are zero.
+
+Page `i` covers prompt positions [64*i, 64*i + valid_tokens). Every page but the last of a
+prompt is full. One FP16 token of SmolLM2-135M (30 layers, 3 KV heads, head_dim 64) is
+30*2*3*64*2 = 23,040 bytes, so a full page is 1,474,560 bytes.
+
+A **frame** is one page on the wire: a fixed 88-byte little-endian header followed by the payload.
+
+    offset size field
+    0      4    magic            b"TKVP"
+    4      2    version          PROTOCOL_VERSION
+    6      2    header_size      88 (lets a later version grow the header)
+    8      16   contract         first 16 bytes of the model contract fingerprint
+    24     16   room             request ("room") id, a UUID's 16 bytes
+    40     16   tokens           digest of the prompt's token ids (contract.token_digest)
+    56     4    page_index
+    60     2    valid_tokens     1..page_tokens
+    62     2    page_tokens      64
+    64     2    layers
+    66     2    kv_heads
+    68     2    head_dim
+    70     2    reserved         0
+    72     8    payload_size     layers*2*page_tokens*kv_heads*head_dim*2
+    80     8    checksum         xxh3_64 of header bytes 0..79, then the payload
+
+Encoding and decoding are whole-array numpy operations: a page is built with one vectorised
+copy, and a received payload is viewed in place (`np.frombuffer`), never walked token by token.
+xxhash is used for the checksum because it is a well-kept C library that hashes faster than
+memory can be copied, so checking every page costs little.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from .errors import ContractMismatch, FrameError
+
+PAGE_TOKENS = 64
+PROTOCOL_VERSION = 1
+MAGIC = b"TKVP"
+KV_DTYPE = np.dtype("<f2")
+
+_HEADER = struct.Struct("<4sHH16s16s16sIHHHHHHQQ")
+HEADER_SIZE = _HEADER.size
+_CHECKSUM_OFFSET = HEADER_SIZE - 8
+assert HEADER_SIZE == 88
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """The shape of a model's KV cache, as far as pages are concerned."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    page_tokens: int = PAGE_TOKENS
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.page_tokens, self.kv_heads, self.head_dim)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of FP16 K and V for one token across all layers."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * KV_DTYPE.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        return self.token_bytes * self.page_tokens
+
+    def pages_for(self, tokens: int) -> int:
+        """How many pages hold `tokens` tokens."""
+        return -(-tokens // self.page_tokens)
+
+
+@dataclass
+class KVPage:
+    """One page: `data` has the full page shape; slots past `valid_tokens` are zero."""
+
+    index: int
+    valid_tokens: int
+    data: np.ndarray
+
+    @property
+    def start(self) -> int:
+        """First prompt position this page covers."""
+        return self.index * self.data.shape[2]
+
+    @property
+    def kv(self) -> np.ndarray:
+        """View of the valid tokens: [layers][2][valid_tokens][kv_heads][head_dim]."""
+        return self.data[:, :, : self.valid_tokens]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def make_page(geometry: PageGeometry, index: int, kv: np.ndarray) -> KVPage:
+    """Build page `index` from `kv` shaped [layers][2][n][kv_heads][head_dim], 1 <= n <= 64.
+
+    Any float dtype is accepted and rounded to FP16 here, at the page boundary.
+    """
+    n = kv.shape[2]
+    expected = geometry.page_shape[:2] + (n,) + geometry.page_shape[3:]
+    if kv.shape != expected:
+        raise ValueError(f"KV block of shape {kv.shape} does not fit geometry {geometry} (want {expected})")
+    if not 1 <= n <= geometry.page_tokens:
+        raise ValueError(f"a page holds 1..{geometry.page_tokens} tokens, got {n}")
+    data = np.empty(geometry.page_shape, dtype=KV_DTYPE)
+    data[:, :, :n] = kv
+    data[:, :, n:] = 0
+    return KVPage(index=index, valid_tokens=n, data=data)
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    raw: bytes  # the header as received; the checksum covers it
+    contract: bytes
+    room: bytes
+    tokens: bytes
+    page_index: int
+    valid_tokens: int
+    geometry: PageGeometry
+    payload_size: int
+    checksum: int
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class FrameExpectation:
+    """What the receiver knows in advance; every field is checked against each frame."""
+
+    contract: bytes
+    room: bytes
+    tokens: bytes
+    geometry: PageGeometry
+
+
+def _id16(value: bytes, what: str) -> bytes:
+    if len(value) < 16:
+        raise ValueError(f"{what} must be at least 16 bytes, got {len(value)}")
+    return bytes(value[:16])
+
+
+def encode_frame(page: KVPage, *, contract: bytes, room: bytes, tokens: bytes) -> tuple[bytes, memoryview]:
+    """Frame a page: returns (header, payload view). Write both; the payload is not copied."""
+    data = page.data
+    if data.dtype != KV_DTYPE or not data.flags.c_contiguous:
+        raise ValueError("page data must be C-contiguous little-endian FP16")
+    layers, two, page_tokens, kv_heads, head_dim = data.shape
+    payload = memoryview(data).cast("B")
+    fields = (MAGIC, PROTOCOL_VERSION, HEADER_SIZE,
+              _id16(contract, "contract"), _id16(room, "room"), _id16(tokens, "tokens"),
+              page.index, page.valid_tokens, page_tokens, layers, kv_heads, head_dim, 0, payload.nbytes)
+    unsigned = _HEADER.pack(*fields, 0)
+    return _HEADER.pack(*fields, _checksum(unsigned, payload)), payload
+
+
+def _checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
+    """xxh3_64 over the header (less its checksum field) and the payload: any flipped bit shows."""
+    h = xxhash.xxh3_64(memoryview(header)[:_CHECKSUM_OFFSET])
+    h.update(payload)
+    return h.intdigest()
+
+
+def frame_bytes(page: KVPage, *, contract: bytes, room: bytes, tokens: bytes) -> bytes:
+    """The whole frame as one bytes object (one copy; streaming writers use encode_frame)."""
+    header, payload = encode_frame(page, contract=contract, room=room, tokens=tokens)
+    return header + payload
+
+
+def parse_header(buf: bytes | memoryview) -> FrameHeader:
+    """Parse and sanity-check a frame header (the first HEADER_SIZE bytes of `buf`)."""
+    if len(buf) < HEADER_SIZE:
+        raise FrameError(f"truncated frame header: {len(buf)} of {HEADER_SIZE} bytes")
+    (magic, version, header_size, contract, room, tokens, index, valid, page_tokens,
+     layers, kv_heads, head_dim, _reserved, payload_size, checksum) = _HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a Tandem page stream")
+    if version != PROTOCOL_VERSION:
+        raise FrameError(f"page protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})")
+    if header_size != HEADER_SIZE or _reserved != 0:
+        raise FrameError(f"bad frame header (size {header_size}, reserved {_reserved})")
+    geometry = PageGeometry(layers, kv_heads, head_dim, page_tokens)
+    if min(layers, kv_heads, head_dim, page_tokens) == 0 or payload_size != geometry.page_bytes:
+        raise FrameError(f"frame payload size {payload_size} does not match its geometry {geometry}")
+    if not 1 <= valid <= page_tokens:
+        raise FrameError(f"frame claims {valid} valid tokens in a {page_tokens}-token page")
+    return FrameHeader(bytes(buf[:HEADER_SIZE]), contract, room, tokens, index, valid, geometry,
+                       payload_size, checksum, version)
+
+
+def decode_frame(buf: bytes | memoryview, expect: FrameExpectation | None = None) -> tuple[FrameHeader, KVPage]:
+    """Check a whole frame and return its header and page (a read-only view into `buf`)."""
+    header = parse_header(buf)
+    end = HEADER_SIZE + header.payload_size
+    if len(buf) != end:
+        raise FrameError(f"frame of {len(buf)} bytes, header says {end}")
+    payload = memoryview(buf)[HEADER_SIZE:end]
+    return header, decode_payload(header, payload, expect)
+
+
+def decode_payload(header: FrameHeader, payload: bytes | memoryview, expect: FrameExpectation | None = None) -> KVPage:
+    """Verify a payload against its header (and the receiver's expectation) and view it as a page."""
+    if len(payload) != header.payload_size:
+        raise FrameError(f"truncated page {header.page_index}: {len(payload)} of {header.payload_size} payload bytes")
+    if _checksum(header.raw, payload) != header.checksum:
+        raise FrameError(f"checksum mismatch on page {header.page_index}: the page was corrupted in transit")
+    if expect is not None:
+        check_expectation(header, expect)
+    data = np.frombuffer(payload, dtype=KV_DTYPE).reshape(header.geometry.page_shape)
+    if data[:, :, header.valid_tokens:].view(np.uint16).any():
+        raise FrameError(f"page {header.page_index} has non-zero bytes past its {header.valid_tokens} valid tokens")
+    return KVPage(index=header.page_index, valid_tokens=header.valid_tokens, data=data)
+
+
+def check_expectation(header: FrameHeader, expect: FrameExpectation) -> None:
+    if header.room != _id16(expect.room, "room"):
+        raise FrameError(f"page {header.page_index} belongs to room {header.room.hex()}, expected {expect.room[:16].hex()}")
+    if header.contract != _id16(expect.contract, "contract"):
+        raise ContractMismatch(
+            ["contract fingerprint"],
+            f"page {header.page_index} was made under contract {header.contract.hex()}, "
+            f"this decoder's is {expect.contract[:16].hex()}",
+        )
+    if header.tokens != _id16(expect.tokens, "tokens"):
+        raise ContractMismatch(["token_ids"], f"page {header.page_index} was made for a different prompt token list")
+    if header.geometry != expect.geometry:
+        raise FrameError(f"page geometry {header.geometry} differs from this model's {expect.geometry}")

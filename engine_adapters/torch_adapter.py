@@ -1,0 +1,93 @@
+"""transformers (PyTorch) engine: CUDA in FP16, CPU in float32 with FP16 KV storage."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .base import EngineAdapter
+
+
+class _FP16KVLayer(DynamicLayer):
+    """One layer's KV in a preallocated buffer that grows by doubling.
+
+    Values are rounded through FP16 on the way in, so the cache holds exactly what a page holds.
+    `keys`/`values` are views of the first `length` positions.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.device = device
+        self._k = torch.zeros(1, kv_heads, max(capacity, 1), head_dim, dtype=dtype, device=device)
+        self._v = torch.zeros_like(self._k)
+        self.length = 0
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self._k[:, :, : self.length]
+        self.values = self._v[:, :, : self.length]
+
+    def reserve(self, length: int) -> None:
+        capacity = self._k.shape[2]
+        if length > capacity:
+            new_capacity = max(length, 2 * capacity)
+            for name in ("_k", "_v"):
+                old = getattr(self, name)
+                grown = old.new_zeros(old.shape[:2] + (new_capacity,) + old.shape[3:])
+                grown[:, :, :capacity] = old
+                setattr(self, name, grown)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = start + k.shape[2]
+        self.reserve(end)
+        self._k[:, :, start:end] = k.to(torch.float16)
+        self._v[:, :, start:end] = v.to(torch.float16)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.write(self.length, key_states, value_states)
+        self.length += key_states.shape[2]
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class TorchAdapter(EngineAdapter):
+    name = "torch"
+
+    def _load(self) -> None:
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype).to(self.device).eval()
+
+    def new_session(self, capacity: int) -> Cache:
+        g = self.geometry
+        return Cache(layers=[_FP16KVLayer(g.kv_heads, g.head_dim, capacity, self.dtype, self.device)
+                             for _ in range(g.layers)])
+
+    @torch.inference_mode()
+    def forward(self, session: Cache, token_ids: list[int]) -> np.ndarray:
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=session, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float().cpu().numpy()
+
+    def export_kv(self, session: Cache, start: int, end: int) -> np.ndarray:
+        # [layers][2][1, heads, n, dim] -> [layers][2][n][heads][dim] in FP16
+        kv = torch.stack([torch.stack([layer._k[0, :, start:end], layer._v[0, :, start:end]])
+                          for layer in session.layers])
+        return kv.permute(0, 1, 3, 2, 4).to(torch.float16).contiguous().cpu().numpy()
+
+    def import_kv(self, session: Cache, start: int, kv: np.ndarray) -> None:
+        block = torch.from_numpy(np.ascontiguousarray(kv)).to(self.device)  # [L][2][n][H][D]
+        block = block.permute(0, 1, 3, 2, 4).unsqueeze(2)  # [L][2][1][H][n][D]
+        for layer, layer_kv in zip(session.layers, block):
+            layer.write(start, layer_kv[0], layer_kv[1])
+
+    def set_length(self, session: Cache, length: int) -> None:
+        for layer in session.layers:
+            layer.length = length
+            layer._views()

@@ -1,0 +1,92 @@
+"""A prefill/decode pair inside one process: two adapters joined by framed pages in a queue.
+
+This is the data path of a real P/D request without the network: P's pages are framed with
+the wire codec, checked on receipt (checksum, contract, room, token digest, geometry) and fed
+to D while P is still computing later chunks. `make run` uses it until the agent's HTTP
+transport exists, and the tests use it to check engines against each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone
+from engine_adapters.contract import token_digest
+from engine_adapters.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
+from engine_adapters.sampling import SamplingParams
+
+_QUEUE_PAGES = 64
+
+
+@dataclass
+class PairStats:
+    pages: int = 0
+    wire_bytes: int = 0
+    kv_tokens: int = 0
+    prefill_seconds: float = 0.0
+    ttft_seconds: float | None = None
+    page_arrivals: list[float] = field(default_factory=list)  # perf_counter() as each page was imported
+
+
+async def run_pair(prefiller: EngineAdapter, decoder: EngineAdapter, token_ids: list[int],
+                   sampling: SamplingParams, mode: FirstTokenMode | None = None,
+                   stats: PairStats | None = None) -> AsyncIterator[int]:
+    """Stream the tokens of a P/D request: `prefiller` runs the prompt, `decoder` the answer."""
+    decoder.contract.check_same(prefiller.contract)
+    mode = mode or decoder.decoder_modes[0]
+    stats = stats if stats is not None else PairStats()
+    request_id = uuid.uuid4().hex
+    room, digest = uuid.uuid4().bytes, token_digest(token_ids)
+    expect = FrameExpectation(contract=decoder.contract.fingerprint_bytes, room=room, tokens=digest,
+                              geometry=decoder.geometry)
+    # Distinct ids per role: one engine may serve both roles of a pair.
+    p_req = EngineRequest(f"{request_id}-p", list(token_ids), sampling, mode)
+    d_req = EngineRequest(f"{request_id}-d", list(token_ids), sampling, mode)
+    wire: asyncio.Queue = asyncio.Queue(_QUEUE_PAGES)
+    t0 = time.perf_counter()
+
+    async def produce() -> None:
+        try:
+            async with aclosing(prefiller.prefill(p_req)) as items:
+                async for item in items:
+                    if isinstance(item, KVPage):
+                        frame = frame_bytes(item, contract=prefiller.contract.fingerprint_bytes, room=room, tokens=digest)
+                        stats.wire_bytes += len(frame)
+                        await wire.put(frame)
+                    else:
+                        await wire.put(item)
+        except Exception as e:  # handed to the decoder, which fails the request with it
+            await wire.put(e)
+        finally:
+            await wire.put(None)
+
+    async def receive() -> AsyncIterator[KVPage | PrefillDone]:
+        while (item := await wire.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, PrefillDone):
+                stats.prefill_seconds, stats.kv_tokens = item.prefill_seconds, item.kv_tokens
+                yield item
+                continue
+            _, page = decode_frame(item, expect)
+            stats.pages += 1
+            yield page
+            stats.page_arrivals.append(time.perf_counter())
+
+    producer = asyncio.create_task(produce())
+    try:
+        async with aclosing(decoder.decode(d_req, receive())) as tokens:
+            async for token in tokens:
+                if stats.ttft_seconds is None:
+                    stats.ttft_seconds = time.perf_counter() - t0
+                yield token
+    finally:
+        prefiller.cancel(p_req.request_id)
+        if not producer.done():
+            producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)

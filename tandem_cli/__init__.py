@@ -1,0 +1,1 @@
+"""The `tandem` command: one entry point whose subcommands live beside the code they drive."""

@@ -1,0 +1,20 @@
+"""`tandem` — the console command. Subcommands are small modules in this package."""
+
+from __future__ import annotations
+
+import typer
+
+from . import demo_cmd, model_cmd
+
+app = typer.Typer(help="Tandem: one LLM service from the machines on your desk (prefill/decode disaggregation).",
+                  no_args_is_help=True, add_completion=False)
+app.add_typer(model_cmd.app, name="model")
+app.command("demo")(demo_cmd.demo)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

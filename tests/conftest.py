@@ -1,0 +1,94 @@
+"""Shared fixtures: the embedded model, loaded engines, tiny checkpoints and prompts of exact lengths."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine_adapters.embedded_model import fetch
+from node_agent.settings import data_dir
+
+REPORTS = Path(__file__).resolve().parent.parent / "reports"
+
+# A long, varied text: prompts of exact token lengths are cut from its chat-templated ids.
+LONG_TEXT = (
+    "Tandem turns a gaming PC and a laptop into one model server. Explain, step by step, how a "
+    "river delta forms, why the Moon always shows the same face to the Earth, what a hash table "
+    "does when two keys collide, and how bread rises in a warm kitchen. Then list five capital "
+    "cities in Europe with one fact about each, write a haiku about autumn rain, translate 'good "
+    "morning' into French, German and Japanese, and finally summarise the causes of the First "
+    "World War in plain words for a twelve-year-old reader who likes trains and chess puzzles."
+)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(agen) -> list:
+    return [item async for item in agen]
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    path, _ = fetch(data_dir())
+    return path
+
+
+@pytest.fixture(scope="session")
+def engines(smol_dir):
+    """Both in-process engines on the embedded model, loaded once per test session."""
+    from engine_adapters import load_adapter
+
+    loaded = {name: load_adapter(name, smol_dir) for name in ("torch", "mlx")}
+    yield loaded
+    for adapter in loaded.values():
+        adapter.close()
+
+
+@pytest.fixture(scope="session")
+def long_ids(engines) -> list[int]:
+    ids = engines["torch"].chat_token_ids([{"role": "user", "content": LONG_TEXT}])
+    assert len(ids) >= 193, len(ids)
+    return ids
+
+
+def write_report(name: str, data: dict) -> Path:
+    REPORTS.mkdir(exist_ok=True)
+    path = REPORTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def make_tiny_checkpoint(path: Path, model_type: str, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
+    """A small random-weight checkpoint that transformers and mlx-lm both load (FP16 safetensors)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=49152, max_position_embeddings=512,
+                    tie_word_embeddings=True, rope_theta=10000.0, initializer_range=0.2)
+    settings.update(overrides)
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float16)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, path / name)
+    return path
+
+
+def prompt(ids: list[int], n: int) -> list[int]:
+    """The first n ids of a long prompt (n <= len(ids))."""
+    assert n <= len(ids)
+    return list(ids[:n])
+
+
+def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))

@@ -1,0 +1,108 @@
+"""Model contract: every differing field is named; large-file hashes are cached by identity."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine_adapters import contract as contract_mod
+from engine_adapters.contract import HashCache, compute_contract, token_digest
+from engine_adapters.errors import ContractMismatch
+from engine_adapters.model_dir import inspect_model
+
+from .conftest import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smol_dir):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("contract") / "tiny", "llama", smol_dir)
+
+
+def contract_of(path, context_length=256, cache=None):
+    return compute_contract(inspect_model(path), context_length, cache)
+
+
+def variant(tiny, tmp_path, edit):
+    copy = tmp_path / "variant"
+    shutil.copytree(tiny, copy)
+    edit(copy)
+    return contract_of(copy)
+
+
+def test_identical_checkpoints_share_a_contract(tiny, tmp_path):
+    same = variant(tiny, tmp_path, lambda p: None)
+    contract_of(tiny).check_same(same)
+    assert same.fingerprint == contract_of(tiny).fingerprint
+
+
+def flip_weight_byte(path):
+    file = path / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("edit, field", [
+    (flip_weight_byte, "weights"),
+    (lambda p: (p / "chat_template.jinja").write_text("{{ messages }}"), "tokenizer"),
+    (lambda p: (p / "config.json").write_text(json.dumps(
+        {**json.loads((p / "config.json").read_text()), "rope_theta": 5000.0})), "config"),
+])
+def test_a_changed_file_is_named(tiny, tmp_path, edit, field):
+    other = variant(tiny, tmp_path, edit)
+    with pytest.raises(ContractMismatch) as e:
+        contract_of(tiny).check_same(other)
+    assert e.value.fields == [field]
+    assert field in str(e.value)
+    assert other.fingerprint != contract_of(tiny).fingerprint
+
+
+def test_context_length_is_named(tiny):
+    with pytest.raises(ContractMismatch) as e:
+        contract_of(tiny, 256).check_same(contract_of(tiny, 512))
+    assert e.value.fields == ["context_length"]
+
+
+def test_several_differences_are_all_named(tiny, tmp_path):
+    variant(tiny, tmp_path, flip_weight_byte)
+    other = contract_of(tmp_path / "variant", context_length=512)
+    with pytest.raises(ContractMismatch) as e:
+        contract_of(tiny).check_same(other)
+    assert e.value.fields == ["weights", "context_length"]
+
+
+def test_volatile_config_keys_do_not_change_the_contract(tiny, tmp_path):
+    other = variant(tiny, tmp_path, lambda p: (p / "config.json").write_text(json.dumps(
+        {**json.loads((p / "config.json").read_text()), "transformers_version": "9.9.9"})))
+    contract_of(tiny).check_same(other)
+
+
+def test_token_digest_sees_order_length_and_values():
+    base = token_digest([1, 2, 3])
+    assert len(base) == 16
+    assert base == token_digest([1, 2, 3])
+    assert len({base, token_digest([3, 2, 1]), token_digest([1, 2]), token_digest([1, 2, 3, 0]),
+                token_digest([1, 2, 4])}) == 5
+
+
+def test_weight_hashes_are_cached_by_file_identity(tiny, tmp_path, monkeypatch):
+    cache_file = tmp_path / "hashes.json"
+    calls = []
+    real = contract_mod.hash_file
+    monkeypatch.setattr(contract_mod, "hash_file", lambda f, p=None: calls.append(f.name) or real(f, p))
+    first = contract_of(tiny, cache=HashCache(cache_file))
+    assert calls.count("model.safetensors") == 1
+    second = contract_of(tiny, cache=HashCache(cache_file))  # a fresh process would read the same file
+    assert calls.count("model.safetensors") == 1 and first == second
+    (tiny / "model.safetensors").touch()  # new mtime: the identity changed, so hash again
+    contract_of(tiny, cache=HashCache(cache_file))
+    assert calls.count("model.safetensors") == 2
+
+
+def test_progress_is_reported_in_bytes(tiny):
+    seen = []
+    compute_contract(inspect_model(tiny), 256, None, lambda done, total: seen.append((done, total)))
+    size = (tiny / "model.safetensors").stat().st_size
+    assert seen and seen[-1] == (size, size)
