@@ -34,6 +34,19 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from .base import EngineAdapter  # noqa: E402
 
 
+def rope_overrides(config: dict) -> dict:
+    """transformers >= 5 writes RoPE settings under `rope_parameters`; mlx-lm 0.32.2 reads the
+    top-level `rope_theta`/`rope_scaling` for Llama and Qwen2 and silently falls back to its own
+    default base (1e6 for Qwen2) without them. Lift them to the top level."""
+    params = config.get("rope_parameters") or {}
+    overrides = {}
+    if "rope_theta" not in config and "rope_theta" in params:
+        overrides["rope_theta"] = params["rope_theta"]
+    if "rope_scaling" not in config and params.get("rope_type", "default") != "default":
+        overrides["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    return overrides
+
+
 class _FP16KVCache(KVCache):
     """mlx-lm's KVCache with values rounded through FP16 on the way in (see base module doc)."""
 
@@ -50,7 +63,7 @@ class MLXAdapter(EngineAdapter):
     def _load(self) -> None:
         self.on_metal = mx.metal.is_available()
         self.dtype = mx.float16 if self.on_metal else mx.float32
-        self.model, _ = mlx_load(str(self.model_dir))
+        self.model, _ = mlx_load(str(self.model_dir), model_config=rope_overrides(self.info.config))
         self.model.set_dtype(self.dtype)
         mx.eval(self.model.parameters())
 

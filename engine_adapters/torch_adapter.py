@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.utils import logging as hf_logging
 
 from .base import EngineAdapter
 
@@ -60,6 +63,7 @@ class TorchAdapter(EngineAdapter):
     name = "torch"
 
     def _load(self) -> None:
+        hf_logging.disable_progress_bar()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype).to(self.device).eval()
@@ -82,7 +86,10 @@ class TorchAdapter(EngineAdapter):
         return kv.permute(0, 1, 3, 2, 4).to(torch.float16).contiguous().cpu().numpy()
 
     def import_kv(self, session: Cache, start: int, kv: np.ndarray) -> None:
-        block = torch.from_numpy(np.ascontiguousarray(kv)).to(self.device)  # [L][2][n][H][D]
+        with warnings.catch_warnings():
+            # Received pages are read-only views of the wire buffer; we only read from them.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            block = torch.from_numpy(np.ascontiguousarray(kv)).to(self.device)  # [L][2][n][H][D]
         block = block.permute(0, 1, 3, 2, 4).unsqueeze(2)  # [L][2][1][H][n][D]
         for layer, layer_kv in zip(session.layers, block):
             layer.write(start, layer_kv[0], layer_kv[1])

@@ -22,7 +22,11 @@ LONG_TEXT = (
     "does when two keys collide, and how bread rises in a warm kitchen. Then list five capital "
     "cities in Europe with one fact about each, write a haiku about autumn rain, translate 'good "
     "morning' into French, German and Japanese, and finally summarise the causes of the First "
-    "World War in plain words for a twelve-year-old reader who likes trains and chess puzzles."
+    "World War in plain words for a twelve-year-old reader who likes trains and chess puzzles. "
+    "After that, compare the water cycle with the carbon cycle, describe how a bicycle gear works, "
+    "give three tips for growing tomatoes on a balcony, explain what inflation means for savings, "
+    "and tell a short story about a lighthouse keeper who finds a message in a bottle that was "
+    "written by her grandmother sixty years earlier, ending with a question for the reader."
 )
 
 

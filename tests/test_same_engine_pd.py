@@ -1,0 +1,41 @@
+"""Same-engine P/D equals a local run token for token, in both first-token modes."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_adapters.base import EngineRequest, FirstTokenMode
+from engine_adapters.errors import RequestError
+from engine_adapters.sampling import SamplingParams
+from node_agent.inprocess import PairStats, run_pair
+
+from .conftest import collect, prompt, run
+
+LENGTHS = [1, 63, 64, 65, 66, 127, 128, 129, 130, 193]
+GREEDY_32 = SamplingParams(max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def local_outputs(engines, long_ids):
+    """Each engine's own greedy output for each prompt length, computed once."""
+    return {(name, n): run(collect(engine.generate(EngineRequest(f"local-{n}", prompt(long_ids, n), GREEDY_32))))
+            for name, engine in engines.items() for n in LENGTHS}
+
+
+@pytest.mark.parametrize("engine", ["torch", "mlx"])
+@pytest.mark.parametrize("mode", list(FirstTokenMode), ids=lambda m: m.value)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_pd_equals_local(engines, long_ids, local_outputs, engine, mode, n):
+    adapter = engines[engine]
+    ids = prompt(long_ids, n)
+    if mode is FirstTokenMode.RECOMPUTE_LAST and n == 1:
+        with pytest.raises(RequestError, match="at least 2 tokens"):
+            run(collect(run_pair(adapter, adapter, ids, GREEDY_32, mode)))
+        return
+    stats = PairStats()
+    out = run(collect(run_pair(adapter, adapter, ids, GREEDY_32, mode, stats)))
+    assert len(out) == 32
+    assert out == local_outputs[(engine, n)]
+    moved = n - 1 if mode is FirstTokenMode.RECOMPUTE_LAST else n
+    assert stats.kv_tokens == moved and stats.pages == -(-moved // 64)
+    assert stats.wire_bytes == stats.pages * (88 + adapter.geometry.page_bytes)
