@@ -166,6 +166,11 @@ class EngineAdapter(ABC):
             event.set()
         self._executor.shutdown(wait=True)
 
+    @property
+    def active_requests(self) -> int:
+        """Requests holding engine memory right now (prefill, decode or generate)."""
+        return len(self._cancels)
+
     def cancel(self, request_id: str) -> bool:
         """Ask a running request to stop; True if it was running. Safe to call twice."""
         event = self._cancels.get(request_id)

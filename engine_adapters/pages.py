@@ -106,10 +106,11 @@ class KVPage:
         return self.data.nbytes
 
 
-def make_page(geometry: PageGeometry, index: int, kv: np.ndarray) -> KVPage:
+def make_page(geometry: PageGeometry, index: int, kv: np.ndarray, out: np.ndarray | None = None) -> KVPage:
     """Build page `index` from `kv` shaped [layers][2][n][kv_heads][head_dim], 1 <= n <= 64.
 
-    Any float dtype is accepted and rounded to FP16 here, at the page boundary.
+    Any float dtype is accepted and rounded to FP16 here, at the page boundary. `out` is an
+    optional page-shaped FP16 buffer to fill (a sender's staging pool avoids fresh allocations).
     """
     n = kv.shape[2]
     expected = geometry.page_shape[:2] + (n,) + geometry.page_shape[3:]
@@ -117,7 +118,9 @@ def make_page(geometry: PageGeometry, index: int, kv: np.ndarray) -> KVPage:
         raise ValueError(f"KV block of shape {kv.shape} does not fit geometry {geometry} (want {expected})")
     if not 1 <= n <= geometry.page_tokens:
         raise ValueError(f"a page holds 1..{geometry.page_tokens} tokens, got {n}")
-    data = np.empty(geometry.page_shape, dtype=KV_DTYPE)
+    data = np.empty(geometry.page_shape, dtype=KV_DTYPE) if out is None else out
+    if data.shape != geometry.page_shape or data.dtype != KV_DTYPE or not data.flags.c_contiguous:
+        raise ValueError(f"page buffer must be C-contiguous {KV_DTYPE} of shape {geometry.page_shape}")
     data[:, :, :n] = kv
     data[:, :, n:] = 0
     return KVPage(index=index, valid_tokens=n, data=data)

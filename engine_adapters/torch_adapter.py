@@ -62,9 +62,13 @@ class _FP16KVLayer(DynamicLayer):
 class TorchAdapter(EngineAdapter):
     name = "torch"
 
+    def __init__(self, model_dir, context_length=None, *, device: str | None = None, **kwargs):
+        """`device`: "cuda", "cuda:1", "cpu"…; default: CUDA when available, else CPU."""
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        super().__init__(model_dir, context_length, **kwargs)
+
     def _load(self) -> None:
         hf_logging.disable_progress_bar()
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype).to(self.device).eval()
 

@@ -23,10 +23,14 @@ CHECK_QUESTION = "What is the capital of France?"
 
 def ensure_embedded_model(force: bool = False, verify: bool | None = None) -> Path:
     """Fetch and convert the embedded model if needed; check it answers; register it. Idempotent."""
-    from engine_adapters.embedded_model import EMBEDDED_NAME, fetch
+    from engine_adapters.embedded_model import EMBEDDED_NAME, fetch, is_fetched
 
-    with progress_bar("Converting SmolLM2-135M-Instruct (GGUF -> FP16)") as update:
-        path, converted = fetch(data_dir(), update, force=force)
+    home = data_dir()
+    if force or not is_fetched(home):
+        with progress_bar("Converting SmolLM2-135M-Instruct (GGUF -> FP16)") as update:
+            path, converted = fetch(home, update, force=force)
+    else:
+        path, converted = fetch(home)
     if verify if verify is not None else converted:
         answer = greedy_answer(path, CHECK_QUESTION)
         if "Paris" not in answer:

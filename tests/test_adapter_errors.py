@@ -1,0 +1,190 @@
+"""Failure paths of the adapters: each ends with its own clear error and releases the request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
+from engine_adapters.contract import token_digest
+from engine_adapters.errors import Cancelled, ContractMismatch, FrameError, RequestError
+from engine_adapters.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
+from engine_adapters.sampling import SamplingParams
+from node_agent.inprocess import PairStats, run_pair
+
+from .conftest import collect, make_tiny_checkpoint, prompt, run
+
+ENGINES = ["torch", "mlx"]
+
+
+def long_prompt(long_ids, n):
+    return (list(long_ids) * (n // len(long_ids) + 1))[:n]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_pages_leave_before_prefill_finishes(engines, long_ids, engine, monkeypatch):
+    adapter = engines[engine]
+    events = []
+    real_forward = adapter.forward
+
+    def forward(session, ids):
+        events.append(("chunk", len(ids)))
+        return real_forward(session, ids)
+
+    monkeypatch.setattr(adapter, "forward", forward)
+    ids = long_prompt(long_ids, 600)  # chunks of 256, 256, 88 tokens
+    req = EngineRequest("overlap", ids, SamplingParams(max_tokens=1))
+
+    async def consume():
+        async for item in adapter.prefill(req):
+            events.append(("page", item.index) if isinstance(item, KVPage) else ("done", item.kv_tokens))
+
+    run(consume())
+    assert events == [("chunk", 256), *[("page", i) for i in range(4)], ("chunk", 256),
+                      *[("page", i) for i in range(4, 8)], ("chunk", 88), ("page", 8), ("page", 9), ("done", 600)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_cancel_during_prefill_and_decode(engines, long_ids, engine):
+    adapter = engines[engine]
+
+    async def cancel_prefill():
+        req = EngineRequest("cancel-p", long_prompt(long_ids, 600), SamplingParams(max_tokens=1))
+        gen = adapter.prefill(req)
+        assert isinstance(await gen.__anext__(), KVPage)
+        assert adapter.cancel("cancel-p") and adapter.cancel("cancel-p")  # idempotent
+        with pytest.raises(Cancelled):
+            async for _ in gen:
+                pass
+
+    async def cancel_generate():
+        req = EngineRequest("cancel-g", prompt(long_ids, 70), SamplingParams(max_tokens=30, ignore_eos=True))
+        gen = adapter.generate(req)
+        await gen.__anext__()
+        adapter.cancel("cancel-g")
+        with pytest.raises(Cancelled):
+            async for _ in gen:
+                pass
+
+    run(cancel_prefill())
+    run(cancel_generate())
+    assert adapter.active_requests == 0
+    assert not adapter.cancel("cancel-p")
+
+
+async def framed_stream(prefiller, ids, mutate=None, expect_ids=None, drop_done=False, stop_after=None):
+    """P's prefill as the decoder would receive it over the wire, optionally damaged on the way."""
+    room, digest = b"r" * 16, token_digest(ids)
+    expect = FrameExpectation(prefiller.contract.fingerprint_bytes, room, token_digest(expect_ids or ids),
+                              prefiller.geometry)
+    req = EngineRequest("wire-p", ids, SamplingParams(max_tokens=1))
+    sent = 0
+    async for item in prefiller.prefill(req):
+        if isinstance(item, PrefillDone):
+            if not drop_done:
+                yield item
+            continue
+        if stop_after is not None and sent == stop_after:
+            continue
+        frame = bytearray(frame_bytes(item, contract=prefiller.contract.fingerprint_bytes, room=room, tokens=digest))
+        if mutate:
+            mutate(item.index, frame)
+        yield decode_frame(bytes(frame), expect)[1]
+        sent += 1
+
+
+def flip_bit_in_page_1(index, frame):
+    if index == 1:
+        frame[5000] ^= 0x10
+
+
+@pytest.mark.parametrize("damage, error, message", [
+    (dict(mutate=flip_bit_in_page_1), FrameError, "checksum mismatch on page 1"),
+    (dict(stop_after=1), FrameError, "ended after 1 of 3 pages"),
+    (dict(drop_done=True), FrameError, "without the prefiller's final frame"),
+    (dict(expect_ids="other"), ContractMismatch, "token_ids"),
+])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_damaged_streams_fail_cleanly(engines, long_ids, engine, damage, error, message):
+    adapter = engines[engine]
+    ids = prompt(long_ids, 150)
+    if damage.get("expect_ids") == "other":
+        damage = {"expect_ids": prompt(long_ids, 149) + [7]}
+    req = EngineRequest("damaged-d", ids, SamplingParams(max_tokens=4), FirstTokenMode.COMMIT_FIRST)
+    with pytest.raises(error, match=message):
+        run(collect(adapter.decode(req, framed_stream(adapter, ids, **damage))))
+    assert adapter.active_requests == 0
+
+
+def test_out_of_order_pages_are_refused(engines, long_ids):
+    adapter = engines["torch"]
+    ids = prompt(long_ids, 150)
+
+    async def swapped():
+        items = await collect(adapter.prefill(EngineRequest("swap-p", ids, SamplingParams(max_tokens=1))))
+        for item in [items[1], items[0], *items[2:]]:
+            yield item
+
+    with pytest.raises(FrameError, match="page 1 arrived where page 0 was expected"):
+        run(collect(adapter.decode(EngineRequest("swap-d", ids, SamplingParams(max_tokens=2)), swapped())))
+    assert adapter.active_requests == 0
+
+
+def test_pair_refuses_a_different_model(engines, smol_dir, tmp_path):
+    from engine_adapters import load_adapter
+
+    tiny = load_adapter("torch", make_tiny_checkpoint(tmp_path / "tiny", "llama", smol_dir), context_length=512)
+    try:
+        with pytest.raises(ContractMismatch) as e:
+            run(collect(run_pair(tiny, engines["mlx"], [1, 2, 3], SamplingParams(max_tokens=2))))
+        assert {"weights", "config", "context_length"} <= set(e.value.fields)
+    finally:
+        tiny.close()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+])
+def test_bad_sampling_values(kwargs, message):
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests(engines):
+    adapter = engines["torch"]
+    cases = [
+        ([], SamplingParams(), "empty"),
+        ([1, 2, 10**9], SamplingParams(), "token ids must be integers"),
+        ([1] * 100, SamplingParams(max_tokens=adapter.context_length), "exceeds the context length"),
+    ]
+    for ids, sampling, message in cases:
+        with pytest.raises(RequestError, match=message):
+            run(collect(adapter.generate(EngineRequest("bad", ids, sampling))))
+    assert adapter.active_requests == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_seeded_sampling_pd_equals_local(engines, long_ids, engine):
+    adapter = engines[engine]
+    ids = prompt(long_ids, 100)
+    sampling = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    local = run(collect(adapter.generate(EngineRequest("seeded", ids, sampling))))
+    for mode in FirstTokenMode:
+        assert run(collect(run_pair(adapter, adapter, ids, sampling, mode))) == local
+    other_seed = SamplingParams(**{**sampling.__dict__, "seed": 99})
+    assert run(collect(adapter.generate(EngineRequest("seeded", ids, other_seed)))) != local
+
+
+def test_pair_stats_and_early_stop(engines, long_ids):
+    p, d = engines["torch"], engines["mlx"]
+    stats = PairStats()
+    out = run(collect(run_pair(p, d, prompt(long_ids, 130), SamplingParams(max_tokens=3, ignore_eos=True),
+                               FirstTokenMode.COMMIT_FIRST, stats)))
+    assert len(out) == 3 and stats.pages == 3 and stats.kv_tokens == 130 and stats.ttft_seconds > 0
+    assert len(stats.page_arrivals) == 3 and p.active_requests == d.active_requests == 0
