@@ -95,6 +95,7 @@ class PrefillDone:
     kv_tokens: int
     pages: int
     prefill_seconds: float
+    finished_at: float = 0.0  # wall-clock time.time() when prefill finished (for overlap timelines)
 
 
 class EngineAdapter(ABC):
@@ -137,6 +138,12 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     def set_length(self, session: Any, length: int) -> None: ...
+
+    def accelerator(self) -> dict:
+        """What this engine computes on: {"kind": "cuda"|"metal"|"cpu", "name": ...}."""
+        import platform
+
+        return {"kind": "cpu", "name": platform.processor() or platform.machine()}
 
     def release(self, session: Any) -> None:
         """Free the session's KV memory (engines with pooled memory override this)."""
@@ -190,7 +197,7 @@ class EngineAdapter(ABC):
         if event.is_set():
             raise Cancelled(f"request {req.request_id} was cancelled")
 
-    def _validate(self, req: EngineRequest, generates: bool) -> None:
+    def validate(self, req: EngineRequest, generates: bool) -> None:
         ids = req.token_ids
         if not ids:
             raise RequestError("the prompt is empty: at least one token is needed")
@@ -206,7 +213,7 @@ class EngineAdapter(ABC):
     # ---- high-level operations -----------------------------------------------------------
     async def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
         """Run the prompt; yield its KV pages as they are produced, then one PrefillDone."""
-        self._validate(req, generates=False)
+        self.validate(req, generates=False)
         export = kv_tokens(len(req.token_ids), req.mode)
         event = self._begin(req)
         session = None
@@ -227,7 +234,7 @@ class EngineAdapter(ABC):
                     sent = ready
             first = Sampler(req.sampling)(logits)
             yield PrefillDone(first_token=first, kv_tokens=export, pages=self.geometry.pages_for(export),
-                              prefill_seconds=time.perf_counter() - t0)
+                              prefill_seconds=time.perf_counter() - t0, finished_at=time.time())
         finally:
             self._cancels.pop(req.request_id, None)
             if session is not None:
@@ -237,7 +244,7 @@ class EngineAdapter(ABC):
         """Import pages as they arrive, then stream output tokens."""
         if req.mode not in self.decoder_modes:
             raise RequestError(f"{self.name} cannot decode in {req.mode.value} mode")
-        self._validate(req, generates=True)
+        self.validate(req, generates=True)
         expected_tokens = kv_tokens(len(req.token_ids), req.mode)
         event = self._begin(req)
         session = None
@@ -294,7 +301,7 @@ class EngineAdapter(ABC):
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
         """Serve the whole request on this engine (local prefill, then decode)."""
-        self._validate(req, generates=True)
+        self.validate(req, generates=True)
         event = self._begin(req)
         session = None
         try:

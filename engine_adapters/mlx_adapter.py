@@ -67,6 +67,11 @@ class MLXAdapter(EngineAdapter):
         self.model.set_dtype(self.dtype)
         mx.eval(self.model.parameters())
 
+    def accelerator(self) -> dict:
+        if self.on_metal:
+            return {"kind": "metal", "name": mx.metal.device_info().get("device_name", "Apple GPU")}
+        return {**super().accelerator(), "blas": "OpenBLAS" if OPENBLAS_LOADED else "reference BLAS (slow)"}
+
     def new_session(self, capacity: int) -> list[_FP16KVCache]:
         return [_FP16KVCache() for _ in range(self.geometry.layers)]
 

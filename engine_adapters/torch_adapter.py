@@ -72,6 +72,11 @@ class TorchAdapter(EngineAdapter):
         self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype).to(self.device).eval()
 
+    def accelerator(self) -> dict:
+        if self.device.type == "cuda":
+            return {"kind": "cuda", "name": torch.cuda.get_device_name(self.device)}
+        return super().accelerator()
+
     def new_session(self, capacity: int) -> Cache:
         g = self.geometry
         return Cache(layers=[_FP16KVLayer(g.kv_heads, g.head_dim, capacity, self.dtype, self.device)

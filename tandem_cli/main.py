@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import typer
 
+from node_agent import cli as agent_cli
+
 from . import demo_cmd, model_cmd
 
 app = typer.Typer(help="Tandem: one LLM service from the machines on your desk (prefill/decode disaggregation).",
                   no_args_is_help=True, add_completion=False)
 app.add_typer(model_cmd.app, name="model")
+app.add_typer(agent_cli.app, name="agent")
 app.command("demo")(demo_cmd.demo)
 
 

@@ -1,0 +1,372 @@
+"""The node agent's HTTP API (FastAPI). One engine, pages in and out, tokens out.
+
+Routes (all but /healthz need `Authorization: Bearer <cluster key>`):
+
+    GET    /healthz                        liveness, no key
+    GET    /v1/info                        node, engine, model contract, protocol version, modes
+    GET    /v1/status                      info + budget + open handoffs + totals (JSON)
+    GET    /metrics                        the same as Prometheus text
+    POST   /v1/tokenize                    chat messages or text -> token ids (this node's tokenizer)
+    POST   /v1/handoffs                    P: reserve budget, start prefill of a room
+    GET    /v1/handoffs/{room}/pages       P: the room's page stream (one reader)
+    DELETE /v1/handoffs/{room}             P: cancel a room (idempotent)
+    POST   /v1/decode                      D: pull a room's pages from a prefiller, stream tokens
+    POST   /v1/generate                    this engine alone: prefill + decode, stream tokens
+    DELETE /v1/requests/{request_id}       cancel a running decode/generate (idempotent)
+    GET    /v1/bench/pages                 synthetic page stream for `tandem agent bench-link`
+
+Token streams are NDJSON: {"token", "text"} lines, then one {"done": true, ...} line or one
+{"error": {...}} line. Errors before a stream starts are JSON `{"error": {"type", "message"}}`
+with a fitting status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import httpx
+import numpy as np
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone
+from engine_adapters.contract import token_digest
+from engine_adapters.errors import (Cancelled, ContractMismatch, FrameError, RequestError, TandemError,
+                                    UnsupportedModel)
+from engine_adapters.pages import PROTOCOL_VERSION, FrameExpectation, KVPage, encode_frame, make_page
+from engine_adapters.sampling import SamplingParams
+
+from .budget import BudgetExceeded, BudgetTimeout, StagingBudget
+from .client import AgentClient, AgentHTTPError
+from .handoffs import HandoffError, HandoffManager
+from .identity import key_matches
+from .metrics import Metrics
+from .wire import PeerError, done_frame, read_frames
+
+log = logging.getLogger("tandem.agent")
+
+
+@dataclass
+class AgentConfig:
+    node_id: str
+    name: str
+    cluster_key: str
+    staging_bytes: int = 512 << 20
+    handoff_ttl: float = 60.0
+    model_name: str = ""
+
+
+# ---- request bodies --------------------------------------------------------------------------
+class SamplingBody(BaseModel):
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(**{**self.model_dump(), "stop_token_ids": tuple(self.stop_token_ids)})
+
+
+class RoomBody(BaseModel):
+    """What both roles of a P/D request are told: the room, the prompt, sampling and mode."""
+    room: str = Field(pattern=r"^[0-9a-f]{32}$")
+    token_ids: list[int]
+    sampling: SamplingBody = Field(default_factory=SamplingBody)
+    mode: FirstTokenMode = FirstTokenMode.COMMIT_FIRST
+
+
+class HandoffBody(RoomBody):
+    contract: str = Field(description="the decoder's contract fingerprint; must equal this node's")
+    protocol_version: int = PROTOCOL_VERSION
+    wait_timeout: float = Field(30.0, ge=0, le=3600)
+
+
+class DecodeBody(RoomBody):
+    prefill_url: str = Field(description="base URL of the prefiller agent that holds the room")
+    request_id: str | None = None
+
+
+class GenerateBody(BaseModel):
+    token_ids: list[int]
+    sampling: SamplingBody = Field(default_factory=SamplingBody)
+    request_id: str | None = None
+
+
+class TokenizeBody(BaseModel):
+    messages: list[dict] | None = None
+    prompt: str | None = None
+
+
+# ---- errors ----------------------------------------------------------------------------------
+_STATUS = [(BudgetExceeded, 413), (BudgetTimeout, 429), (ContractMismatch, 409), (UnsupportedModel, 400),
+           (RequestError, 400), (Cancelled, 499), (FrameError, 502), (PeerError, 502)]
+
+
+def error_body(e: Exception) -> dict:
+    body = {"type": type(e).__name__, "message": str(e)}
+    if isinstance(e, ContractMismatch):
+        body["fields"] = e.fields
+    if isinstance(e, PeerError):
+        body["peer_code"] = e.code
+    return {"error": body}
+
+
+def status_of(e: Exception) -> int:
+    if isinstance(e, (HandoffError, AgentHTTPError)):
+        return e.status
+    return next((code for cls, code in _STATUS if isinstance(e, cls)), 500)
+
+
+class _Incremental:
+    """Text deltas from a growing token list (holds back a partial UTF-8 character)."""
+
+    def __init__(self, adapter: EngineAdapter):
+        self.adapter, self.ids, self.text = adapter, [], ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.adapter.detokenize(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta
+
+
+def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> FastAPI:
+    """The agent's ASGI app. `discovery` (optional) is started and stopped with the app."""
+    metrics = Metrics()
+    budget = StagingBudget(config.staging_bytes)
+    handoffs = HandoffManager(adapter, budget, metrics, ttl=config.handoff_ttl)
+    metrics.bind(capacity=lambda: budget.capacity, reserved=lambda: budget.reserved,
+                 waiting=lambda: budget.waiting, open_handoffs=lambda: len(handoffs.handoffs),
+                 active=lambda: adapter.active_requests)
+    peers: dict[str, AgentClient] = {}  # one pooled HTTP client per prefiller: connections are reused
+    started = time.time()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if discovery is not None:
+            await discovery.start()
+        log.info("tandem agent %s ready", config.name)
+        try:
+            yield
+        finally:
+            if discovery is not None:
+                await discovery.stop()
+            await handoffs.close()
+            for client in peers.values():
+                await client.aclose()
+
+    app = FastAPI(title="Tandem node agent", version=str(PROTOCOL_VERSION), lifespan=lifespan)
+    app.state.adapter, app.state.budget, app.state.handoffs, app.state.metrics = adapter, budget, handoffs, metrics
+
+    @app.exception_handler(TandemError)
+    async def tandem_error(request: Request, e: TandemError):
+        headers = {"Retry-After": str(int(np.ceil(e.retry_after)))} if isinstance(e, BudgetTimeout) else None
+        return JSONResponse(error_body(e), status_code=status_of(e), headers=headers)
+
+    @app.exception_handler(AgentHTTPError)
+    async def peer_http_error(request: Request, e: AgentHTTPError):
+        return JSONResponse(error_body(e), status_code=e.status)
+
+    class _Unauthorized(Exception):
+        pass
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, e: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        return JSONResponse({"error": {"type": "RequestError", "message": f"invalid request: {problems}"}},
+                            status_code=400)
+
+    async def require_key(authorization: str | None = Header(None), x_tandem_protocol: int | None = Header(None)):
+        token = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
+        if not key_matches(token, config.cluster_key):
+            raise _Unauthorized()
+        if x_tandem_protocol is not None and x_tandem_protocol != PROTOCOL_VERSION:
+            raise RequestError(f"peer speaks Tandem protocol {x_tandem_protocol}, this agent speaks "
+                               f"{PROTOCOL_VERSION}: run the same Tandem version on both machines")
+
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(request: Request, e: _Unauthorized):
+        return JSONResponse({"error": {"type": "Unauthorized", "message": "missing or wrong cluster key"}},
+                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"ok": True}
+
+    api = APIRouter(dependencies=[Depends(require_key)])
+
+    def info() -> dict:
+        return {"node_id": config.node_id, "name": config.name, "engine": adapter.name,
+                "model": config.model_name or adapter.model_dir.name, "model_path": str(adapter.model_dir),
+                "contract": adapter.contract.to_dict(), "protocol_version": PROTOCOL_VERSION,
+                "decoder_modes": [m.value for m in adapter.decoder_modes],
+                "accelerator": adapter.accelerator(), "page_bytes": adapter.geometry.page_bytes,
+                "context_length": adapter.context_length}
+
+    @api.get("/v1/info")
+    async def get_info():
+        return info()
+
+    @api.get("/v1/status")
+    async def get_status():
+        v = Metrics.value
+        return {**info(), "uptime_seconds": round(time.time() - started, 1),
+                "budget": {"capacity": budget.capacity, "reserved": budget.reserved, "waiting": budget.waiting,
+                           "waiting_bytes": budget.waiting_bytes},
+                "open_handoffs": len(handoffs.handoffs), "handoffs": handoffs.describe(),
+                "active_requests": adapter.active_requests,
+                "totals": {"prefills_started": handoffs.prefill_calls,
+                           "handoffs_created": v(metrics.handoffs_created),"pages_sent": v(metrics.pages_sent), "bytes_sent": v(metrics.bytes_sent),
+                           "pages_received": v(metrics.pages_received), "bytes_received": v(metrics.bytes_received),
+                           "imported_tokens": v(metrics.imported_tokens),
+                           "generated_tokens": v(metrics.generated_tokens)}}
+
+    @api.get("/metrics")
+    async def get_metrics():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @api.post("/v1/tokenize")
+    async def tokenize(body: TokenizeBody):
+        if (body.messages is None) == (body.prompt is None):
+            raise RequestError("give exactly one of `messages` (chat) or `prompt` (plain text)")
+        try:
+            ids = adapter.chat_token_ids(body.messages) if body.messages is not None else adapter.encode(body.prompt)
+        except Exception as e:  # template errors name the problem
+            raise RequestError(f"cannot tokenize: {e}") from e
+        return {"token_ids": ids}
+
+    @api.post("/v1/handoffs", status_code=201)
+    async def create_handoff(body: HandoffBody):
+        if body.protocol_version != PROTOCOL_VERSION:
+            raise RequestError(f"decoder speaks Tandem protocol {body.protocol_version}, this prefiller speaks "
+                               f"{PROTOCOL_VERSION}")
+        if body.contract != adapter.contract.fingerprint:
+            raise ContractMismatch(["contract fingerprint"], f"decoder's {body.contract[:16]}… differs from this "
+                                   f"prefiller's {adapter.contract.fingerprint[:16]}…: compare /v1/info of both nodes")
+        h = await handoffs.create(body.room, body.token_ids, body.sampling.params(), body.mode, body.wait_timeout)
+        pages, nbytes = handoffs.page_bytes_for(len(body.token_ids), body.mode)
+        return {"room": h.room, "pages": pages, "reserved_bytes": nbytes}
+
+    @api.get("/v1/handoffs/{room}/pages")
+    async def handoff_pages(room: str):
+        frames = await handoffs.stream(room)
+        return StreamingResponse(frames, media_type="application/x-tandem-pages")
+
+    @api.delete("/v1/handoffs/{room}")
+    async def cancel_handoff(room: str):
+        return {"room": room, "cancelled": await handoffs.cancel(room)}
+
+    async def token_lines(req: EngineRequest, tokens: AsyncIterator[int], kind: str, t0: float,
+                          extra: dict) -> AsyncIterator[bytes]:
+        text = _Incremental(adapter)
+        outcome, count, ttft, last = "error", 0, None, None
+        try:
+            async with aclosing(tokens) as stream:
+                async for token in stream:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    count, last = count + 1, token
+                    metrics.generated_tokens.inc()
+                    yield (json.dumps({"token": token, "text": text.add(token)}) + "\n").encode()
+            stops = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else adapter.eos_token_ids)
+            finish = "stop" if last in stops or count < req.sampling.max_tokens else "length"
+            outcome = "ok"
+            yield (json.dumps({"done": True, "finish_reason": finish, "prompt_tokens": len(req.token_ids),
+                               "completion_tokens": count, "ttft_seconds": ttft, **extra}) + "\n").encode()
+        except (TandemError, AgentHTTPError) as e:
+            outcome = "cancelled" if isinstance(e, Cancelled) else "failed"
+            yield (json.dumps(error_body(e)) + "\n").encode()
+        finally:
+            metrics.requests.labels(kind=kind, outcome=outcome).inc()
+
+    @api.post("/v1/generate")
+    async def generate(body: GenerateBody):
+        req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling.params())
+        adapter.validate(req, generates=True)
+        return StreamingResponse(token_lines(req, adapter.generate(req), "generate", time.perf_counter(), {}),
+                                 media_type="application/x-ndjson")
+
+    def peer(url: str) -> AgentClient:
+        url = url.rstrip("/")
+        if url not in peers:
+            peers[url] = AgentClient(url, config.cluster_key)
+        return peers[url]
+
+    @api.post("/v1/decode")
+    async def decode(body: DecodeBody):
+        if body.mode not in adapter.decoder_modes:
+            raise RequestError(f"{adapter.name} cannot decode in {body.mode.value} mode")
+        req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling.params(), body.mode)
+        adapter.validate(req, generates=True)
+        expect = FrameExpectation(adapter.contract.fingerprint_bytes, bytes.fromhex(body.room),
+                                  token_digest(body.token_ids), adapter.geometry)
+        stats = {"pages": 0, "wire_bytes": 0, "kv_tokens": 0, "prefill_seconds": None,
+                 "first_page_at": None, "last_page_at": None, "prefill_finished_at": None}
+        prefiller = peer(body.prefill_url)
+
+        async def pages() -> AsyncIterator[KVPage | PrefillDone]:
+            try:
+                async with prefiller.page_stream(body.room) as chunks:
+                    async for item in read_frames(_counted(chunks, stats), expect):
+                        if isinstance(item, KVPage):
+                            stats["pages"] += 1
+                            stats["last_page_at"] = time.time()
+                            stats["first_page_at"] = stats["first_page_at"] or stats["last_page_at"]
+                            metrics.pages_received.inc()
+                            metrics.imported_tokens.inc(item.valid_tokens)
+                        else:
+                            stats.update(kv_tokens=item.kv_tokens, prefill_seconds=item.prefill_seconds,
+                                         prefill_finished_at=item.finished_at)
+                        yield item
+            except httpx.HTTPError as e:
+                raise FrameError(f"the page stream from {body.prefill_url} broke off ({type(e).__name__}: {e}) "
+                                 f"after {stats['wire_bytes']:,} bytes: nothing was decoded") from e
+
+        async def _counted(chunks: AsyncIterator[bytes], s: dict) -> AsyncIterator[bytes]:
+            async for chunk in chunks:
+                s["wire_bytes"] += len(chunk)
+                metrics.bytes_received.inc(len(chunk))
+                yield chunk
+
+        return StreamingResponse(token_lines(req, adapter.decode(req, pages()), "decode", time.perf_counter(), stats),
+                                 media_type="application/x-ndjson")
+
+    @api.delete("/v1/requests/{request_id}")
+    async def cancel_request(request_id: str):
+        return {"request_id": request_id, "cancelled": adapter.cancel(request_id)}
+
+    @api.get("/v1/bench/pages")
+    async def bench_pages(count: int = 100):
+        if not 1 <= count <= 100_000:
+            raise RequestError("count must be in 1..100000")
+        g = adapter.geometry
+        page = make_page(g, 0, np.random.default_rng(0).standard_normal(g.page_shape).astype("<f2"))
+
+        async def frames() -> AsyncIterator[bytes]:
+            for i in range(count):
+                page.index = i
+                header, payload = encode_frame(page, contract=adapter.contract.fingerprint_bytes,
+                                               room=b"\0" * 16, tokens=b"\0" * 16)
+                yield header
+                yield payload
+            yield done_frame(PrefillDone(first_token=0, kv_tokens=count * g.page_tokens, pages=count,
+                                         prefill_seconds=0.0))
+
+        return StreamingResponse(frames(), media_type="application/x-tandem-pages")
+
+    app.include_router(api)
+    return app

@@ -1,0 +1,108 @@
+"""The staging budget: how many bytes of KV pages a node may hold in flight at once.
+
+A prefill reserves `pages × page_bytes` *before* any compute. A request larger than the whole
+budget is refused at once (`BudgetExceeded`). Otherwise it waits its turn in strict FIFO order
+— a later small request never overtakes an earlier large one — until capacity frees up or its
+deadline passes (`BudgetTimeout`, which carries a Retry-After hint). Waiting is event-driven:
+each waiter sleeps on its own future and `release` wakes the head of the queue; nothing polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+
+from engine_adapters.errors import TandemError
+
+
+class BudgetExceeded(TandemError):
+    """The request alone is larger than the whole staging budget."""
+
+
+class BudgetTimeout(TandemError):
+    """The budget stayed busy past the request's deadline."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Reservation:
+    """Bytes held against the budget; `release` is idempotent."""
+
+    def __init__(self, budget: "StagingBudget", nbytes: int):
+        self.budget = budget
+        self.nbytes = nbytes
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.budget._give_back(self.nbytes)
+
+
+@dataclass
+class _Waiter:
+    nbytes: int
+    future: asyncio.Future
+
+
+class StagingBudget:
+    def __init__(self, capacity: int):
+        if capacity <= 0:
+            raise ValueError("the staging budget must be positive")
+        self.capacity = capacity
+        self.reserved = 0
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def waiting_bytes(self) -> int:
+        return sum(w.nbytes for w in self._waiters)
+
+    def check_fits(self, nbytes: int) -> None:
+        if nbytes > self.capacity:
+            raise BudgetExceeded(
+                f"this prompt needs {nbytes:,} bytes of KV staging but the node's whole budget is "
+                f"{self.capacity:,} bytes: raise --staging-bytes or send a shorter prompt")
+
+    async def reserve(self, nbytes: int, timeout: float | None = None) -> Reservation:
+        """Wait (FIFO) until `nbytes` fit, at most `timeout` seconds; return the reservation."""
+        self.check_fits(nbytes)
+        if not self._waiters and self.reserved + nbytes <= self.capacity:
+            self.reserved += nbytes
+            return Reservation(self, nbytes)
+        waiter = _Waiter(nbytes, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            if waiter.future.done() and not waiter.future.cancelled():
+                waiter.future.result().release()  # granted at the moment we gave up
+            else:
+                waiter.future.cancel()
+                self._waiters.remove(waiter)
+                self._wake()  # the head may have been blocking smaller requests behind it
+            if isinstance(e, asyncio.TimeoutError):
+                raise BudgetTimeout(
+                    f"the staging budget stayed busy for {timeout:.1f} s ({self.reserved:,} of "
+                    f"{self.capacity:,} bytes reserved, {len(self._waiters)} waiting)",
+                    retry_after=max(1.0, timeout or 1.0)) from None
+            raise
+
+    def _give_back(self, nbytes: int) -> None:
+        self.reserved -= nbytes
+        assert self.reserved >= 0, "staging budget released more than it reserved"
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.reserved + self._waiters[0].nbytes <= self.capacity:
+            waiter = self._waiters.popleft()
+            if waiter.future.done():
+                continue
+            self.reserved += waiter.nbytes
+            waiter.future.set_result(Reservation(self, waiter.nbytes))

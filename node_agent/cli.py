@@ -1,0 +1,237 @@
+"""`tandem agent …`: run a node agent and diagnose one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from engine_adapters.pages import PROTOCOL_VERSION
+
+from .identity import cluster_key, key_path, node_id, set_cluster_key
+from .settings import data_dir, hash_cache_path
+
+app = typer.Typer(help="Run and diagnose a node agent.", no_args_is_help=True)
+console = Console()
+DEFAULT_PORT = 7411
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+          "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '1.5GB', '1048576' -> bytes."""
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise typer.BadParameter(f"not a size: {text!r} (try 512MiB or 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def resolve_model(model: str | None) -> Path:
+    """A model directory, a registered model name, or (default) the embedded model."""
+    if model and Path(model).expanduser().is_dir():
+        return Path(model).expanduser().resolve()
+    from .model_registry import ModelRegistry
+
+    if model:
+        try:
+            return ModelRegistry().get(model).path
+        except KeyError as e:
+            raise typer.BadParameter(str(e)) from None
+    from engine_adapters.embedded_model import is_fetched, model_dir
+
+    if not is_fetched(data_dir()):
+        raise typer.BadParameter("no --model given and the embedded model is not fetched: run `tandem model fetch`")
+    return model_dir(data_dir())
+
+
+@app.command()
+def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
+          model: str = typer.Option(None, help="Model directory or registered name (default: embedded SmolLM2)."),
+          context_length: int = typer.Option(None, help="Context length (default: the model's)."),
+          staging_bytes: str = typer.Option("512MiB", help="KV staging budget, e.g. 512MiB or 2GB."),
+          host: str = typer.Option("0.0.0.0", help="Address to listen on."),
+          port: int = typer.Option(DEFAULT_PORT, help="Port to listen on."),
+          name: str = typer.Option(None, help="Human-readable node name (default: the host name)."),
+          mdns: bool = typer.Option(True, help="Announce this agent on the LAN with mDNS."),
+          mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all)."),
+          handoff_ttl: float = typer.Option(60.0, help="Seconds before unread pages expire."),
+          device: str = typer.Option(None, help="torch only: cuda, cuda:N or cpu."),
+          tls_cert: Path = typer.Option(None, help="TLS certificate (PEM) to serve HTTPS."),
+          tls_key: Path = typer.Option(None, help="TLS private key (PEM).")) -> None:
+    """Host one engine and serve prefill/decode to peers."""
+    import uvicorn
+
+    from engine_adapters import load_adapter
+    from engine_adapters.contract import HashCache
+
+    from .app import AgentConfig, create_app
+    from .discovery import Announcer, lan_addresses
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
+    path = resolve_model(model)
+    kwargs = {"device": device} if device else {}
+    with console.status(f"loading {engine} on {path.name}…"):
+        adapter = load_adapter(engine, path, context_length, hash_cache=HashCache(hash_cache_path()), **kwargs)
+    config = AgentConfig(node_id=node_id(), name=name or socket.gethostname(), cluster_key=cluster_key(),
+                         staging_bytes=parse_size(staging_bytes), handoff_ttl=handoff_ttl, model_name=path.name)
+    announcer = None
+    if mdns:
+        accel = adapter.accelerator()
+        addresses = [host] if host not in ("0.0.0.0", "") else lan_addresses()
+        announcer = Announcer({"node_id": config.node_id, "name": config.name, "engine": adapter.name,
+                               "model": path.name, "contract": adapter.contract.fingerprint,
+                               "proto": str(PROTOCOL_VERSION), "accel": accel["kind"],
+                               "accel_name": accel.get("name", "")}, port, addresses, mdns_interface or None)
+    scheme = "https" if tls_cert else "http"
+    console.print(f"[bold]Tandem agent[/] {config.name} ({config.node_id[:8]}) · {adapter.name} · {path.name} · "
+                  f"contract {adapter.contract.fingerprint[:16]} · {scheme}://{host}:{port} · "
+                  f"key: `tandem agent key`" + (" · mDNS on" if mdns else ""))
+    try:
+        uvicorn.run(create_app(adapter, config, announcer), host=host, port=port, log_level="warning",
+                    ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
+    finally:
+        adapter.close()
+
+
+@app.command()
+def key(set_: str = typer.Option(None, "--set", help="Use this cluster key (share one key across a cluster)."),
+        path_only: bool = typer.Option(False, "--path", help="Print where the key is kept.")) -> None:
+    """Show (or set) this node's cluster key."""
+    if set_:
+        set_cluster_key(set_)
+    print(key_path() if path_only else cluster_key())
+
+
+def _client(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url.rstrip("/"), timeout=10,
+                        headers={"Authorization": f"Bearer {os.environ.get('TANDEM_CLUSTER_KEY') or cluster_key()}",
+                                 "X-Tandem-Protocol": str(PROTOCOL_VERSION)})
+
+
+def _rtt_ms(url: str, tries: int = 5) -> float:
+    with httpx.Client(timeout=5) as c:
+        samples = []
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            c.get(url.rstrip("/") + "/healthz").raise_for_status()
+            samples.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(samples)
+
+
+@app.command()
+def status(url: str = typer.Argument(f"http://127.0.0.1:{DEFAULT_PORT}", help="Agent URL.")) -> None:
+    """Show an agent's engine, model, budget and totals."""
+    with _client(url) as c:
+        r = c.get("/v1/status")
+    if r.status_code != 200:
+        console.print(f"[red]{url} answered {r.status_code}:[/] {r.text}")
+        raise typer.Exit(1)
+    s = r.json()
+    table = Table(show_header=False)
+    b = s["budget"]
+    rows = [("node", f"{s['name']} ({s['node_id'][:8]})"), ("engine", s["engine"]),
+            ("accelerator", f"{s['accelerator']['kind']} · {s['accelerator'].get('name', '')}"),
+            ("model", f"{s['model']} (context {s['context_length']})"), ("contract", s["contract"]["fingerprint"]),
+            ("protocol", str(s["protocol_version"])),
+            ("budget", f"{b['reserved']:,} of {b['capacity']:,} bytes reserved, {b['waiting']} waiting"),
+            ("open handoffs", str(s["open_handoffs"])), ("active requests", str(s["active_requests"]))]
+    rows += [(k.replace("_", " "), f"{v:,.0f}") for k, v in s["totals"].items()]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+
+
+@app.command()
+def peers(seconds: float = typer.Option(3.0, help="How long to listen."),
+          interface: list[str] = typer.Option(None, help="Interface address(es) to browse on.")) -> None:
+    """Find agents on the LAN by mDNS and measure their round-trip time."""
+    from .discovery import browse
+
+    with console.status(f"listening for agents for {seconds:.0f} s…"):
+        found = asyncio.run(browse(seconds, interface or None))
+    table = Table("name", "url", "engine", "accelerator", "model", "contract", "proto", "rtt")
+    for p in found:
+        try:
+            rtt = f"{_rtt_ms(p.url):.2f} ms"
+        except httpx.HTTPError as e:
+            rtt = f"unreachable ({type(e).__name__})"
+        pr = p.properties
+        table.add_row(pr.get("name", "?"), p.url, pr.get("engine", "?"),
+                      f"{pr.get('accel', '?')} {pr.get('accel_name', '')}".strip(), pr.get("model", "?"),
+                      pr.get("contract", "")[:16], pr.get("proto", "?"), rtt)
+    console.print(table if found else "[yellow]no agents answered[/]")
+
+
+@app.command("bench-link")
+def bench_link(url: str = typer.Argument(..., help="Agent URL to pull synthetic pages from."),
+               pages: int = typer.Option(200, help="How many pages to pull.")) -> None:
+    """Measure page throughput and round-trip time to an agent."""
+    rtt = _rtt_ms(url)
+    with _client(url) as c:
+        t0 = time.perf_counter()
+        total = 0
+        with c.stream("GET", "/v1/bench/pages", params={"count": pages}, timeout=None) as r:
+            if r.status_code != 200:
+                console.print(f"[red]{url} answered {r.status_code}[/]")
+                raise typer.Exit(1)
+            for chunk in r.iter_raw():
+                total += len(chunk)
+        seconds = time.perf_counter() - t0
+    console.print(f"{url}: rtt {rtt:.2f} ms · {pages} pages, {total / 1e6:.1f} MB in {seconds:.2f} s · "
+                  f"{total / seconds / 1e6:.0f} MB/s")
+
+
+@app.command()
+def doctor(model: str = typer.Option(None, help="Model directory or name to check (default: embedded)."),
+           port: int = typer.Option(DEFAULT_PORT, help="Port the agent would listen on.")) -> None:
+    """Check this machine: versions, engines, accelerators, model, data dir, port, network."""
+    from engine_adapters.doctor import accelerators, engine_imports, package_versions
+
+    from .discovery import lan_addresses
+
+    def section(title: str, rows: list[tuple[str, str]]) -> None:
+        table = Table(title=title, show_header=False, title_justify="left")
+        for k, v in rows:
+            table.add_row(k, v)
+        console.print(table)
+
+    section("packages", list(package_versions().items()))
+    with console.status("importing engines…"):
+        engines = engine_imports()
+    section("engines", [(k, "[green]ok[/]" if v == "ok" else f"[red]{v}[/]") for k, v in engines.items()])
+    section("accelerators", list(accelerators().items()))
+    try:
+        path = resolve_model(model)
+        from engine_adapters.contract import HashCache, compute_contract
+        from engine_adapters.model_dir import inspect_model
+
+        info = inspect_model(path)
+        contract = compute_contract(info, info.max_context, HashCache(hash_cache_path()))
+        section("model", [("path", str(path)), ("type", info.model_type),
+                          ("geometry", f"{info.geometry.layers} layers × {info.geometry.kv_heads} KV heads × "
+                                       f"{info.geometry.head_dim}, {info.geometry.page_bytes:,} bytes/page"),
+                          ("contract", contract.fingerprint)])
+    except Exception as e:
+        section("model", [("problem", f"[red]{e}[/]")])
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+            port_state = "[green]free[/]"
+        except OSError as e:
+            port_state = f"[yellow]in use ({e.strerror})[/]"
+    section("node", [("data dir", str(data_dir())), ("node id", node_id()), ("cluster key file", str(key_path())),
+                     (f"port {port}", port_state), ("mDNS interfaces", ", ".join(lan_addresses()) or "none")])

@@ -1,0 +1,192 @@
+"""Prefill-side handoffs: a prompt's pages, staged until the decoder has read them.
+
+Life of a handoff (one "room"):
+
+1. `create` checks the request, then reserves `pages × page_bytes` of the staging budget
+   *before any compute* (an oversize prompt is refused at once; a busy budget is waited for in
+   FIFO order up to a deadline). It then starts prefill in a task and a lease timer.
+2. The task frames each page as prefill produces it and queues it; the decoder's `stream`
+   call sends the queue as it fills, then the final frame (P's first token) or an error frame.
+3. `finish` ends the handoff on every path — read to the end, cancelled, decoder gone, lease
+   expired: it stops prefill, waits for the engine's in-flight work to finish (so engine memory
+   is released after it), drops staged pages and returns the reservation. It is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, kv_tokens
+from engine_adapters.contract import token_digest
+from engine_adapters.errors import Cancelled, TandemError
+from engine_adapters.pages import KVPage, frame_bytes
+from engine_adapters.sampling import SamplingParams
+
+from .budget import Reservation, StagingBudget
+from .metrics import Metrics
+from .wire import DONE_MAGIC, ERROR_MAGIC, done_frame, error_frame
+
+log = logging.getLogger("tandem.handoffs")
+
+
+class HandoffError(TandemError):
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Handoff:
+    room: str
+    request: EngineRequest
+    reservation: Reservation
+    created: float = field(default_factory=time.monotonic)
+    frames: asyncio.Queue = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    lease: asyncio.TimerHandle | None = None
+    reader_attached: bool = False
+    state: str = "prefilling"
+    pages_sent: int = 0
+    bytes_sent: int = 0
+
+
+class HandoffManager:
+    def __init__(self, adapter: EngineAdapter, budget: StagingBudget, metrics: Metrics, ttl: float = 60.0):
+        self.adapter = adapter
+        self.budget = budget
+        self.metrics = metrics
+        self.ttl = ttl
+        self.handoffs: dict[str, Handoff] = {}
+        self.waiting: dict[str, asyncio.Task] = {}  # rooms waiting for budget, cancellable by room
+        self.prefill_calls = 0  # how many prefills reached the engine (tests assert on it)
+
+    def page_bytes_for(self, prompt_tokens: int, mode: FirstTokenMode) -> tuple[int, int]:
+        pages = self.adapter.geometry.pages_for(kv_tokens(prompt_tokens, mode))
+        return pages, pages * self.adapter.geometry.page_bytes
+
+    async def create(self, room: str, token_ids: list[int], sampling: SamplingParams, mode: FirstTokenMode,
+                     wait_timeout: float) -> Handoff:
+        if room in self.handoffs:
+            raise HandoffError(f"room {room} already has a handoff on this node", 409)
+        request = EngineRequest(f"handoff-{room}", list(token_ids), sampling, mode)
+        self.adapter.validate(request, generates=False)
+        _, nbytes = self.page_bytes_for(len(token_ids), mode)
+        if room in self.waiting:
+            raise HandoffError(f"room {room} is already waiting for budget on this node", 409)
+        self.budget.check_fits(nbytes)  # an oversize prompt is refused before any wait or compute
+        wait = asyncio.ensure_future(self.budget.reserve(nbytes, wait_timeout))
+        self.waiting[room] = wait
+        try:
+            reservation = await wait
+        except asyncio.CancelledError:
+            if wait.cancelled() and not asyncio.current_task().cancelling():
+                raise Cancelled(f"room {room} was cancelled while waiting for staging budget") from None
+            raise
+        finally:
+            self.waiting.pop(room, None)
+        handoff = Handoff(room, request, reservation)
+        self.handoffs[room] = handoff
+        handoff.task = asyncio.create_task(self._produce(handoff), name=f"prefill-{room}")
+        handoff.lease = asyncio.get_running_loop().call_later(self.ttl, self._expire, room)
+        self.metrics.handoffs_created.inc()
+        return handoff
+
+    async def _produce(self, h: Handoff) -> None:
+        contract = self.adapter.contract.fingerprint_bytes
+        room_bytes, digest = bytes.fromhex(h.room), token_digest(h.request.token_ids)
+        self.prefill_calls += 1
+        try:
+            async with aclosing(self.adapter.prefill(h.request)) as items:
+                async for item in items:
+                    if isinstance(item, KVPage):
+                        h.frames.put_nowait(frame_bytes(item, contract=contract, room=room_bytes, tokens=digest))
+                    else:
+                        h.state = "prefilled"
+                        h.frames.put_nowait(done_frame(item))
+        except Cancelled as e:
+            h.frames.put_nowait(error_frame("cancelled", str(e)))
+        except TandemError as e:
+            h.frames.put_nowait(error_frame(type(e).__name__, str(e)))
+        except Exception as e:  # an engine crash must still end the stream with a reason
+            log.exception("prefill of room %s failed", h.room)
+            h.frames.put_nowait(error_frame("engine_error", f"prefill failed: {e}"))
+
+    async def stream(self, room: str) -> AsyncIterator[bytes]:
+        """The handoff's frames for its one reader; ends the handoff however the reading ends."""
+        h = self.handoffs.get(room)
+        if h is None:
+            raise HandoffError(f"no handoff for room {room} (never created, expired or already read)", 404)
+        if h.reader_attached:
+            raise HandoffError(f"room {room} is already being read by another decoder", 409)
+        h.reader_attached = True
+        h.state = "streaming" if h.state == "prefilling" else h.state
+        return self._frames(h)
+
+    async def _frames(self, h: Handoff) -> AsyncIterator[bytes]:
+        outcome = "reader_gone"
+        try:
+            while True:
+                frame = await h.frames.get()
+                yield frame
+                kind = frame[:4]
+                if kind == DONE_MAGIC:
+                    outcome = "done"
+                    return
+                if kind == ERROR_MAGIC:
+                    outcome = "failed"
+                    return
+                h.pages_sent += 1
+                h.bytes_sent += len(frame)
+                self.metrics.pages_sent.inc()
+                self.metrics.bytes_sent.inc(len(frame))
+        finally:
+            await self.finish(h.room, outcome)
+
+    async def cancel(self, room: str) -> bool:
+        wait = self.waiting.get(room)
+        if wait is not None:
+            wait.cancel()  # the reserve call returns nothing it held; `create` raises Cancelled
+            self.metrics.handoffs_finished.labels(outcome="cancelled_waiting").inc()
+            return True
+        return await self.finish(room, "cancelled")
+
+    def _expire(self, room: str) -> None:
+        h = self.handoffs.get(room)
+        if h is not None:
+            log.warning("handoff %s expired after %.0f s with its pages unread", room, self.ttl)
+            asyncio.ensure_future(self.finish(room, "expired"))
+
+    async def finish(self, room: str, outcome: str) -> bool:
+        """End a handoff and release everything it holds; False if it was already gone."""
+        h = self.handoffs.pop(room, None)
+        if h is None:
+            return False
+        h.state = outcome
+        if h.lease is not None:
+            h.lease.cancel()
+        self.adapter.cancel(h.request.request_id)
+        if h.task is not None:
+            # Prefill stops at its next chunk boundary; the engine finishes in-flight work and
+            # releases the session before the task ends, so memory is free when we return.
+            await asyncio.shield(h.task)
+        while not h.frames.empty():
+            h.frames.get_nowait()
+        h.reservation.release()
+        self.metrics.handoffs_finished.labels(outcome=outcome).inc()
+        return True
+
+    async def close(self) -> None:
+        for room in list(self.handoffs):
+            await self.finish(room, "shutdown")
+
+    def describe(self) -> list[dict]:
+        now = time.monotonic()
+        return [{"room": h.room, "state": h.state, "prompt_tokens": len(h.request.token_ids),
+                 "reserved_bytes": h.reservation.nbytes, "pages_sent": h.pages_sent,
+                 "age_seconds": round(now - h.created, 3), "reader_attached": h.reader_attached}
+                for h in self.handoffs.values()]

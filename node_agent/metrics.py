@@ -1,0 +1,45 @@
+"""Prometheus metrics of one agent (prometheus-client, in a registry of the agent's own)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.pages_sent = Counter("tandem_pages_sent", "KV pages sent to decoders", registry=r)
+        self.bytes_sent = Counter("tandem_page_bytes_sent", "Framed page bytes sent to decoders", registry=r)
+        self.pages_received = Counter("tandem_pages_received", "KV pages received from prefillers", registry=r)
+        self.bytes_received = Counter("tandem_page_bytes_received", "Page stream bytes received", registry=r)
+        self.imported_tokens = Counter("tandem_imported_tokens", "Prompt tokens of KV imported", registry=r)
+        self.generated_tokens = Counter("tandem_generated_tokens", "Tokens generated", registry=r)
+        self.handoffs_created = Counter("tandem_handoffs_created", "Handoffs created", registry=r)
+        self.handoffs_finished = Counter("tandem_handoffs_finished", "Handoffs ended, by outcome",
+                                         ["outcome"], registry=r)
+        self.requests = Counter("tandem_requests", "Decode and generate requests, by outcome",
+                                ["kind", "outcome"], registry=r)
+        self.budget_capacity = Gauge("tandem_budget_capacity_bytes", "Staging budget capacity", registry=r)
+        self.budget_reserved = Gauge("tandem_budget_reserved_bytes", "Staging bytes reserved", registry=r)
+        self.budget_waiting = Gauge("tandem_budget_waiting_requests", "Requests waiting for budget", registry=r)
+        self.open_handoffs = Gauge("tandem_open_handoffs", "Handoffs holding pages", registry=r)
+        self.active_requests = Gauge("tandem_engine_active_requests", "Requests holding engine memory", registry=r)
+
+    def bind(self, *, capacity: Callable[[], float], reserved: Callable[[], float], waiting: Callable[[], float],
+             open_handoffs: Callable[[], float], active: Callable[[], float]) -> None:
+        """Gauges read live values when scraped."""
+        self.budget_capacity.set_function(capacity)
+        self.budget_reserved.set_function(reserved)
+        self.budget_waiting.set_function(waiting)
+        self.open_handoffs.set_function(open_handoffs)
+        self.active_requests.set_function(active)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    @staticmethod
+    def value(counter) -> float:
+        return counter._value.get()

@@ -1,0 +1,137 @@
+"""The handoff stream: how pages travel from a prefiller agent to a decoder agent.
+
+The body of `GET /v1/handoffs/{room}/pages` (HTTP/1.1 chunked transfer) is a sequence of frames:
+
+    page frame   b"TKVP" + 84 more header bytes + payload     (engine_adapters/pages.py)
+    final frame  b"TKVD" + u32 length + JSON {"first_token", "kv_tokens", "pages", "prefill_seconds",
+                                              "finished_at"}
+    error frame  b"TKVE" + u32 length + JSON {"code", "message"}
+
+Page frames come in page order as prefill produces them; the stream ends after exactly one
+final frame or one error frame. A stream that stops before either is truncated, and the
+decoder fails the request. `FrameReader` reassembles frames from arbitrary chunk boundaries,
+copying each byte once, straight into the buffer that becomes the page.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import AsyncIterator
+
+from engine_adapters.base import PrefillDone
+from engine_adapters.errors import FrameError, TandemError
+from engine_adapters.pages import HEADER_SIZE, MAGIC, FrameExpectation, KVPage, decode_frame, parse_header
+
+DONE_MAGIC = b"TKVD"
+ERROR_MAGIC = b"TKVE"
+_LEN = struct.Struct("<I")
+_MAX_JSON = 64 * 1024
+
+
+class PeerError(TandemError):
+    """The peer sent an error frame (or error line) instead of finishing."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _json_frame(magic: bytes, obj: dict) -> bytes:
+    body = json.dumps(obj).encode()
+    return magic + _LEN.pack(len(body)) + body
+
+
+def done_frame(done: PrefillDone) -> bytes:
+    return _json_frame(DONE_MAGIC, {"first_token": done.first_token, "kv_tokens": done.kv_tokens,
+                                    "pages": done.pages, "prefill_seconds": done.prefill_seconds,
+                                    "finished_at": done.finished_at})
+
+
+def error_frame(code: str, message: str) -> bytes:
+    return _json_frame(ERROR_MAGIC, {"code": code, "message": message})
+
+
+class FrameReader:
+    """Incremental parser: `feed(chunk)` returns the items completed by that chunk."""
+
+    def __init__(self, expect: FrameExpectation):
+        self.expect = expect
+        self.finished = False
+        self.bytes_read = 0
+        self._head = bytearray()  # magic + header (or length + JSON) still being collected
+        self._frame: bytearray | None = None  # the page frame being filled
+        self._filled = 0
+
+    def _head_need(self) -> int:
+        if len(self._head) < 4:
+            return 4
+        magic = bytes(self._head[:4])
+        if magic == MAGIC:
+            return HEADER_SIZE
+        if magic in (DONE_MAGIC, ERROR_MAGIC):
+            if len(self._head) < 8:
+                return 8
+            length = _LEN.unpack_from(self._head, 4)[0]
+            if length > _MAX_JSON:
+                raise FrameError(f"control frame of {length} bytes is larger than {_MAX_JSON}")
+            return 8 + length
+        raise FrameError(f"unknown frame type {magic!r} in the page stream")
+
+    def feed(self, chunk: bytes) -> list[KVPage | PrefillDone]:
+        out: list[KVPage | PrefillDone] = []
+        view, pos = memoryview(chunk), 0
+        self.bytes_read += len(chunk)
+        while pos < len(view):
+            if self.finished:
+                raise FrameError("data after the final frame of the page stream")
+            if self._frame is not None:
+                n = min(len(view) - pos, len(self._frame) - self._filled)
+                self._frame[self._filled:self._filled + n] = view[pos:pos + n]
+                self._filled += n
+                pos += n
+                if self._filled == len(self._frame):
+                    frame, self._frame = self._frame, None
+                    out.append(decode_frame(frame, self.expect)[1])
+                continue
+            need = self._head_need()
+            take = min(need - len(self._head), len(view) - pos)
+            self._head += view[pos:pos + take]
+            pos += take
+            if len(self._head) == need and need == self._head_need():
+                out.extend(self._complete_head())
+        return out
+
+    def _complete_head(self) -> list[PrefillDone]:
+        head, self._head = bytes(self._head), bytearray()
+        magic = head[:4]
+        if magic == MAGIC:
+            header = parse_header(head)
+            self._frame = bytearray(HEADER_SIZE + header.payload_size)
+            self._frame[:HEADER_SIZE] = head
+            self._filled = HEADER_SIZE
+            return []
+        try:
+            obj = json.loads(head[8:])
+        except ValueError as e:
+            raise FrameError(f"malformed control frame: {e}") from e
+        self.finished = True
+        if magic == ERROR_MAGIC:
+            raise PeerError(str(obj.get("code", "peer_error")), str(obj.get("message", "the peer failed")))
+        return [PrefillDone(first_token=int(obj["first_token"]), kv_tokens=int(obj["kv_tokens"]),
+                            pages=int(obj["pages"]), prefill_seconds=float(obj["prefill_seconds"]),
+                            finished_at=float(obj.get("finished_at", 0.0)))]
+
+    def close(self) -> None:
+        if not self.finished:
+            raise FrameError(f"the page stream was truncated after {self.bytes_read:,} bytes "
+                             "(no final frame): nothing was decoded")
+
+
+async def read_frames(chunks: AsyncIterator[bytes], expect: FrameExpectation) -> AsyncIterator[KVPage | PrefillDone]:
+    """Turn a stream of byte chunks into pages and the final item, checking everything."""
+    reader = FrameReader(expect)
+    async for chunk in chunks:
+        for item in reader.feed(chunk):
+            yield item
+    reader.close()

@@ -1,0 +1,152 @@
+"""The staging budget and handoff lifecycle, against a real agent with a small budget."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import httpx
+import pytest
+
+from node_agent.client import AgentClient, AgentHTTPError
+
+from .agents import TEST_KEY, AgentProcess, pd_request, tokens_of
+from .conftest import prompt, run
+
+PAGE = 1_474_560
+TTL = 4.0
+
+
+@pytest.fixture(scope="module")
+def small(smol_dir, tmp_path_factory):
+    """A torch agent whose budget holds exactly one 130-token (3-page) prompt."""
+    with AgentProcess("torch", smol_dir, tmp_path_factory.mktemp("small"), "--staging-bytes", str(3 * PAGE),
+                      "--handoff-ttl", str(TTL)) as agent:
+        yield agent
+
+
+def idle(agent: AgentProcess) -> None:
+    s = agent.status()
+    assert (s["budget"]["reserved"], s["budget"]["waiting"], s["open_handoffs"], s["active_requests"]) == (0, 0, 0, 0), s
+
+
+async def create(agent, ids, room=None, wait_timeout=30.0, mode="commit-first"):
+    c = AgentClient(agent.url, TEST_KEY)
+    try:
+        info = await c.info()
+        return await c.create_handoff(room=room or uuid.uuid4().hex, token_ids=ids, sampling={"max_tokens": 4},
+                                      mode=mode, contract=info["contract"]["fingerprint"], wait_timeout=wait_timeout)
+    finally:
+        await c.aclose()
+
+
+def test_oversize_prompt_is_refused_without_compute(small, long_ids):
+    before = small.status()["totals"]["prefills_started"]
+    with pytest.raises(AgentHTTPError) as e:
+        run(create(small, prompt(long_ids, 193)))  # 4 pages > 3-page budget
+    assert e.value.status == 413 and "whole budget" in str(e.value)
+    assert small.status()["totals"]["prefills_started"] == before
+    idle(small)
+
+
+def test_concurrent_requests_complete_in_fifo_order(small, long_ids):
+    order: list[int] = []
+
+    async def one(i: int):
+        ids = prompt(long_ids, 130 - i)
+        lines = await pd_request(small.url, small.url, ids, {"max_tokens": 4, "ignore_eos": True})
+        tokens_of(lines)
+        order.append(i)
+
+    def arrived() -> int:
+        s = small.status()
+        return s["budget"]["waiting"] + s["totals"]["handoffs_created"]
+
+    async def main():
+        base = arrived()
+        tasks = []
+        for i in range(3):
+            tasks.append(asyncio.create_task(one(i)))
+            # let request i reach the agent (and queue) before request i+1 is sent
+            deadline = time.monotonic() + 30
+            while arrived() < base + i + 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        await asyncio.gather(*tasks)
+
+    run(main())
+    assert order == [0, 1, 2]
+    idle(small)
+
+
+def test_budget_wait_times_out_with_retry_after(small, long_ids):
+    async def main():
+        held = await create(small, prompt(long_ids, 130))  # fills the budget; nobody reads it
+        try:
+            with pytest.raises(AgentHTTPError) as e:
+                await create(small, prompt(long_ids, 100), wait_timeout=0.3)
+            assert e.value.status == 429
+            async with httpx.AsyncClient() as c:  # the raw response carries Retry-After
+                r = await c.post(small.url + "/v1/handoffs", headers={"Authorization": f"Bearer {TEST_KEY}"},
+                                 json={"room": uuid.uuid4().hex, "token_ids": prompt(long_ids, 100),
+                                       "contract": small.status()["contract"]["fingerprint"], "wait_timeout": 0.2})
+            assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        finally:
+            await AgentClient(small.url, TEST_KEY).cancel_handoff(held["room"])
+
+    run(main())
+    idle(small)
+
+
+def test_cancel_a_waiting_and_a_streaming_request(small, long_ids):
+    async def main():
+        c = AgentClient(small.url, TEST_KEY)
+        held = await create(small, prompt(long_ids, 130))
+        waiting_room = uuid.uuid4().hex
+        waiter = asyncio.create_task(create(small, prompt(long_ids, 100), room=waiting_room))
+        while small.status()["budget"]["waiting"] < 1:
+            await asyncio.sleep(0.05)
+        assert (await c.cancel_handoff(waiting_room))["cancelled"]
+        with pytest.raises(AgentHTTPError) as e:
+            await waiter
+        assert e.value.status == 499 and "cancelled while waiting" in str(e.value)
+        # cancel the held room while a decoder streams it: the decoder gets a clear error line
+        async with c.page_stream(held["room"]) as chunks:
+            await chunks.__anext__()
+            assert (await c.cancel_handoff(held["room"]))["cancelled"]
+            assert not (await c.cancel_handoff(held["room"]))["cancelled"]  # idempotent
+        await c.aclose()
+
+    run(main())
+    idle(small)
+
+
+def test_decoder_disconnect_releases_everything(small, long_ids):
+    async def main():
+        d = AgentClient(small.url, TEST_KEY)
+        info = await d.info()
+        room = uuid.uuid4().hex
+        ids = prompt(long_ids, 130)
+        await d.create_handoff(room=room, token_ids=ids, sampling={"max_tokens": 200, "ignore_eos": True},
+                               mode="commit-first", contract=info["contract"]["fingerprint"])
+        stream = d.lines("/v1/decode", {"room": room, "token_ids": ids, "mode": "commit-first",
+                                        "sampling": {"max_tokens": 200, "ignore_eos": True}, "prefill_url": small.url})
+        for _ in range(3):
+            await stream.__anext__()
+        await stream.aclose()  # the client goes away mid-answer
+        await d.aclose()
+
+    run(main())
+    deadline = time.monotonic() + 10
+    while small.status()["active_requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    idle(small)
+
+
+def test_unread_handoff_expires(small, long_ids):
+    run(create(small, prompt(long_ids, 70)))
+    assert small.status()["open_handoffs"] == 1
+    time.sleep(TTL + 1.5)
+    idle(small)
+    with small.client() as c:
+        assert 'tandem_handoffs_finished_total{outcome="expired"}' in c.get("/metrics").text

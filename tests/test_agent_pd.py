@@ -1,0 +1,64 @@
+"""Two agents in separate processes do P/D over HTTP on loopback."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_adapters.base import EngineRequest, FirstTokenMode
+from engine_adapters.sampling import SamplingParams
+from node_agent.inprocess import run_pair
+
+from .agents import AgentProcess, pd_request, tokens_of
+from .conftest import collect, prompt, run
+
+LENGTHS = [1, 64, 65, 193]
+SAMPLING = {"max_tokens": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def agents(smol_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("agents")
+    with AgentProcess("torch", smol_dir, home / "torch") as torch_agent, \
+            AgentProcess("mlx", smol_dir, home / "mlx") as mlx_agent:
+        yield {"torch": torch_agent, "mlx": mlx_agent}
+
+
+@pytest.mark.parametrize("direction", [("torch", "mlx"), ("mlx", "torch"), ("torch", "torch"), ("mlx", "mlx")],
+                         ids=lambda d: "->".join(d))
+@pytest.mark.parametrize("mode", list(FirstTokenMode), ids=lambda m: m.value)
+def test_http_pd_equals_in_process_pd(agents, engines, long_ids, direction, mode):
+    """Over HTTP the tokens are exactly those of the same pair in one process (which the core
+    tests hold equal to local runs for same-engine pairs and within agreement rules across)."""
+    p, d = agents[direction[0]], agents[direction[1]]
+    for n in LENGTHS:
+        if mode is FirstTokenMode.RECOMPUTE_LAST and n == 1:
+            continue
+        ids = prompt(long_ids, n)
+        lines = run(pd_request(p.url, d.url, ids, SAMPLING, mode.value))
+        expected = run(collect(run_pair(engines[direction[0]], engines[direction[1]], ids,
+                                        SamplingParams(**SAMPLING), mode)))
+        assert tokens_of(lines) == expected, (direction, mode, n)
+        done = lines[-1]
+        moved = n - 1 if mode is FirstTokenMode.RECOMPUTE_LAST else n
+        assert done["done"] and done["completion_tokens"] == 16 and done["kv_tokens"] == moved
+        assert done["pages"] == -(-moved // 64)
+    for agent in (p, d):
+        s = agent.status()
+        assert s["budget"]["reserved"] == 0 and s["open_handoffs"] == 0 and s["active_requests"] == 0
+
+
+def test_same_engine_http_pd_equals_local(agents, engines, long_ids):
+    for name in ("torch", "mlx"):
+        ids = prompt(long_ids, 129)
+        local = run(collect(engines[name].generate(EngineRequest("l", ids, SamplingParams(**SAMPLING)))))
+        assert tokens_of(run(pd_request(agents[name].url, agents[name].url, ids, SAMPLING))) == local
+
+
+def test_pages_arrive_before_prefill_finishes(agents, long_ids):
+    """A 600-token prompt prefills in 3 chunks; D must hold pages before P's prefill is over."""
+    ids = (list(long_ids) * 3)[:600]
+    done = run(pd_request(agents["torch"].url, agents["mlx"].url, ids, {"max_tokens": 2}))[-1]
+    assert done["pages"] == 10
+    print(f"\nfirst page at D {done['first_page_at']:.3f}, last page {done['last_page_at']:.3f}, "
+          f"P prefill finished {done['prefill_finished_at']:.3f} (prefill took {done['prefill_seconds']:.3f} s)")
+    assert done["first_page_at"] < done["prefill_finished_at"], done
