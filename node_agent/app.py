@@ -14,6 +14,7 @@ Routes (all but /healthz need `Authorization: Bearer <cluster key>`):
     POST   /v1/generate                    this engine alone: prefill + decode, stream tokens
     DELETE /v1/requests/{request_id}       cancel a running decode/generate (idempotent)
     GET    /v1/bench/pages                 synthetic page stream for `tandem agent bench-link`
+    GET    /v1/openapi.json                the API's OpenAPI document
 
 Token streams are NDJSON: {"token", "text"} lines, then one {"done": true, ...} line or one
 {"error": {...}} line. Errors before a stream starts are JSON `{"error": {"type", "message"}}`
@@ -169,7 +170,9 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
             for client in peers.values():
                 await client.aclose()
 
-    app = FastAPI(title="Tandem node agent", version=str(PROTOCOL_VERSION), lifespan=lifespan)
+    # The OpenAPI document is served behind the key (/v1/openapi.json): only /healthz is open.
+    app = FastAPI(title="Tandem node agent", version=str(PROTOCOL_VERSION), lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
     app.state.adapter, app.state.budget, app.state.handoffs, app.state.metrics = adapter, budget, handoffs, metrics
 
     @app.exception_handler(TandemError)
@@ -220,6 +223,10 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
     @api.get("/v1/info")
     async def get_info():
         return info()
+
+    @api.get("/v1/openapi.json")
+    async def openapi():
+        return app.openapi()
 
     @api.get("/v1/status")
     async def get_status():

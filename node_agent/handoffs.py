@@ -166,6 +166,12 @@ class HandoffManager:
         h = self.handoffs.pop(room, None)
         if h is None:
             return False
+        # A separate, shielded task: when the caller is cancelled (a decoder hung up and the
+        # server cancels its stream), the teardown still runs to the end.
+        await asyncio.shield(asyncio.ensure_future(self._teardown(h, outcome)))
+        return True
+
+    async def _teardown(self, h: Handoff, outcome: str) -> None:
         h.state = outcome
         if h.lease is not None:
             h.lease.cancel()
@@ -178,7 +184,6 @@ class HandoffManager:
             h.frames.get_nowait()
         h.reservation.release()
         self.metrics.handoffs_finished.labels(outcome=outcome).inc()
-        return True
 
     async def close(self) -> None:
         for room in list(self.handoffs):

@@ -1,0 +1,86 @@
+"""Two agents on two hosts find each other by mDNS.
+
+The hosts are network namespaces this test creates and deletes, joined by a veth pair; all
+traffic, multicast included, stays inside them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from node_agent.discovery import ANNOUNCED_KEYS, Announcer
+
+from .agents import TANDEM, TEST_KEY, AgentProcess
+
+needs_netns = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
+                                 reason="network namespaces need root and iproute2")
+
+
+def sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    tag = secrets.token_hex(2)
+    subnet = f"10.231.{int(tag, 16) % 250}"
+    hosts = {"a": (f"tdm-a-{tag}", f"tva{tag}", f"{subnet}.1"), "b": (f"tdm-b-{tag}", f"tvb{tag}", f"{subnet}.2")}
+    try:
+        for ns, _, _ in hosts.values():
+            sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", hosts["a"][1], "type", "veth", "peer", "name", hosts["b"][1])
+        for ns, dev, addr in hosts.values():
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up", "multicast", "on")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "route", "add", "224.0.0.0/4", "dev", dev)
+        yield hosts
+    finally:
+        for ns, _, _ in hosts.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def browse_in(ns: str, addr: str, seconds: float = 4.0) -> list[dict]:
+    code = ("import asyncio, json; from node_agent.discovery import browse; "
+            f"print(json.dumps([p.__dict__ for p in asyncio.run(browse({seconds}, ['{addr}']))]))")
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], check=True,
+                         capture_output=True, text=True, cwd=os.getcwd(), timeout=60)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@needs_netns
+def test_agents_find_each_other(two_hosts, smol_dir, tmp_path):
+    (ns_a, _, addr_a), (ns_b, _, addr_b) = two_hosts["a"], two_hosts["b"]
+    mdns = ("--mdns", "--mdns-interface")
+    with AgentProcess("torch", smol_dir, tmp_path / "a", *mdns, addr_a, host=addr_a, netns=ns_a) as a, \
+            AgentProcess("mlx", smol_dir, tmp_path / "b", *mdns, addr_b, host=addr_b, netns=ns_b) as b:
+        seen_from_a = {p["properties"]["name"]: p for p in browse_in(ns_a, addr_a)}
+        seen_from_b = {p["properties"]["name"]: p for p in browse_in(ns_b, addr_b)}
+        peer_b, peer_a = seen_from_a[f"mlx-{b.port}"], seen_from_b[f"torch-{a.port}"]
+        assert peer_b["addresses"] == [addr_b] and peer_b["port"] == b.port
+        assert peer_a["addresses"] == [addr_a] and peer_a["port"] == a.port
+        assert peer_b["properties"]["engine"] == "mlx" and peer_a["properties"]["accel"] == "cpu"
+        assert peer_a["properties"]["contract"] == peer_b["properties"]["contract"]
+        for peer in (peer_a, peer_b):
+            assert set(peer["properties"]) <= set(ANNOUNCED_KEYS)
+            assert TEST_KEY not in json.dumps(peer)  # no secret on the LAN
+        # the CLI shows the peer with a measured round-trip time over the veth link
+        out = subprocess.run(["ip", "netns", "exec", ns_a, TANDEM, "agent", "peers", "--seconds", "3",
+                              "--interface", addr_a], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "COLUMNS": "200", "TANDEM_CLUSTER_KEY": TEST_KEY}).stdout
+        assert f"mlx-{b.port}" in out and " ms" in out, out
+        b.stop()  # withdrawn on shutdown
+        assert f"mlx-{b.port}" not in {p["properties"]["name"] for p in browse_in(ns_a, addr_a, 3.0)}
+
+
+def test_announcer_refuses_unexpected_properties():
+    with pytest.raises(ValueError, match="cluster_key"):
+        Announcer({"node_id": "x" * 32, "name": "n", "cluster_key": "secret"}, 1, ["127.0.0.1"])
