@@ -16,7 +16,9 @@ test: setup
 	$(BIN)/python -m pytest
 
 bench: setup
+	$(BIN)/tandem model fetch
 	$(BIN)/python bench/bench_pages.py
+	$(BIN)/python bench/bench_link.py
 
 setup: system-deps $(STAMP)
 

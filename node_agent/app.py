@@ -32,7 +32,6 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import httpx
 import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,7 +46,7 @@ from engine_adapters.pages import PROTOCOL_VERSION, FrameExpectation, KVPage, en
 from engine_adapters.sampling import SamplingParams
 
 from .budget import BudgetExceeded, BudgetTimeout, StagingBudget
-from .client import AgentClient, AgentHTTPError
+from .client import AgentClient, AgentHTTPError, TransportError
 from .handoffs import HandoffError, HandoffManager
 from .identity import key_matches
 from .metrics import Metrics
@@ -64,6 +63,7 @@ class AgentConfig:
     staging_bytes: int = 512 << 20
     handoff_ttl: float = 60.0
     model_name: str = ""
+    url: str = ""  # where this agent listens (for logs)
 
 
 # ---- request bodies --------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
     async def lifespan(app: FastAPI):
         if discovery is not None:
             await discovery.start()
-        log.info("tandem agent %s ready", config.name)
+        log.info("tandem agent %s ready on %s", config.name, config.url)
         try:
             yield
         finally:
@@ -339,7 +339,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
                             stats.update(kv_tokens=item.kv_tokens, prefill_seconds=item.prefill_seconds,
                                          prefill_finished_at=item.finished_at)
                         yield item
-            except httpx.HTTPError as e:
+            except TransportError as e:
                 raise FrameError(f"the page stream from {body.prefill_url} broke off ({type(e).__name__}: {e}) "
                                  f"after {stats['wire_bytes']:,} bytes: nothing was decoded") from e
 

@@ -83,11 +83,19 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
     path = resolve_model(model)
+    # Bind before loading anything: a taken port fails at once, `--port 0` picks a free one, and
+    # the "ready" line is only logged once connections can be accepted.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
     kwargs = {"device": device} if device else {}
     with console.status(f"loading {engine} on {path.name}…"):
         adapter = load_adapter(engine, path, context_length, hash_cache=HashCache(hash_cache_path()), **kwargs)
     config = AgentConfig(node_id=node_id(), name=name or socket.gethostname(), cluster_key=cluster_key(),
-                         staging_bytes=parse_size(staging_bytes), handoff_ttl=handoff_ttl, model_name=path.name)
+                         staging_bytes=parse_size(staging_bytes), handoff_ttl=handoff_ttl, model_name=path.name,
+                         url=f"{'https' if tls_cert else 'http'}://{host}:{port}")
     announcer = None
     if mdns:
         accel = adapter.accelerator()
@@ -101,8 +109,10 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
                   f"contract {adapter.contract.fingerprint[:16]} · {scheme}://{host}:{port} · "
                   f"key: `tandem agent key`" + (" · mDNS on" if mdns else ""))
     try:
-        uvicorn.run(create_app(adapter, config, announcer), host=host, port=port, log_level="warning",
-                    ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(adapter, config, announcer), log_level="warning",
+            ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None))
+        server.run(sockets=[sock])
     finally:
         adapter.close()
 

@@ -182,6 +182,9 @@ class HandoffManager:
             await asyncio.shield(h.task)
         while not h.frames.empty():
             h.frames.get_nowait()
+        if h.reader_attached and outcome in ("cancelled", "expired", "shutdown"):
+            # the reader may be waiting for its next frame: end its stream with the reason
+            h.frames.put_nowait(error_frame(outcome, f"room {h.room} was {outcome} on the prefiller"))
         h.reservation.release()
         self.metrics.handoffs_finished.labels(outcome=outcome).inc()
 

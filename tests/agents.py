@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -17,21 +16,15 @@ TANDEM = str(Path(sys.executable).with_name("tandem"))
 TEST_KEY = "tdm_test-cluster-key-0123456789abcdef"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class AgentProcess:
     """One agent in its own process and data dir. Use as a context manager."""
 
     def __init__(self, engine: str, model: Path, home: Path, *args: str, host: str = "127.0.0.1",
-                 port: int | None = None, netns: str | None = None, key: str = TEST_KEY):
-        self.engine, self.host, self.port, self.key = engine, host, port or free_port(), key
+                 port: int = 0, netns: str | None = None, key: str = TEST_KEY):
+        self.engine, self.host, self.port, self.key = engine, host, port, key
         home.mkdir(parents=True, exist_ok=True)
         cmd = [TANDEM, "agent", "serve", "--engine", engine, "--model", str(model), "--host", host,
-               "--port", str(self.port), "--name", f"{engine}-{self.port}", *args]
+               "--port", str(self.port), "--name", f"{engine}-{home.name}", *args]
         if "--mdns" not in args:
             cmd.append("--no-mdns")
         if netns:
@@ -59,7 +52,8 @@ class AgentProcess:
             line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
             if line is None:
                 raise RuntimeError(f"agent exited with {self.proc.wait()}:\n{''.join(self.log)}")
-            if "ready" in line and "tandem agent" in line:
+            if "ready on" in line and "tandem agent" in line:
+                self.port = int(line.rsplit(":", 1)[1])  # the agent picked a free port (--port 0)
                 return self
 
     def client(self) -> httpx.Client:

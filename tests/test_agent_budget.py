@@ -9,12 +9,15 @@ import uuid
 import httpx
 import pytest
 
+from engine_adapters.pages import FrameExpectation, PageGeometry
 from node_agent.client import AgentClient, AgentHTTPError
+from node_agent.wire import FrameReader, PeerError
 
 from .agents import TEST_KEY, AgentProcess, pd_request, tokens_of
 from .conftest import prompt, run
 
 PAGE = 1_474_560
+GEOMETRY = PageGeometry(30, 3, 64)
 TTL = 4.0
 
 
@@ -110,11 +113,18 @@ def test_cancel_a_waiting_and_a_streaming_request(small, long_ids):
         with pytest.raises(AgentHTTPError) as e:
             await waiter
         assert e.value.status == 499 and "cancelled while waiting" in str(e.value)
-        # cancel the held room while a decoder streams it: the decoder gets a clear error line
+        # cancel the held room while a reader is attached: its stream ends with the reason, no hang
         async with c.page_stream(held["room"]) as chunks:
-            await chunks.__anext__()
-            assert (await c.cancel_handoff(held["room"]))["cancelled"]
+            cancelled = (await c.cancel_handoff(held["room"]))["cancelled"]
             assert not (await c.cancel_handoff(held["room"]))["cancelled"]  # idempotent
+            reader = FrameReader(FrameExpectation(bytes(16), bytes.fromhex(held["room"]), bytes(16), GEOMETRY))
+            reader.expect = None  # this test reads frames without checking their contract
+            try:
+                async for chunk in chunks:
+                    reader.feed(chunk)
+                reader.close()  # a complete stream: every page had left before the cancel landed
+            except PeerError as e:
+                assert cancelled and "cancelled" in str(e)
         await c.aclose()
 
     run(main())
@@ -150,3 +160,26 @@ def test_unread_handoff_expires(small, long_ids):
     idle(small)
     with small.client() as c:
         assert 'tandem_handoffs_finished_total{outcome="expired"}' in c.get("/metrics").text
+
+
+def test_cancel_a_decoding_request_by_id(small, long_ids):
+    async def main():
+        d = AgentClient(small.url, TEST_KEY)
+        info = await d.info()
+        room, ids = uuid.uuid4().hex, prompt(long_ids, 120)
+        sampling = {"max_tokens": 300, "ignore_eos": True}
+        await d.create_handoff(room=room, token_ids=ids, sampling=sampling, mode="commit-first",
+                               contract=info["contract"]["fingerprint"])
+        lines = []
+        async for line in d.lines("/v1/decode", {"room": room, "token_ids": ids, "mode": "commit-first",
+                                                  "sampling": sampling, "prefill_url": small.url,
+                                                  "request_id": "stop-me"}):
+            lines.append(line)
+            if len(lines) == 3:
+                assert (await d._json("DELETE", "/v1/requests/stop-me"))["cancelled"]
+        await d.aclose()
+        return lines
+
+    lines = run(main())
+    assert lines[-1]["error"]["type"] == "Cancelled" and len(lines) < 300
+    idle(small)

@@ -12,7 +12,7 @@ import pytest
 
 from node_agent.client import AgentClient, AgentHTTPError
 
-from .agents import TEST_KEY, AgentProcess, free_port, pd_request
+from .agents import TEST_KEY, AgentProcess, pd_request
 from .conftest import prompt, run
 
 
@@ -22,7 +22,7 @@ class TamperProxy:
 
     def __init__(self, upstream_port: int, flip_at: int | None = None, cut_at: int | None = None):
         self.upstream_port, self.flip_at, self.cut_at = upstream_port, flip_at, cut_at
-        self.port = free_port()
+        self.port = 0
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
@@ -34,7 +34,8 @@ class TamperProxy:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
         self._ready.set()
         self.loop.run_forever()
 

@@ -1,0 +1,161 @@
+"""Page streaming between two processes on loopback vs a raw TCP copy of the same bytes.
+
+    .venv/bin/python bench/bench_link.py [--pages 2000] [--staging 512MiB]
+
+Starts a real agent (`tandem agent serve`, torch, embedded model), then in this process:
+- agent stream: pulls N synthetic pages (SmolLM2 geometry, 1.47 MB each) from
+  GET /v1/bench/pages through the decoder's own path (pooled httpx client + FrameReader:
+  reassembly, checksum and expectation checks, pages viewed in place);
+- raw TCP: a socket server in a thread sends the same frames with sendall, and a client
+  recv_into's them into one reused buffer — the floor any HTTP transport sits above.
+Prints both throughputs and their ratio (goal >= 0.9x and >= 1 GB/s), and the RSS of the agent
+and of this reader during the transfer (sampled every 10 ms; baseline, peak and growth) against
+2x the staging budget. The reader runs on uvloop, as the agent's own decoder side does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import uvloop  # noqa: E402
+
+from engine_adapters.embedded_model import is_fetched, model_dir  # noqa: E402
+from engine_adapters.pages import FrameExpectation, PageGeometry, frame_bytes, make_page  # noqa: E402
+from node_agent.cli import parse_size  # noqa: E402
+from node_agent.client import AgentClient  # noqa: E402
+from node_agent.settings import data_dir  # noqa: E402
+from node_agent.wire import FrameReader  # noqa: E402
+
+KEY = "tdm_bench-link-key-0123456789abcdef"
+SMOLLM2 = PageGeometry(layers=30, kv_heads=3, head_dim=64)
+
+
+class RssSampler:
+    """Highest resident set size of some processes while a `with` block runs."""
+
+    def __init__(self, *pids: int):
+        self.procs = [psutil.Process(pid) for pid in pids]
+        self.baseline = [p.memory_info().rss for p in self.procs]
+        self.peak = list(self.baseline)
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            for i, p in enumerate(self.procs):
+                self.peak[i] = max(self.peak[i], p.memory_info().rss)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def start_agent(staging: str) -> tuple[subprocess.Popen, int]:
+    env = {**os.environ, "TANDEM_CLUSTER_KEY": KEY, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("tandem")), "agent", "serve", "--engine", "torch",
+                             "--host", "127.0.0.1", "--port", "0", "--no-mdns", "--staging-bytes", staging],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # wait for the agent's own "ready" line
+        if "ready on" in line:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc, int(line.rsplit(":", 1)[1])
+    raise RuntimeError("agent did not start")
+
+
+async def agent_stream(url: str, pages: int, expect: FrameExpectation) -> tuple[float, int]:
+    client = AgentClient(url, KEY)
+    try:
+        reader, count = FrameReader(expect), 0
+        t0 = time.perf_counter()
+        async with client.page_stream("", path=f"/v1/bench/pages?count={pages}") as chunks:
+            async for chunk in chunks:
+                count += sum(1 for _ in reader.feed(chunk))
+        reader.close()
+        seconds = time.perf_counter() - t0
+        assert count == pages + 1, count  # pages + the final frame
+        return seconds, reader.bytes_read
+    finally:
+        await client.aclose()
+
+
+def raw_tcp(frame: bytes, pages: int, final: bytes) -> tuple[float, int]:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def send() -> None:
+        conn, _ = server.accept()
+        with conn:
+            for _ in range(pages):
+                conn.sendall(frame)
+            conn.sendall(final)
+
+    threading.Thread(target=send, daemon=True).start()
+    buf = bytearray(1 << 20)
+    view, total = memoryview(buf), 0
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        t0 = time.perf_counter()
+        while n := s.recv_into(view):
+            total += n
+        seconds = time.perf_counter() - t0
+    server.close()
+    return seconds, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, default=2000)
+    ap.add_argument("--staging", default="512MiB")
+    args = ap.parse_args()
+    if not is_fetched(data_dir()):
+        sys.exit("run `tandem model fetch` first")
+    agent, port = start_agent(args.staging)
+    try:
+        from engine_adapters.contract import compute_contract
+        from engine_adapters.model_dir import inspect_model
+
+        info = inspect_model(model_dir(data_dir()))
+        contract = compute_contract(info, info.max_context).fingerprint_bytes
+        expect = FrameExpectation(contract, b"\0" * 16, b"\0" * 16, SMOLLM2)
+        uvloop.run(agent_stream(f"http://127.0.0.1:{port}", 20, expect))  # warm-up
+        with RssSampler(agent.pid, os.getpid()) as rss:
+            http_s, http_bytes = uvloop.run(agent_stream(f"http://127.0.0.1:{port}", args.pages, expect))
+        page = make_page(SMOLLM2, 0, np.zeros(SMOLLM2.page_shape, dtype="<f2"))
+        frame = frame_bytes(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16)
+        tcp_s, tcp_bytes = raw_tcp(frame, args.pages, b"\0" * 64)
+    finally:
+        agent.terminate()
+        agent.wait(30)
+    budget = parse_size(args.staging)
+    http_rate, tcp_rate = http_bytes / http_s, tcp_bytes / tcp_s
+    print(f"{args.pages} pages of {SMOLLM2.page_bytes:,} bytes ({http_bytes / 1e9:.2f} GB) on loopback")
+    print(f"raw TCP (reference)   {tcp_rate / 1e9:6.2f} GB/s")
+    print(f"agent page stream     {http_rate / 1e9:6.2f} GB/s   ratio {http_rate / tcp_rate:.2f}x raw TCP "
+          f"(goal >= 0.9x and >= 1 GB/s)")
+    mib = 2**20
+    growth = [peak - base for peak, base in zip(rss.peak, rss.baseline)]
+    for who, base, peak, grew in zip(("agent", "reader"), rss.baseline, rss.peak, growth):
+        print(f"RSS {who:6s} baseline {base / mib:7,.0f} MiB  peak {peak / mib:7,.0f} MiB  "
+              f"growth during transfer {grew / mib:6,.0f} MiB")
+    print(f"2x staging budget = {2 * budget / mib:,.0f} MiB: transfer growth "
+          f"{'within' if max(growth) < 2 * budget else 'OVER'}; the agent's baseline is mostly model weights")
+
+
+if __name__ == "__main__":
+    main()
