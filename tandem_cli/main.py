@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from control_panel import cli as panel_cli
 from node_agent import cli as agent_cli
 
 from . import demo_cmd, model_cmd
@@ -12,6 +13,7 @@ app = typer.Typer(help="Tandem: one LLM service from the machines on your desk (
                   no_args_is_help=True, add_completion=False)
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(agent_cli.app, name="agent")
+app.command("panel")(panel_cli.panel)
 app.command("demo")(demo_cmd.demo)
 
 

@@ -108,3 +108,38 @@ async def pd_request(p_url: str, d_url: str, token_ids: list[int], sampling: dic
 def tokens_of(lines: list[dict]) -> list[int]:
     assert "error" not in lines[-1], lines[-1]
     return [line["token"] for line in lines if "token" in line]
+
+
+class PanelProcess:
+    """`tandem panel` in a subprocess; `api_key` holds the key it printed."""
+
+    def __init__(self, home: Path, *args: str, key: str = TEST_KEY):
+        env = {**os.environ, "TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, "PYTHONUNBUFFERED": "1",
+               "COLUMNS": "300"}
+        self.proc = subprocess.Popen([TANDEM, "panel", "--port", "0", "--api-key", "tests", *args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        self.api_key = self.admin_password = self.url = None
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if line.startswith("API key"):
+                self.api_key = line.split(": ", 1)[1].strip()
+            if line.startswith("admin password"):
+                self.admin_password = line.rsplit(": ", 1)[1].strip()
+            if "tandem panel ready on" in line:
+                self.url = line.rsplit(" ", 1)[1].strip()
+                break
+        if self.url is None:
+            raise RuntimeError(f"panel exited with {self.proc.wait()}:\n{''.join(self.log)}")
+        threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stdout], daemon=True).start()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+    def __enter__(self) -> "PanelProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

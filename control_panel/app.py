@@ -1,0 +1,48 @@
+"""The control panel's ASGI app: state in SQLite, the OpenAI-compatible API, (UI to come)."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from .db import get_setting, open_db, set_setting
+from .openai_api import OpenAIError, make_openai_router
+from .router import Router
+from .services import log_request
+
+
+def create_panel_app(data_dir: Path, cluster_key: str | None = None) -> FastAPI:
+    engine = open_db(data_dir / "panel.db")
+    if cluster_key:
+        set_setting(engine, "cluster_key", cluster_key)
+    router = Router(get_setting(engine, "cluster_key") or "")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            await router.aclose()
+
+    app = FastAPI(title="Tandem panel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.db, app.state.router = engine, router
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'][1:])}: {err['msg']}" for err in e.errors())
+        return OpenAIError(400, f"invalid request: {problems}").response()
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"ok": True}
+
+    app.include_router(make_openai_router(engine, router, lambda row: log_request(engine, row)))
+    return app

@@ -1,0 +1,62 @@
+"""`tandem panel`: the control panel and its OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+console = Console()
+
+
+def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+          port: int = typer.Option(8080, help="Port to listen on (0 picks a free one)."),
+          data_dir: Path = typer.Option(None, help="Where the panel keeps panel.db (default: $TANDEM_HOME/panel)."),
+          cluster_key: str = typer.Option(None, envvar="TANDEM_CLUSTER_KEY", help="The cluster key of your agents."),
+          node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
+          pair: list[str] = typer.Option(None, help="NAME=PREFILL_URL,DECODE_URL: expose a P/D pair (repeatable)."),
+          api_key: str = typer.Option(None, help="Create an API key with this name and print it once.")) -> None:
+    """Serve the panel: add agents, pair them, and answer OpenAI API requests."""
+    import uvicorn
+    from sqlmodel import Session  # noqa: F401
+
+    from node_agent.settings import data_dir as tandem_home
+
+    from .app import create_panel_app
+    from .security import create_api_key, ensure_admin_password
+    from .services import add_node, create_pair
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    data_dir = data_dir or tandem_home() / "panel"
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    web = create_panel_app(data_dir, cluster_key)
+    engine, key = web.state.db, web.state.router.cluster_key
+    password = ensure_admin_password(engine)
+    if password:
+        console.print(f"[bold]admin password[/] (shown once, stored hashed): {password}")
+
+    async def bootstrap() -> None:
+        for url in node or []:
+            n = await add_node(engine, url, key)
+            console.print(f"node {n.name} at {n.url}: {n.engine}, {n.model}")
+        for spec in pair or []:
+            name, _, urls = spec.partition("=")
+            p_url, _, d_url = urls.partition(",")
+            created = await create_pair(engine, key, name, p_url, d_url)
+            console.print(f"pair [bold]{created.name}[/]: {created.prefill_engine} prefill -> "
+                          f"{created.decode_engine} decode")
+
+    asyncio.run(bootstrap())
+    if api_key:
+        console.print(f"[bold]API key[/] {api_key}: {create_api_key(engine, api_key)}")
+    console.print(f"Tandem panel on http://{host}:{port} · OpenAI API at http://{host}:{port}/v1")
+    logging.getLogger("tandem.panel").info("tandem panel ready on http://%s:%d", host, port)
+    uvicorn.Server(uvicorn.Config(web, log_level="warning")).run(sockets=[sock])

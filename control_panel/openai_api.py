@@ -1,0 +1,271 @@
+"""The OpenAI-compatible API: /v1/models, /v1/chat/completions, /v1/completions.
+
+Streaming answers are SSE (`data: {...}` chunks, then `data: [DONE]`); a final usage chunk comes
+when `stream_options.include_usage` is set. Errors use OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`: 400 for parameters Tandem cannot honour,
+401 for a missing or wrong API key, 404 for an unknown model, 429 with Retry-After when the
+prefiller's budget is busy past the deadline, 503 when no route is up.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, ClassVar
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import Engine
+from sqlmodel import Session, select
+
+from .models import Node, Pair, RequestLog
+from .router import RouteError, Router, RouteStats, Target
+from .security import api_key_valid
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code, self.retry_after = status, kind, param, code, retry_after
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(int(self.retry_after))} if self.retry_after else None
+        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=headers)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extension (vLLM and others accept it too)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+
+    # parameters OpenAI defines that Tandem does not implement: refused, never silently ignored
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                   "logit_bias", "response_format", "echo", "suffix", "best_of", "parallel_tool_calls",
+                   "audio", "modalities", "prediction")
+
+    def check(self) -> None:
+        if self.n != 1:
+            raise OpenAIError(400, "n must be 1: Tandem returns one choice per request", param="n")
+        extra = self.model_extra or {}
+        for name in self.UNSUPPORTED:
+            value = extra.get(name)
+            if value not in (None, False, 0, "text", {"type": "text"}) and not (name == "best_of" and value == 1):
+                raise OpenAIError(400, f"the parameter `{name}` is not supported by Tandem", param=name)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if extra.get(name) not in (None, 0, 0.0):
+                raise OpenAIError(400, f"the parameter `{name}` is not supported by Tandem", param=name)
+        unknown = set(extra) - set(self.UNSUPPORTED) - {"presence_penalty", "frequency_penalty",
+                                                        "max_completion_tokens", "metadata", "store"}
+        if unknown:
+            raise OpenAIError(400, f"unknown parameter(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+
+    def sampling(self) -> dict:
+        max_tokens = self.max_tokens or (self.model_extra or {}).get("max_completion_tokens") or 256
+        return {"max_tokens": int(max_tokens), "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed}
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatBody(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+
+
+class CompletionBody(_Common):
+    prompt: str | list[str] | list[int]
+
+
+def resolve_target(engine: Engine, model: str) -> Target:
+    """A pair by its name, or a single node as `node/<name>`."""
+    with Session(engine) as s:
+        pair = s.exec(select(Pair).where(Pair.name == model)).first()
+        if pair is not None:
+            p, d = s.get(Node, pair.prefill_node_id), s.get(Node, pair.decode_node_id)
+            return Target(pair.name, d.url, p.url, pair.local_threshold, pair.fallback)
+        if model.startswith("node/"):
+            node = s.exec(select(Node).where(Node.name == model[5:], Node.paired == True)).first()  # noqa: E712
+            if node is not None:
+                return Target(model, node.url)
+    raise OpenAIError(404, f"the model `{model}` does not exist (see GET /v1/models)", code="model_not_found",
+                      param="model")
+
+
+class _StopScanner:
+    """Cuts the text at the first stop string, holding back what could still become one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.pending, self.hit = [s for s in stops if s], "", False
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def feed(self, text: str) -> str:
+        self.pending += text
+        for stop in self.stops:
+            at = self.pending.find(stop)
+            if at >= 0:
+                self.hit = True
+                out, self.pending = self.pending[:at], ""
+                return out
+        cut = max(0, len(self.pending) - self.hold)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def make_openai_router(engine: Engine, router: Router, log_request: Callable[[RequestLog], None]) -> APIRouter:
+    async def authorize(authorization: str | None = Header(None)) -> None:
+        # A dependency: it runs before the body is validated, so a bad key is always a 401.
+        token = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
+        if not api_key_valid(engine, token):
+            raise OpenAIError(401, "missing or wrong API key (create one in the panel's Settings)",
+                              kind="invalid_request_error", code="invalid_api_key")
+
+    api = APIRouter(dependencies=[Depends(authorize)])
+
+    @api.get("/v1/models")
+    async def models():
+        with Session(engine) as s:
+            names = [p.name for p in s.exec(select(Pair))]
+            names += [f"node/{n.name}" for n in s.exec(select(Node).where(Node.paired == True))]  # noqa: E712
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "tandem"}
+                                           for n in names]}
+
+    async def serve(body: _Common, chat: bool, request: Request):
+        body.check()
+        target = resolve_target(engine, body.model)
+        if chat:
+            ids = await router.tokenize(target, body.messages, None)
+        elif isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
+            ids = list(body.prompt)
+        else:
+            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            if len(prompts) != 1:
+                raise OpenAIError(400, "exactly one prompt per request is supported", param="prompt")
+            ids = await router.tokenize(target, None, prompts[0])
+        sampling = body.sampling()
+        stats = RouteStats()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        events = router.run(target, ids, sampling, stats)
+        scanner = _StopScanner(body.stops)
+
+        def log(outcome: str, error: str = "") -> None:
+            log_request(RequestLog(model=body.model, route=stats.route, reason=stats.reason,
+                                   prompt_tokens=len(ids), ttft_ms=stats.ttft_ms, output_tokens=stats.output_tokens,
+                                   bytes_moved=stats.bytes_moved, outcome=outcome, error=error))
+
+        async def texts() -> AsyncIterator[str]:
+            """Text deltas until the end, a stop string or an error (raised as RouteError)."""
+            try:
+                async for event in events:
+                    if "error" in event:
+                        raise RouteError(event["error"]["message"], 503)
+                    if "token" in event:
+                        delta = scanner.feed(event["text"])
+                        if delta:
+                            yield delta
+                        if scanner.hit:
+                            stats.finish_reason = "stop"
+                            return
+                rest = scanner.flush()
+                if rest:
+                    yield rest
+            finally:
+                await events.aclose()  # a stop string or a client gone: abort both roles now
+
+        def usage() -> dict:
+            return {"prompt_tokens": len(ids), "completion_tokens": stats.output_tokens,
+                    "total_tokens": len(ids) + stats.output_tokens}
+
+        def chunk(delta: str | None, finish: str | None) -> dict:
+            if chat:
+                d = {} if delta is None else {"content": delta}
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                        "choices": [{"index": 0, "delta": d, "finish_reason": finish}]}
+            return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
+                    "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+
+        if not body.stream:
+            try:
+                text = "".join([t async for t in texts()])
+            except RouteError as e:
+                log("error", str(e))
+                raise OpenAIError(e.status, str(e), kind=e.kind, retry_after=e.retry_after) from e
+            log("ok")
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                       "finish_reason": stats.finish_reason or "stop"} if chat else
+                      {"index": 0, "text": text, "logprobs": None, "finish_reason": stats.finish_reason or "stop"})
+            return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                    "model": body.model, "choices": [choice], "usage": usage()}
+
+        # Streaming: pull the first event before answering, so routing errors are real HTTP errors.
+        gen = texts()
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except RouteError as e:
+            log("error", str(e))
+            raise OpenAIError(e.status, str(e), kind=e.kind, retry_after=e.retry_after) from e
+
+        async def sse() -> AsyncIterator[bytes]:
+            outcome, error = "cancelled", ""
+            try:
+                if chat:
+                    head = chunk(None, None)
+                    head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                    yield _sse(head)
+                if first is not None:
+                    yield _sse(chunk(first, None))
+                    async for delta in gen:
+                        yield _sse(chunk(delta, None))
+                yield _sse(chunk(None, stats.finish_reason or "stop"))
+                if body.stream_options and body.stream_options.include_usage:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": created, "model": body.model, "choices": [], "usage": usage()})
+                yield b"data: [DONE]\n\n"
+                outcome = "ok"
+            except RouteError as e:
+                outcome, error = "error", str(e)
+                yield _sse({"error": {"message": str(e), "type": e.kind, "param": None, "code": None}})
+                yield b"data: [DONE]\n\n"
+            finally:
+                await gen.aclose()
+                log(outcome, error)
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request):
+        return await serve(body, True, request)
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        return await serve(body, False, request)
+
+    return api
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"

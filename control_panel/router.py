@@ -1,0 +1,159 @@
+"""Routing one request: prefill on P and decode on D at once, or D alone when that is better.
+
+For a pair the router allocates a room, asks P to reserve budget and start prefill, and at once
+asks D to decode that room — D pulls P's pages as they stream. D's tokens come back as they are
+made. Prompts under the pair's threshold run on D alone, and so do requests whose P is down or
+fails before its first page (when the pair's fallback policy allows); each event says the route
+taken and why. Leaving the iterator early (the client went away) aborts both roles.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from node_agent.client import AgentClient, AgentHTTPError, TransportError
+
+
+class RouteError(Exception):
+    """The request cannot be served; `status` and `retry_after` shape the API answer."""
+
+    def __init__(self, message: str, status: int = 503, retry_after: float | None = None, kind: str = "route_error"):
+        super().__init__(message)
+        self.status, self.retry_after, self.kind = status, retry_after, kind
+
+
+@dataclass
+class Target:
+    """Where a model name runs: a pair (prefill + decode) or one node."""
+    name: str
+    decode_url: str
+    prefill_url: str | None = None
+    local_threshold: int = 0
+    fallback: str = "decode_alone"
+
+
+@dataclass
+class RouteStats:
+    route: str = ""
+    reason: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+    bytes_moved: int = 0
+    finish_reason: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Router:
+    def __init__(self, cluster_key: str):
+        self.cluster_key = cluster_key
+        self._clients: dict[str, AgentClient] = {}
+
+    def client(self, url: str) -> AgentClient:
+        if url not in self._clients:
+            self._clients[url] = AgentClient(url, self.cluster_key)
+        return self._clients[url]
+
+    async def aclose(self) -> None:
+        for c in self._clients.values():
+            await c.aclose()
+        self._clients.clear()
+
+    async def tokenize(self, target: Target, messages: list[dict] | None, prompt: str | None) -> list[int]:
+        try:
+            return await self.client(target.decode_url).tokenize(messages=messages, prompt=prompt)
+        except AgentHTTPError as e:
+            raise RouteError(str(e), 400 if e.status == 400 else 503) from e
+        except TransportError as e:
+            raise RouteError(f"the decoder of {target.name} is not reachable: {e}", 503) from e
+
+    async def run(self, target: Target, token_ids: list[int], sampling: dict,
+                  stats: RouteStats) -> AsyncIterator[dict]:
+        """NDJSON-style events from D: {"token", "text"} …, then {"done": true, ...}."""
+        stats.prompt_tokens = len(token_ids)
+        if target.prefill_url is None:
+            stats.route = "node"
+            async for event in self._stream(target.decode_url, "/v1/generate",
+                                            {"token_ids": token_ids, "sampling": sampling}, stats):
+                yield event
+            return
+        if len(token_ids) < target.local_threshold:
+            stats.route, stats.reason = "decode_alone", f"prompt of {len(token_ids)} tokens is under the pair's threshold"
+            async for event in self._alone(target, token_ids, sampling, stats):
+                yield event
+            return
+        room = uuid.uuid4().hex
+        d, p = self.client(target.decode_url), self.client(target.prefill_url)
+        try:
+            info = await d.info()
+            mode = info["decoder_modes"][0]
+            await p.create_handoff(room=room, token_ids=token_ids, sampling=sampling, mode=mode,
+                                   contract=info["contract"]["fingerprint"])
+        except AgentHTTPError as e:
+            if e.status == 429:
+                raise RouteError(f"the prefiller of {target.name} is busy: {e}", 429, retry_after=2.0,
+                                 kind="rate_limit_exceeded") from e
+            if e.status in (400, 409, 413):
+                raise RouteError(str(e), 400, kind="invalid_request_error") from e
+            async for event in self._fallback(target, token_ids, sampling, stats, f"prefiller failed: {e}"):
+                yield event
+            return
+        except TransportError as e:
+            async for event in self._fallback(target, token_ids, sampling, stats, f"prefiller unreachable: {e}"):
+                yield event
+            return
+        stats.route = "pd"
+        finished = False
+        try:
+            first = True
+            async for event in self._stream(target.decode_url, "/v1/decode",
+                                            {"room": room, "token_ids": token_ids, "sampling": sampling,
+                                             "mode": mode, "prefill_url": target.prefill_url}, stats):
+                if first and "error" in event and event.get("pages", 0) == 0 and target.fallback == "decode_alone":
+                    # P failed before its first page reached D: serve the request on D alone
+                    async for alt in self._fallback(target, token_ids, sampling, stats,
+                                                    f"prefill failed before its first page: {event['error']['message']}"):
+                        yield alt
+                    finished = True
+                    return
+                first = False
+                yield event
+            finished = True
+        finally:
+            if not finished:  # the client went away: make sure P lets go of the room too
+                try:
+                    await p.cancel_handoff(room)
+                except (AgentHTTPError, *TransportError):
+                    pass
+
+    async def _fallback(self, target, token_ids, sampling, stats, reason) -> AsyncIterator[dict]:
+        if target.fallback != "decode_alone":
+            raise RouteError(f"{target.name}: {reason} (fallback disabled)", 503)
+        stats.route, stats.reason = "decode_alone", reason
+        async for event in self._alone(target, token_ids, sampling, stats):
+            yield event
+
+    async def _alone(self, target, token_ids, sampling, stats) -> AsyncIterator[dict]:
+        async for event in self._stream(target.decode_url, "/v1/generate",
+                                        {"token_ids": token_ids, "sampling": sampling}, stats):
+            yield event
+
+    async def _stream(self, url: str, path: str, body: dict, stats: RouteStats) -> AsyncIterator[dict]:
+        try:
+            async for event in self.client(url).lines(path, body):
+                if "token" in event:
+                    if stats.ttft_ms is None:
+                        stats.ttft_ms = (time.perf_counter() - stats.started) * 1000
+                    stats.output_tokens += 1
+                elif event.get("done"):
+                    stats.bytes_moved = event.get("wire_bytes", 0)
+                    stats.finish_reason = event.get("finish_reason")
+                yield event
+        except AgentHTTPError as e:
+            raise RouteError(str(e), 400 if e.status == 400 else 503,
+                             kind="invalid_request_error" if e.status == 400 else "route_error") from e
+        except TransportError as e:
+            raise RouteError(f"{url} is not reachable: {e}", 503) from e

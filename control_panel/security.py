@@ -1,0 +1,56 @@
+"""Credentials: the admin password (argon2), API keys (stored as SHA-256), the cluster key."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from argon2 import PasswordHasher
+from argon2.exceptions import VerificationError
+from sqlalchemy import Engine
+from sqlmodel import Session, select
+
+from .db import get_setting, set_setting
+from .models import ApiKey
+
+_hasher = PasswordHasher()
+
+
+def ensure_admin_password(engine: Engine) -> str | None:
+    """Generate the admin password on first start; return it once (None if it already existed)."""
+    if get_setting(engine, "admin_password_hash"):
+        return None
+    password = secrets.token_urlsafe(12)
+    set_setting(engine, "admin_password_hash", _hasher.hash(password))
+    return password
+
+
+def check_admin_password(engine: Engine, password: str) -> bool:
+    stored = get_setting(engine, "admin_password_hash")
+    try:
+        return bool(stored) and _hasher.verify(stored, password)
+    except VerificationError:
+        return False
+
+
+def _digest(key: str) -> str:
+    # API keys are 256-bit random strings: a fast hash is enough (nothing to brute-force).
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_api_key(engine: Engine, name: str) -> str:
+    key = "tsk_" + secrets.token_urlsafe(32)
+    with Session(engine) as s:
+        s.add(ApiKey(name=name, prefix=key[:10], key_hash=_digest(key)))
+        s.commit()
+    return key
+
+
+def api_key_valid(engine: Engine, presented: str | None) -> bool:
+    if not presented:
+        return False
+    digest = _digest(presented)
+    with Session(engine) as s:
+        found = s.exec(select(ApiKey.key_hash).where(ApiKey.key_hash == digest)).first()
+    return found is not None and hmac.compare_digest(found, digest)
