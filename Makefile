@@ -9,7 +9,7 @@ OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 
 run: setup
 	$(BIN)/tandem model fetch
-	$(BIN)/tandem demo
+	$(BIN)/tandem up
 
 test: setup
 	$(BIN)/tandem model fetch

@@ -1,60 +1,31 @@
-"""Real agent processes for tests: `tandem agent serve` in a subprocess, ready when it says so."""
+"""Real agent and panel processes for tests (the product's own launcher), and a P/D router."""
 
 from __future__ import annotations
 
-import os
-import queue
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 
-TANDEM = str(Path(sys.executable).with_name("tandem"))
+from tandem_cli.processes import TANDEM, ServiceProcess  # noqa: F401  (TANDEM is used by tests)
+
 TEST_KEY = "tdm_test-cluster-key-0123456789abcdef"
 
 
-class AgentProcess:
-    """One agent in its own process and data dir. Use as a context manager."""
+class AgentProcess(ServiceProcess):
+    """One agent in its own process and data dir, on a free port. Use as a context manager."""
 
     def __init__(self, engine: str, model: Path, home: Path, *args: str, host: str = "127.0.0.1",
-                 port: int = 0, netns: str | None = None, key: str = TEST_KEY):
-        self.engine, self.host, self.port, self.key = engine, host, port, key
+                 netns: str | None = None, key: str = TEST_KEY):
         home.mkdir(parents=True, exist_ok=True)
-        cmd = [TANDEM, "agent", "serve", "--engine", engine, "--model", str(model), "--host", host,
-               "--port", str(self.port), "--name", f"{engine}-{home.name}", *args]
-        if "--mdns" not in args:
-            cmd.append("--no-mdns")
-        if netns:
-            cmd = ["ip", "netns", "exec", netns, *cmd]
-        env = {**os.environ, "TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self.engine, self.host, self.key = engine, host, key
+        extra = [] if "--mdns" in args else ["--no-mdns"]
+        super().__init__(["agent", "serve", "--engine", engine, "--model", str(model), "--host", host, "--port", "0",
+                          "--name", f"{engine}-{home.name}", *args, *extra],
+                         env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key}, netns=netns)
 
     @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def wait_ready(self, timeout: float = 180) -> "AgentProcess":
-        """Block until the agent logs that it is ready (its own event; no polling)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            if line is None:
-                raise RuntimeError(f"agent exited with {self.proc.wait()}:\n{''.join(self.log)}")
-            if "ready on" in line and "tandem agent" in line:
-                self.port = int(line.rsplit(":", 1)[1])  # the agent picked a free port (--port 0)
-                return self
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60)
@@ -65,17 +36,27 @@ class AgentProcess:
             r.raise_for_status()
             return r.json()
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
     def __enter__(self) -> "AgentProcess":
-        return self.wait_ready()
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class PanelProcess(ServiceProcess):
+    """`tandem panel` on a free port; `api_key` and `admin_password` hold what it printed once."""
+
+    def __init__(self, home: Path, *args: str, key: str = TEST_KEY):
+        super().__init__(["panel", "--port", "0", "--api-key", "tests", *args],
+                         env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"})
+        self.wait_ready()
+        keys, passwords = self.lines_matching("API key"), self.lines_matching("admin password")
+        self.api_key = keys[-1].rsplit(": ", 1)[1].strip() if keys else None
+        self.admin_password = passwords[-1].rsplit(": ", 1)[1].strip() if passwords else None
+
+    def __enter__(self) -> "PanelProcess":
+        return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -108,38 +89,3 @@ async def pd_request(p_url: str, d_url: str, token_ids: list[int], sampling: dic
 def tokens_of(lines: list[dict]) -> list[int]:
     assert "error" not in lines[-1], lines[-1]
     return [line["token"] for line in lines if "token" in line]
-
-
-class PanelProcess:
-    """`tandem panel` in a subprocess; `api_key` holds the key it printed."""
-
-    def __init__(self, home: Path, *args: str, key: str = TEST_KEY):
-        env = {**os.environ, "TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, "PYTHONUNBUFFERED": "1",
-               "COLUMNS": "300"}
-        self.proc = subprocess.Popen([TANDEM, "panel", "--port", "0", "--api-key", "tests", *args], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        self.api_key = self.admin_password = self.url = None
-        for line in self.proc.stdout:
-            self.log.append(line)
-            if line.startswith("API key"):
-                self.api_key = line.split(": ", 1)[1].strip()
-            if line.startswith("admin password"):
-                self.admin_password = line.rsplit(": ", 1)[1].strip()
-            if "tandem panel ready on" in line:
-                self.url = line.rsplit(" ", 1)[1].strip()
-                break
-        if self.url is None:
-            raise RuntimeError(f"panel exited with {self.proc.wait()}:\n{''.join(self.log)}")
-        threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stdout], daemon=True).start()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
-
-    def __enter__(self) -> "PanelProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

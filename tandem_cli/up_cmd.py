@@ -1,0 +1,95 @@
+"""`tandem up`: the whole product on one machine — two agents and a panel, already paired.
+
+Starts a torch agent (prefill) and an MLX agent (decode) on the embedded model, and the panel with
+the pair `smollm2` (torch -> MLX) and `smollm2-reverse` (MLX -> torch), all bound to 127.0.0.1 and
+without LAN announcements. Prints the panel URL, the admin password, an API key and one example
+answer through the pair, then runs until Ctrl-C and stops everything cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import threading
+import time
+
+import httpx
+import typer
+
+from node_agent.identity import cluster_key
+from node_agent.settings import data_dir
+
+from .model_cmd import ensure_embedded_model
+from .processes import ServiceProcess
+from .progress import console
+
+
+def up(prefill: str = typer.Option("torch", help="Engine of the prefill agent."),
+       decode: str = typer.Option("mlx", help="Engine of the decode agent."),
+       panel_port: int = typer.Option(8080, help="Panel port."),
+       ask: str = typer.Option("What is the capital of France?", help="Example question asked once at start.")) -> None:
+    """Run two local agents and the panel, paired, on the embedded model."""
+    model = ensure_embedded_model()
+    key = cluster_key()
+    home = data_dir()
+    env = {"TANDEM_CLUSTER_KEY": key}
+    services: list[ServiceProcess] = []
+    try:
+        with console.status(f"starting the {prefill} and {decode} agents…"):
+            agents = [ServiceProcess(["agent", "serve", "--engine", engine, "--model", str(model), "--host", "127.0.0.1",
+                                      "--port", "0", "--no-mdns", "--name", f"{role}-{engine}"],
+                                     env={**env, "TANDEM_HOME": str(home / "agents" / role)})
+                      for role, engine in (("prefill", prefill), ("decode", decode))]
+            services += agents
+            p_url, d_url = (a.wait_ready() for a in agents)
+        api_key_name = f"make-run-{secrets.token_hex(2)}"
+        with console.status("starting the panel…"):
+            panel = ServiceProcess(["panel", "--port", str(panel_port), "--api-key", api_key_name,
+                                    "--pair", f"smollm2={p_url},{d_url}", "--pair", f"smollm2-reverse={d_url},{p_url}"],
+                                   env={**env, "COLUMNS": "300"})
+            services.append(panel)
+            panel_url = panel.wait_ready()
+        api_key = panel.lines_matching("API key")[-1].rsplit(": ", 1)[1].strip()
+        password = panel.lines_matching("admin password")
+        console.print(f"\n[bold green]Tandem is up[/]  panel {panel_url}  ·  OpenAI API {panel_url}/v1")
+        console.print(f"  prefill agent {p_url} ({prefill}) -> decode agent {d_url} ({decode}), model "
+                      "[bold]smollm2[/] (and [bold]smollm2-reverse[/])")
+        console.print(f"  admin password: {password[-1].rsplit(': ', 1)[1].strip() if password else '(set on first start)'}")
+        console.print(f"  API key: {api_key}")
+        example(panel_url, api_key, ask)
+        console.print(f"\n  curl {panel_url}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
+                      "-H 'Content-Type: application/json' -d '{\"model\": \"smollm2\", \"stream\": true, "
+                      "\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'")
+        console.print("\nCtrl-C stops everything.")
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        while not stop.wait(3600):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        with console.status("stopping…"):
+            for service in reversed(services):
+                service.stop()
+        console.print("stopped.")
+
+
+def example(panel_url: str, api_key: str, question: str) -> None:
+    """One streamed answer through the pair, with its time to first token."""
+    body = {"model": "smollm2", "stream": True, "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": question}], "stream_options": {"include_usage": True}}
+    console.print(f"\n  [bold]user[/] {question}\n  [bold]assistant[/] ", end="")
+    t0, ttft = time.perf_counter(), None
+    with httpx.stream("POST", f"{panel_url}/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {api_key}"}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                text = choice["delta"].get("content")
+                if text:
+                    ttft = ttft or time.perf_counter() - t0
+                    console.print(text, end="", markup=False, highlight=False)
+    console.print(f"\n  [dim](first token after {ttft * 1000:.0f} ms through the torch -> MLX pair)[/]")

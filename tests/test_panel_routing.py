@@ -1,0 +1,94 @@
+"""Routing behaviour of the panel: client disconnects, fallback when P is down, the request log,
+migrations and restarts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import sqlalchemy as sa
+from sqlmodel import Session, create_engine, select
+
+from control_panel.db import open_db
+from control_panel.models import Pair, RequestLog
+
+from .agents import AgentProcess, PanelProcess
+
+
+def settle(*agents: AgentProcess, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = [(s["name"], s["budget"]["reserved"], s["open_handoffs"], s["active_requests"])
+                for s in (a.status() for a in agents)
+                if s["budget"]["reserved"] or s["open_handoffs"] or s["active_requests"]]
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"agents still hold resources: {busy}"
+        time.sleep(0.1)
+
+
+def log_rows(home: Path) -> list[RequestLog]:
+    with Session(create_engine(f"sqlite:///{home / 'panel' / 'panel.db'}")) as s:
+        return list(s.exec(select(RequestLog).order_by(RequestLog.id)))
+
+
+@pytest.fixture(scope="module")
+def cluster(smol_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("routing")
+    with AgentProcess("torch", smol_dir, home / "p") as p, AgentProcess("torch", smol_dir, home / "d") as d:
+        with PanelProcess(home, "--pair", f"pd={p.url},{d.url}") as panel:
+            yield {"p": p, "d": d, "panel": panel, "home": home,
+                   "client": openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)}
+
+
+def test_client_disconnect_aborts_both_roles(cluster):
+    stream = cluster["client"].chat.completions.create(
+        model="pd", stream=True, max_tokens=500, temperature=0,
+        messages=[{"role": "user", "content": "Write a very long story about a lighthouse."}])
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    settle(cluster["p"], cluster["d"])
+    deadline = time.monotonic() + 10
+    while not log_rows(cluster["home"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    row = log_rows(cluster["home"])[-1]
+    assert row.route == "pd" and row.outcome == "cancelled" and row.output_tokens < 500
+
+
+def test_pair_with_prefiller_down_answers_through_decoder(cluster):
+    client = cluster["client"]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    before = client.chat.completions.create(model="pd", messages=messages, max_tokens=20, temperature=0)
+    assert log_rows(cluster["home"])[-1].route == "pd"
+    cluster["p"].stop()
+    after = client.chat.completions.create(model="pd", messages=messages, max_tokens=20, temperature=0)
+    assert after.choices[0].message.content == before.choices[0].message.content
+    row = log_rows(cluster["home"])[-1]
+    assert row.route == "decode_alone" and "prefiller unreachable" in row.reason and row.outcome == "ok"
+    settle(cluster["d"])
+
+
+def test_first_migration_upgrades_and_data_survive_restart(tmp_path):
+    db = tmp_path / "panel.db"
+    engine = open_db(db, "0001")
+    assert "requestlog" not in sa.inspect(engine).get_table_names()
+    with engine.begin() as c:
+        c.execute(sa.text("INSERT INTO node (name, url) VALUES ('a', 'http://a:1'), ('b', 'http://b:1')"))
+        c.execute(sa.text("INSERT INTO pair (name, prefill_node_id, decode_node_id, prefill_engine, decode_engine, "
+                          "prefill_model_path, decode_model_path, context_length, staging_bytes) "
+                          "VALUES ('old', 1, 2, 'torch', 'mlx', '/m', '/m', 8192, 1024)"))
+    engine.dispose()
+    engine = open_db(db)  # what a newer panel does on start
+    with Session(engine) as s:
+        pair = s.exec(select(Pair)).one()
+        assert (pair.name, pair.fallback, pair.local_threshold) == ("old", "decode_alone", 0)
+        s.add(RequestLog(model="old", route="pd"))
+        s.commit()
+    engine.dispose()
+    with Session(open_db(db)) as s:  # a restart keeps everything
+        assert s.exec(select(RequestLog)).one().model == "old"
+        assert s.exec(select(Pair)).one().name == "old"
