@@ -8,7 +8,7 @@ import os
 import platform
 import sys
 
-PACKAGES = ("torch", "transformers", "mlx", "mlx-lm", "numpy", "safetensors", "gguf", "fastapi", "uvicorn",
+PACKAGES = ("torch", "transformers", "mlx", "mlx-lm", "numpy", "safetensors", "gguf", "fastapi", "uvicorn", "aiohttp",
             "httpx", "zeroconf", "prometheus-client", "xxhash")
 
 

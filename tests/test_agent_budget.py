@@ -183,3 +183,26 @@ def test_cancel_a_decoding_request_by_id(small, long_ids):
     lines = run(main())
     assert lines[-1]["error"]["type"] == "Cancelled" and len(lines) < 300
     idle(small)
+
+
+def test_cli_status_bench_link_and_doctor(small):
+    import os
+    import subprocess
+
+    from .agents import TANDEM
+
+    env = {**os.environ, "TANDEM_CLUSTER_KEY": TEST_KEY, "COLUMNS": "200"}
+
+    def tandem(*args):
+        result = subprocess.run([TANDEM, "agent", *args], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    status = tandem("status", small.url)
+    assert "torch" in status and "budget" in status and f"of {3 * PAGE:,} bytes reserved" in status
+    link = tandem("bench-link", small.url, "--pages", "20")
+    assert "20 pages" in link and "MB/s" in link and "rtt" in link
+    doctor = tandem("doctor")
+    for section in ("packages", "engines", "accelerators", "model", "node"):
+        assert section in doctor
+    assert "OpenBLAS" in doctor or "Accelerate" in doctor
