@@ -5,13 +5,13 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tandem-installed
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 
-.PHONY: run test setup system-deps bench clean
+.PHONY: run test setup system-deps test-deps bench clean
 
 run: setup
 	$(BIN)/tandem model fetch
 	$(BIN)/tandem up
 
-test: setup
+test: setup test-deps
 	$(BIN)/tandem model fetch
 	$(BIN)/python -m pytest
 
@@ -28,6 +28,14 @@ system-deps:
 		echo "installing Debian's OpenBLAS for mlx (libopenblas0-pthread)"; \
 		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopenblas0-pthread; \
+	fi
+
+# Browser tests drive Debian's Chromium through Playwright (never `playwright install`).
+test-deps:
+	@if [ "$$(uname -s)" = Linux ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's Chromium for the browser tests"; \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; \
 	fi
 
 $(STAMP): pyproject.toml

@@ -1,4 +1,4 @@
-"""The control panel's ASGI app: state in SQLite, the OpenAI-compatible API, (UI to come)."""
+"""The control panel's ASGI app: state in SQLite, the OpenAI-compatible API and the web UI."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
 
 from .db import get_setting, open_db, set_setting
 from .openai_api import OpenAIError, make_openai_router
 from .router import Router
 from .services import log_request
+from .ui import STATIC_DIR, make_ui_router
 
 
 def create_panel_app(data_dir: Path, cluster_key: str | None = None) -> FastAPI:
@@ -45,4 +47,6 @@ def create_panel_app(data_dir: Path, cluster_key: str | None = None) -> FastAPI:
         return {"ok": True}
 
     app.include_router(make_openai_router(engine, router, lambda row: log_request(engine, row)))
+    app.include_router(make_ui_router(engine, router))
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -23,6 +23,7 @@ from sqlmodel import Session, select
 from .models import Node, Pair, RequestLog
 from .router import RouteError, Router, RouteStats, Target
 from .security import api_key_valid
+from .services import model_names
 
 
 class OpenAIError(Exception):
@@ -145,11 +146,8 @@ def make_openai_router(engine: Engine, router: Router, log_request: Callable[[Re
 
     @api.get("/v1/models")
     async def models():
-        with Session(engine) as s:
-            names = [p.name for p in s.exec(select(Pair))]
-            names += [f"node/{n.name}" for n in s.exec(select(Node).where(Node.paired == True))]  # noqa: E712
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "tandem"}
-                                           for n in names]}
+                                           for n in model_names(engine)]}
 
     async def serve(body: _Common, chat: bool, request: Request):
         body.check()

@@ -54,3 +54,22 @@ def api_key_valid(engine: Engine, presented: str | None) -> bool:
     with Session(engine) as s:
         found = s.exec(select(ApiKey.key_hash).where(ApiKey.key_hash == digest)).first()
     return found is not None and hmac.compare_digest(found, digest)
+
+
+def set_admin_password(engine: Engine, password: str) -> None:
+    """Replace the admin password (stored hashed); sessions signed for the old one stop working."""
+    set_setting(engine, "admin_password_hash", _hasher.hash(password))
+
+
+def admin_password_version(engine: Engine) -> str:
+    """A short tag of the current password hash: a session carries it, so a password change logs everyone out."""
+    return hashlib.sha256((get_setting(engine, "admin_password_hash") or "").encode()).hexdigest()[:16]
+
+
+def ui_session_secret(engine: Engine) -> str:
+    """The secret that signs the web UI's session cookies, made on first use and kept in the settings."""
+    secret = get_setting(engine, "ui_session_secret")
+    if not secret:
+        secret = secrets.token_urlsafe(32)
+        set_setting(engine, "ui_session_secret", secret)
+    return secret

@@ -79,6 +79,22 @@ async def create_pair(engine: Engine, cluster_key: str, name: str, prefill_url: 
         return pair
 
 
+def model_names(engine: Engine) -> list[str]:
+    """The model names the API serves: every pair, and every paired node as `node/<name>`."""
+    with Session(engine) as s:
+        names = [p.name for p in s.exec(select(Pair).order_by(Pair.name))]
+        names += [f"node/{n.name}" for n in s.exec(select(Node).where(Node.paired == True).order_by(Node.name))]  # noqa: E712
+    return names
+
+
+def delete_row(engine: Engine, table: type, row_id: int) -> None:
+    with Session(engine) as s:
+        row = s.get(table, row_id)
+        if row is not None:
+            s.delete(row)
+            s.commit()
+
+
 def log_request(engine: Engine, row: RequestLog) -> None:
     with Session(engine) as s:
         s.add(row)
