@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 from pathlib import Path
 
@@ -19,7 +20,8 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
           cluster_key: str = typer.Option(None, envvar="TANDEM_CLUSTER_KEY", help="The cluster key of your agents."),
           node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
           pair: list[str] = typer.Option(None, help="NAME=PREFILL_URL,DECODE_URL: expose a P/D pair (repeatable)."),
-          api_key: str = typer.Option(None, help="Create an API key with this name and print it once.")) -> None:
+          api_key: str = typer.Option(None, help="Create an API key with this name and print it once."),
+          reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once.")) -> None:
     """Serve the panel: add agents, pair them, and answer OpenAI API requests."""
     import uvicorn
     from sqlmodel import Session  # noqa: F401
@@ -27,7 +29,7 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     from node_agent.settings import data_dir as tandem_home
 
     from .app import create_panel_app
-    from .security import create_api_key, ensure_admin_password
+    from .security import create_api_key, ensure_admin_password, set_admin_password
     from .services import add_node, create_pair
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -40,6 +42,9 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     web = create_panel_app(data_dir, cluster_key)
     engine, key = web.state.db, web.state.router.cluster_key
     password = ensure_admin_password(engine)
+    if reset_admin_password and not password:
+        password = secrets.token_urlsafe(12)
+        set_admin_password(engine, password)
     if password:
         console.print(f"[bold]admin password[/] (shown once, stored hashed): {password}")
 

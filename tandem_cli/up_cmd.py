@@ -55,7 +55,8 @@ def up(prefill: str = typer.Option("torch", help="Engine of the prefill agent.")
         console.print(f"\n[bold green]Tandem is up[/]  panel {panel_url}  ·  OpenAI API {panel_url}/v1")
         console.print(f"  prefill agent {p_url} ({prefill}) -> decode agent {d_url} ({decode}), model "
                       "[bold]smollm2[/] (and [bold]smollm2-reverse[/])")
-        console.print(f"  admin password: {password[-1].rsplit(': ', 1)[1].strip() if password else '(set on first start)'}")
+        console.print("  admin password: " + (password[-1].rsplit(": ", 1)[1].strip() if password else
+                      "unchanged since the first start (`tandem panel --reset-admin-password` sets a new one)"))
         console.print(f"  API key: {api_key}")
         example(panel_url, api_key, ask)
         console.print(f"\n  curl {panel_url}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "

@@ -92,3 +92,17 @@ def test_first_migration_upgrades_and_data_survive_restart(tmp_path):
     with Session(open_db(db)) as s:  # a restart keeps everything
         assert s.exec(select(RequestLog)).one().model == "old"
         assert s.exec(select(Pair)).one().name == "old"
+
+
+def test_reset_admin_password(tmp_path):
+    from control_panel.security import check_admin_password
+
+    with PanelProcess(tmp_path) as first:
+        assert first.admin_password
+    with PanelProcess(tmp_path) as second:
+        assert second.admin_password is None  # stored hashed: never shown again
+    with PanelProcess(tmp_path, "--reset-admin-password") as third:
+        assert third.admin_password and third.admin_password != first.admin_password
+    engine = open_db(tmp_path / "panel" / "panel.db")
+    assert check_admin_password(engine, third.admin_password)
+    assert not check_admin_password(engine, first.admin_password)
