@@ -131,18 +131,21 @@ def status_of(e: Exception) -> int:
 
 
 class _Incremental:
-    """Text deltas from a growing token list (holds back a partial UTF-8 character)."""
+    """Text deltas from a growing token list, decoding only a short window of recent tokens
+    (the offsets scheme of Hugging Face's TextStreamer and vLLM's detokenizer), so a long answer
+    costs O(n), not O(n^2). A partial UTF-8 character is held back until it completes."""
 
     def __init__(self, adapter: EngineAdapter):
-        self.adapter, self.ids, self.text = adapter, [], ""
+        self.adapter, self.ids, self.prefix, self.read = adapter, [], 0, 0
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        text = self.adapter.detokenize(self.ids)
-        if text.endswith("\ufffd"):
+        before = self.adapter.detokenize(self.ids[self.prefix:self.read])
+        text = self.adapter.detokenize(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        delta, self.text = text[len(self.text):], text
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
 
 
 def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> FastAPI:

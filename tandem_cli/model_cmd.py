@@ -36,7 +36,12 @@ def ensure_embedded_model(force: bool = False, verify: bool | None = None) -> Pa
         if "Paris" not in answer:
             raise typer.Exit(f"conversion check failed: asked {CHECK_QUESTION!r}, got {answer!r}")
         console.print(f"[green]check[/] {CHECK_QUESTION} -> {answer!r}")
-    register(path, EMBEDDED_NAME)
+    try:
+        registered = ModelRegistry().get(EMBEDDED_NAME).path == path
+    except KeyError:
+        registered = False
+    if converted or not registered:
+        register(path, EMBEDDED_NAME)
     return path
 
 
