@@ -16,10 +16,8 @@ and of this reader during the transfer (sampled every 10 ms; baseline, peak and 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -38,6 +36,7 @@ from node_agent.cli import parse_size  # noqa: E402
 from node_agent.client import AgentClient  # noqa: E402
 from node_agent.settings import data_dir  # noqa: E402
 from node_agent.wire import FrameReader  # noqa: E402
+from tandem_cli.processes import ServiceProcess  # noqa: E402
 
 KEY = "tdm_bench-link-key-0123456789abcdef"
 SMOLLM2 = PageGeometry(layers=30, kv_heads=3, head_dim=64)
@@ -67,16 +66,10 @@ class RssSampler:
         self._thread.join()
 
 
-def start_agent(staging: str) -> tuple[subprocess.Popen, int]:
-    env = {**os.environ, "TANDEM_CLUSTER_KEY": KEY, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("tandem")), "agent", "serve", "--engine", "torch",
-                             "--host", "127.0.0.1", "--port", "0", "--no-mdns", "--staging-bytes", staging],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # wait for the agent's own "ready" line
-        if "ready on" in line:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc, int(line.rsplit(":", 1)[1])
-    raise RuntimeError("agent did not start")
+def start_agent(staging: str) -> tuple[ServiceProcess, int]:
+    agent = ServiceProcess(["agent", "serve", "--engine", "torch", "--host", "127.0.0.1", "--port", "0",
+                            "--no-mdns", "--staging-bytes", staging], env={"TANDEM_CLUSTER_KEY": KEY})
+    return agent, int(agent.wait_ready().rsplit(":", 1)[1])
 
 
 async def agent_stream(url: str, pages: int, expect: FrameExpectation) -> tuple[float, int]:
@@ -134,14 +127,13 @@ def main() -> None:
         contract = compute_contract(info, info.max_context).fingerprint_bytes
         expect = FrameExpectation(contract, b"\0" * 16, b"\0" * 16, SMOLLM2)
         uvloop.run(agent_stream(f"http://127.0.0.1:{port}", 20, expect))  # warm-up
-        with RssSampler(agent.pid, os.getpid()) as rss:
+        with RssSampler(agent.proc.pid, os.getpid()) as rss:
             http_s, http_bytes = uvloop.run(agent_stream(f"http://127.0.0.1:{port}", args.pages, expect))
         page = make_page(SMOLLM2, 0, np.zeros(SMOLLM2.page_shape, dtype="<f2"))
         frame = frame_bytes(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16)
         tcp_s, tcp_bytes = raw_tcp(frame, args.pages, b"\0" * 64)
     finally:
-        agent.terminate()
-        agent.wait(30)
+        agent.stop()
     budget = parse_size(args.staging)
     http_rate, tcp_rate = http_bytes / http_s, tcp_bytes / tcp_s
     print(f"{args.pages} pages of {SMOLLM2.page_bytes:,} bytes ({http_bytes / 1e9:.2f} GB) on loopback")

@@ -7,7 +7,7 @@ import time
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
-from engine_adapters.errors import ContractMismatch
+from engine_adapters.contract import ModelContract
 from node_agent.client import AgentClient, AgentHTTPError, TransportError
 
 from .models import Node, Pair, RequestLog
@@ -50,18 +50,14 @@ async def add_node(engine: Engine, url: str, cluster_key: str, source: str = "ma
         return node
 
 
-CONTRACT_FIELDS = ("weights", "tokenizer", "config", "context_length")
-
-
 async def create_pair(engine: Engine, cluster_key: str, name: str, prefill_url: str, decode_url: str,
                       local_threshold: int = 0, fallback: str = "decode_alone") -> Pair:
     """Pair two nodes under a model name, after checking that their contracts agree."""
     if not name or "/" in name:
         raise PanelError("a pair needs a name without '/' (it becomes the model name on the API)", ["name"])
     p_info, d_info = await agent_info(prefill_url, cluster_key), await agent_info(decode_url, cluster_key)
-    differ = [f for f in CONTRACT_FIELDS if p_info["contract"][f] != d_info["contract"][f]]
-    if differ:
-        raise ContractMismatch(differ, "the prefiller and the decoder do not run the same model")
+    # names every differing field (weights, tokenizer, config, context_length, geometry)
+    ModelContract.from_dict(d_info["contract"]).check_same(ModelContract.from_dict(p_info["contract"]))
     p_node = await add_node(engine, prefill_url, cluster_key)
     d_node = await add_node(engine, decode_url, cluster_key)
     with Session(engine) as s:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -42,6 +43,20 @@ class AgentProcess(ServiceProcess):
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def settle(*agents: AgentProcess, timeout: float = 15.0) -> None:
+    """Every agent back to idle: nothing reserved, no open handoff, no active request. Freeing after a
+    disconnect is asynchronous, so this allows a moment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = [(s["name"], s["budget"]["reserved"], s["open_handoffs"], s["active_requests"])
+                for s in (a.status() for a in agents)
+                if s["budget"]["reserved"] or s["open_handoffs"] or s["active_requests"]]
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"agents still hold resources: {busy}"
+        time.sleep(0.1)
 
 
 class PanelProcess(ServiceProcess):

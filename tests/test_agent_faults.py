@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 
 import pytest
 
 from node_agent.client import AgentClient, AgentHTTPError
 
-from .agents import TEST_KEY, AgentProcess, pd_request
+from .agents import TEST_KEY, AgentProcess, pd_request, settle
 from .conftest import prompt, run
 
 
@@ -78,19 +77,6 @@ def pair(smol_dir, tmp_path_factory):
     with AgentProcess("torch", smol_dir, home / "p") as p, AgentProcess("torch", smol_dir, home / "d") as d, \
             AgentProcess("torch", smol_dir, home / "other", "--context-length", "4096") as other:
         yield p, d, other
-
-
-def settle(*agents: AgentProcess, timeout: float = 15.0) -> None:
-    """Every agent back to idle (freeing after a disconnect is asynchronous, so allow a moment)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = [a.status() for a in agents]
-        busy = [(s["name"], s["budget"]["reserved"], s["open_handoffs"], s["active_requests"]) for s in states
-                if s["budget"]["reserved"] or s["open_handoffs"] or s["active_requests"]]
-        if not busy:
-            return
-        assert time.monotonic() < deadline, f"agents still hold resources: {busy}"
-        time.sleep(0.1)
 
 
 def error_of(lines: list[dict]) -> dict:

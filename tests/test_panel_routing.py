@@ -14,19 +14,7 @@ from sqlmodel import Session, create_engine, select
 from control_panel.db import open_db
 from control_panel.models import Pair, RequestLog
 
-from .agents import AgentProcess, PanelProcess
-
-
-def settle(*agents: AgentProcess, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        busy = [(s["name"], s["budget"]["reserved"], s["open_handoffs"], s["active_requests"])
-                for s in (a.status() for a in agents)
-                if s["budget"]["reserved"] or s["open_handoffs"] or s["active_requests"]]
-        if not busy:
-            return
-        assert time.monotonic() < deadline, f"agents still hold resources: {busy}"
-        time.sleep(0.1)
+from .agents import AgentProcess, PanelProcess, settle
 
 
 def log_rows(home: Path) -> list[RequestLog]:
