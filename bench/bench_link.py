@@ -4,8 +4,8 @@
 
 Starts a real agent (`tandem agent serve`, torch, embedded model), then in this process:
 - agent stream: pulls N synthetic pages (SmolLM2 geometry, 1.47 MB each) from
-  GET /v1/bench/pages through the decoder's own path (pooled httpx client + FrameReader:
-  reassembly, checksum and expectation checks, pages viewed in place);
+  GET /v1/bench/pages through the decoder's own path (AgentClient.page_stream: pages received in
+  place, every checksum and expectation checked);
 - raw TCP: a socket server in a thread sends the same frames with sendall, and a client
   recv_into's them into one reused buffer — the floor any HTTP transport sits above.
 Prints both throughputs and their ratio (goal >= 0.9x and >= 1 GB/s), and the RSS of the agent
@@ -35,7 +35,6 @@ from engine_adapters.pages import FrameExpectation, PageGeometry, frame_bytes, m
 from node_agent.cli import parse_size  # noqa: E402
 from node_agent.client import AgentClient  # noqa: E402
 from node_agent.settings import data_dir  # noqa: E402
-from node_agent.wire import FrameReader  # noqa: E402
 from tandem_cli.processes import ServiceProcess  # noqa: E402
 
 KEY = "tdm_bench-link-key-0123456789abcdef"
@@ -75,15 +74,14 @@ def start_agent(staging: str) -> tuple[ServiceProcess, int]:
 async def agent_stream(url: str, pages: int, expect: FrameExpectation) -> tuple[float, int]:
     client = AgentClient(url, KEY)
     try:
-        reader, count = FrameReader(expect), 0
+        count = 0
         t0 = time.perf_counter()
-        async with client.page_stream("", path=f"/v1/bench/pages?count={pages}") as chunks:
-            async for chunk in chunks:
-                count += sum(1 for _ in reader.feed(chunk))
-        reader.close()
+        async with client.page_stream("", expect, path=f"/v1/bench/pages?count={pages}") as stream:
+            async for _ in stream:
+                count += 1
         seconds = time.perf_counter() - t0
         assert count == pages + 1, count  # pages + the final frame
-        return seconds, reader.bytes_read
+        return seconds, stream.bytes_read
     finally:
         await client.aclose()
 

@@ -27,7 +27,7 @@ A **frame** is one page on the wire: a fixed 88-byte little-endian header follow
     68     2    head_dim
     70     2    reserved         0
     72     8    payload_size     layers*2*page_tokens*kv_heads*head_dim*2
-    80     8    checksum         xxh3_64 of header bytes 0..79, then the payload
+    80     8    checksum         xxh3_64 of the payload, then header bytes 0..79
 
 Encoding and decoding are whole-array numpy operations: a page is built with one vectorised
 copy, and a received payload is viewed in place (`np.frombuffer`), never walked token by token.
@@ -156,8 +156,11 @@ def _id16(value: bytes, what: str) -> bytes:
     return bytes(value[:16])
 
 
-def encode_frame(page: KVPage, *, contract: bytes, room: bytes, tokens: bytes) -> tuple[bytes, memoryview]:
-    """Frame a page: returns (header, payload view). Write both; the payload is not copied."""
+def encode_frame(page: KVPage, *, contract: bytes, room: bytes, tokens: bytes,
+                 payload_state: xxhash.xxh3_64 | None = None) -> tuple[bytes, memoryview]:
+    """Frame a page: returns (header, payload view). Write both; the payload is not copied.
+
+    `payload_state`: `xxhash.xxh3_64(payload)` already computed, for a payload framed again."""
     data = page.data
     if data.dtype != KV_DTYPE or not data.flags.c_contiguous:
         raise ValueError("page data must be C-contiguous little-endian FP16")
@@ -167,13 +170,23 @@ def encode_frame(page: KVPage, *, contract: bytes, room: bytes, tokens: bytes) -
               _id16(contract, "contract"), _id16(room, "room"), _id16(tokens, "tokens"),
               page.index, page.valid_tokens, page_tokens, layers, kv_heads, head_dim, 0, payload.nbytes)
     unsigned = _HEADER.pack(*fields, 0)
-    return _HEADER.pack(*fields, _checksum(unsigned, payload)), payload
+    state = xxhash.xxh3_64(payload) if payload_state is None else payload_state
+    return _HEADER.pack(*fields, checksum_finish(state, unsigned)), payload
 
 
 def _checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
-    """xxh3_64 over the header (less its checksum field) and the payload: any flipped bit shows."""
-    h = xxhash.xxh3_64(memoryview(header)[:_CHECKSUM_OFFSET])
-    h.update(payload)
+    """xxh3_64 over the payload and the header (less its checksum field): any flipped bit shows."""
+    return checksum_finish(xxhash.xxh3_64(payload), header)
+
+
+def checksum_finish(payload_state: xxhash.xxh3_64, header: bytes | memoryview) -> int:
+    """The frame checksum from a running hash of the payload and the header.
+
+    The payload comes first so that a receiver can hash it in pieces as they land (while they
+    are still in cache) and a sender can frame one payload under many headers (the link
+    benchmark) without hashing it again."""
+    h = payload_state.copy()
+    h.update(memoryview(header)[:_CHECKSUM_OFFSET])
     return h.intdigest()
 
 
@@ -204,21 +217,26 @@ def parse_header(buf: bytes | memoryview) -> FrameHeader:
                        payload_size, checksum, version)
 
 
-def decode_frame(buf: bytes | memoryview, expect: FrameExpectation | None = None) -> tuple[FrameHeader, KVPage]:
-    """Check a whole frame and return its header and page (a read-only view into `buf`)."""
+def decode_frame(buf: bytes | memoryview, expect: FrameExpectation | None = None,
+                 checksum: int | None = None) -> tuple[FrameHeader, KVPage]:
+    """Check a whole frame and return its header and page (a view into `buf`).
+
+    `checksum`: the frame's checksum when the receiver computed it while receiving
+    (`checksum_finish`); it is compared with the header's just as a fresh one would be."""
     header = parse_header(buf)
     end = HEADER_SIZE + header.payload_size
     if len(buf) != end:
         raise FrameError(f"frame of {len(buf)} bytes, header says {end}")
     payload = memoryview(buf)[HEADER_SIZE:end]
-    return header, decode_payload(header, payload, expect)
+    return header, decode_payload(header, payload, expect, checksum)
 
 
-def decode_payload(header: FrameHeader, payload: bytes | memoryview, expect: FrameExpectation | None = None) -> KVPage:
+def decode_payload(header: FrameHeader, payload: bytes | memoryview, expect: FrameExpectation | None = None,
+                   checksum: int | None = None) -> KVPage:
     """Verify a payload against its header (and the receiver's expectation) and view it as a page."""
     if len(payload) != header.payload_size:
         raise FrameError(f"truncated page {header.page_index}: {len(payload)} of {header.payload_size} payload bytes")
-    if _checksum(header.raw, payload) != header.checksum:
+    if (_checksum(header.raw, payload) if checksum is None else checksum) != header.checksum:
         raise FrameError(f"checksum mismatch on page {header.page_index}: the page was corrupted in transit")
     if expect is not None:
         check_expectation(header, expect)

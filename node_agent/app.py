@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import numpy as np
+import xxhash
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -50,7 +51,7 @@ from .client import AgentClient, AgentHTTPError, TransportError
 from .handoffs import HandoffError, HandoffManager
 from .identity import key_matches
 from .metrics import Metrics
-from .wire import PeerError, done_frame, read_frames
+from .wire import PeerError, done_frame
 
 log = logging.getLogger("tandem.agent")
 
@@ -330,8 +331,10 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
 
         async def pages() -> AsyncIterator[KVPage | PrefillDone]:
             try:
-                async with prefiller.page_stream(body.room) as chunks:
-                    async for item in read_frames(_counted(chunks, stats), expect):
+                async with prefiller.page_stream(body.room, expect) as stream:
+                    async for item in stream:
+                        metrics.bytes_received.inc(stream.bytes_read - stats["wire_bytes"])
+                        stats["wire_bytes"] = stream.bytes_read
                         if isinstance(item, KVPage):
                             stats["pages"] += 1
                             stats["last_page_at"] = time.time()
@@ -346,12 +349,6 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
                 raise FrameError(f"the page stream from {body.prefill_url} broke off ({type(e).__name__}: {e}) "
                                  f"after {stats['wire_bytes']:,} bytes: nothing was decoded") from e
 
-        async def _counted(chunks: AsyncIterator[bytes], s: dict) -> AsyncIterator[bytes]:
-            async for chunk in chunks:
-                s["wire_bytes"] += len(chunk)
-                metrics.bytes_received.inc(len(chunk))
-                yield chunk
-
         return StreamingResponse(token_lines(req, adapter.decode(req, pages()), "decode", time.perf_counter(), stats),
                                  media_type="application/x-ndjson")
 
@@ -365,12 +362,13 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
             raise RequestError("count must be in 1..100000")
         g = adapter.geometry
         page = make_page(g, 0, np.random.default_rng(0).standard_normal(g.page_shape).astype("<f2"))
+        hashed = xxhash.xxh3_64(page.data)  # one payload under many headers: hash it once
 
         async def frames() -> AsyncIterator[bytes]:
             for i in range(count):
                 page.index = i
                 header, payload = encode_frame(page, contract=adapter.contract.fingerprint_bytes,
-                                               room=b"\0" * 16, tokens=b"\0" * 16)
+                                               room=b"\0" * 16, tokens=b"\0" * 16, payload_state=hashed)
                 yield header
                 yield payload
             yield done_frame(PrefillDone(first_token=0, kv_tokens=count * g.page_tokens, pages=count,

@@ -78,6 +78,7 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
 
     from .app import AgentConfig, create_app
     from .discovery import Announcer, lan_addresses
+    from .http_server import PageStreamProtocol
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (tls_cert is None) != (tls_key is None):
@@ -110,7 +111,7 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
                   f"key: `tandem agent key`" + (" · mDNS on" if mdns else ""))
     try:
         server = uvicorn.Server(uvicorn.Config(
-            create_app(adapter, config, announcer), log_level="warning",
+            create_app(adapter, config, announcer), log_level="warning", http=PageStreamProtocol,
             ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None))
         server.run(sockets=[sock])
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import time
 from pathlib import Path
 
@@ -16,20 +17,23 @@ class AgentProcess(ServiceProcess):
     """One agent in its own process and data dir, on a free port. Use as a context manager."""
 
     def __init__(self, engine: str, model: Path, home: Path, *args: str, host: str = "127.0.0.1",
-                 netns: str | None = None, key: str = TEST_KEY):
+                 netns: str | None = None, key: str = TEST_KEY, env: dict[str, str] | None = None):
         home.mkdir(parents=True, exist_ok=True)
         self.engine, self.host, self.key = engine, host, key
+        ca = (env or {}).get("TANDEM_CA_FILE")
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca) if ca else True
         extra = [] if "--mdns" in args else ["--no-mdns"]
         super().__init__(["agent", "serve", "--engine", engine, "--model", str(model), "--host", host, "--port", "0",
                           "--name", f"{engine}-{home.name}", *args, *extra],
-                         env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key}, netns=netns)
+                         env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, **(env or {})}, netns=netns)
 
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60)
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60,
+                            verify=self.verify)
 
     def status(self) -> dict:
         with self.client() as c:

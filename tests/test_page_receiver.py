@@ -1,0 +1,168 @@
+"""The decoder's in-place page receiver (node_agent/page_receiver.py) against odd but legal HTTP.
+
+A small asyncio server writes a real page stream (real frames) with whatever chunking and
+connection behaviour a test asks for; the client under test is the product's AgentClient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from engine_adapters.base import PrefillDone
+from engine_adapters.errors import FrameError
+from engine_adapters.pages import FrameExpectation, KVPage, PageGeometry, frame_bytes, make_page
+from node_agent.client import AgentClient, AgentHTTPError, TransportError
+from node_agent.wire import done_frame
+
+GEOMETRY = PageGeometry(layers=2, kv_heads=1, head_dim=8)
+ROOM, TOKENS, CONTRACT = bytes(range(16)), bytes(range(16, 32)), bytes(range(32, 48))
+EXPECT = FrameExpectation(CONTRACT, ROOM, TOKENS, GEOMETRY)
+
+
+def body(pages: int = 3, g: PageGeometry = GEOMETRY) -> tuple[bytes, list[np.ndarray]]:
+    rng = np.random.default_rng(pages)
+    kvs = [rng.standard_normal((g.layers, 2, 64 if i < pages - 1 else 5, g.kv_heads, g.head_dim)).astype("<f2")
+           for i in range(pages)]
+    frames = b"".join(frame_bytes(make_page(g, i, kv), contract=CONTRACT, room=ROOM, tokens=TOKENS)
+                      for i, kv in enumerate(kvs))
+    return frames + done_frame(PrefillDone(7, 64 * (pages - 1) + 5, pages, 0.1)), kvs
+
+
+def chunked(data: bytes, sizes: list[int], trailer: bytes = b"") -> bytes:
+    out, pos, i = bytearray(), 0, 0
+    while pos < len(data):
+        n = sizes[i % len(sizes)]
+        out += b"%x;ext=1\r\n" % len(data[pos:pos + n]) + data[pos:pos + n] + b"\r\n"
+        pos, i = pos + n, i + 1
+    return bytes(out + b"0\r\n" + trailer + b"\r\n")
+
+
+class Server:
+    """Answers each request on a connection with the next canned response; counts connections."""
+
+    def __init__(self, responses: list[bytes], close_after: bool = False, drip: int = 0):
+        self.responses, self.close_after, self.drip = list(responses), close_after, drip
+        self.connections = 0
+
+    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self.responses:
+                await r.readuntil(b"\r\n\r\n")
+                data = self.responses.pop(0)
+                for i in range(0, len(data), self.drip or len(data)):
+                    w.write(data[i:i + (self.drip or len(data))])
+                    await w.drain()
+                if self.close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        w.close()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+
+
+def ok(payload: bytes, *headers: str) -> bytes:
+    return ("HTTP/1.1 200 OK\r\ncontent-type: application/x-tandem-pages\r\ntransfer-encoding: chunked\r\n"
+            + "".join(h + "\r\n" for h in headers) + "\r\n").encode() + payload
+
+
+async def pull(client: AgentClient, expect: FrameExpectation = EXPECT) -> list:
+    async with client.page_stream(ROOM.hex(), expect) as stream:
+        return [item async for item in stream]
+
+
+def check(items: list, kvs: list[np.ndarray]) -> None:
+    assert [type(i) for i in items] == [KVPage] * len(kvs) + [PrefillDone]
+    for page, kv in zip(items, kvs):
+        assert np.array_equal(page.kv.view(np.uint16), kv.view(np.uint16))
+    assert items[-1].first_token == 7
+
+
+@pytest.mark.parametrize("sizes", [[1], [3, 1000, 7], [88], [65_536], [10**9]], ids=str)
+def test_any_chunking_gives_the_same_pages(sizes):
+    data, kvs = body()
+
+    async def main():
+        async with Server([ok(chunked(data, sizes, trailer=b"x-trailer: 1\r\n"))], drip=997) as url:
+            client = AgentClient(url, "k")
+            check(await pull(client), kvs)
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_connections_are_reused_and_a_stale_one_is_retried():
+    data, kvs = body()
+
+    async def main():
+        server = Server([ok(chunked(data, [5000]))] * 3)
+        async with server as url:
+            client = AgentClient(url, "k")
+            check(await pull(client), kvs)
+            check(await pull(client), kvs)
+            assert server.connections == 1  # keep-alive: the second stream used the same connection
+            server.close_after = True  # the server drops the pooled connection after the next response
+            check(await pull(client), kvs)
+            await asyncio.sleep(0.05)
+            server.responses.append(ok(chunked(data, [5000])))
+            check(await pull(client), kvs)  # the stale pooled connection fails before a byte: retried
+            assert server.connections == 2
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_http_errors_and_broken_streams_say_what_happened():
+    data, _ = body()
+    err = json.dumps({"error": {"type": "HandoffError", "message": "no handoff for room"}}).encode()
+
+    async def main():
+        cases = [
+            (b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n" % len(err) + err, AgentHTTPError,
+             "404 HandoffError: no handoff for room"),
+            (ok(chunked(data[:-20], [4096])), FrameError, "truncated"),  # clean end, no final frame
+            (ok(chunked(data, [4096])[:3000]), TransportError, "connection closed after"),  # cut mid-stream
+            (ok(b"zz\r\n"), TransportError, "malformed chunk size"),
+            (b"SSH-2.0-OpenSSH\r\n\r\n", TransportError, "not an HTTP response"),
+            (ok(chunked(data + b"extra", [4096])), FrameError, "data after the final frame"),
+        ]
+        for response, kind, message in cases:
+            async with Server([response], close_after=True) as url:
+                client = AgentClient(url, "k")
+                with pytest.raises(kind, match=message):
+                    await pull(client)
+                await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_slow_decoder_pauses_the_socket():
+    """Pages the decoder has not taken yet are bounded (QUEUE_PAGES); the rest waits in TCP."""
+    from node_agent import page_receiver
+
+    big = PageGeometry(layers=4, kv_heads=2, head_dim=64)  # 128 KiB pages: 40 overflow socket buffers
+    data, kvs = body(40, big)
+
+    async def main():
+        async with Server([ok(chunked(data, [big.page_bytes + 88]))]) as url:
+            client = AgentClient(url, "k")
+            async with client.page_stream(ROOM.hex(), FrameExpectation(CONTRACT, ROOM, TOKENS, big)) as stream:
+                first = await stream.__anext__()
+                await asyncio.sleep(0.3)  # everything would have arrived by now, were reading not paused
+                waiting = len(stream._r.items)
+                items = [first] + [item async for item in stream]
+            assert 1 <= waiting <= page_receiver.QUEUE_PAGES + 1
+            check(items, kvs)
+            await client.aclose()
+
+    asyncio.run(main())
