@@ -24,7 +24,6 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
           reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once.")) -> None:
     """Serve the panel: add agents, pair them, and answer OpenAI API requests."""
     import uvicorn
-    from sqlmodel import Session  # noqa: F401
 
     from node_agent.settings import data_dir as tandem_home
 

@@ -23,7 +23,6 @@ with a fitting status code.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time

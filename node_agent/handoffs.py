@@ -24,12 +24,12 @@ from typing import AsyncIterator
 from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, kv_tokens
 from engine_adapters.contract import token_digest
 from engine_adapters.errors import Cancelled, TandemError
-from engine_adapters.pages import KVPage, frame_bytes
+from engine_adapters.pages import KVPage, encode_frame
 from engine_adapters.sampling import SamplingParams
 
 from .budget import Reservation, StagingBudget
 from .metrics import Metrics
-from .wire import DONE_MAGIC, ERROR_MAGIC, done_frame, error_frame
+from .wire import DONE_MAGIC, done_frame, error_frame
 
 log = logging.getLogger("tandem.handoffs")
 
@@ -103,8 +103,8 @@ class HandoffManager:
         try:
             async with aclosing(self.adapter.prefill(h.request)) as items:
                 async for item in items:
-                    if isinstance(item, KVPage):
-                        h.frames.put_nowait(frame_bytes(item, contract=contract, room=room_bytes, tokens=digest))
+                    if isinstance(item, KVPage):  # header + a view of the page's own buffer: no copy
+                        h.frames.put_nowait(encode_frame(item, contract=contract, room=room_bytes, tokens=digest))
                     else:
                         h.state = "prefilled"
                         h.frames.put_nowait(done_frame(item))
@@ -132,18 +132,17 @@ class HandoffManager:
         try:
             while True:
                 frame = await h.frames.get()
-                yield frame
-                kind = frame[:4]
-                if kind == DONE_MAGIC:
-                    outcome = "done"
+                if isinstance(frame, bytes):  # the final frame or an error frame
+                    yield frame
+                    outcome = "done" if frame[:4] == DONE_MAGIC else "failed"
                     return
-                if kind == ERROR_MAGIC:
-                    outcome = "failed"
-                    return
+                header, payload = frame
+                yield header
+                yield payload
                 h.pages_sent += 1
-                h.bytes_sent += len(frame)
+                h.bytes_sent += len(header) + len(payload)
                 self.metrics.pages_sent.inc()
-                self.metrics.bytes_sent.inc(len(frame))
+                self.metrics.bytes_sent.inc(len(header) + len(payload))
         finally:
             await self.finish(h.room, outcome)
 

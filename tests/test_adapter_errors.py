@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 
-import numpy as np
 import pytest
 
 from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
