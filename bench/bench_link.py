@@ -1,6 +1,6 @@
 """Page streaming between two processes on loopback vs a raw TCP copy of the same bytes.
 
-    .venv/bin/python bench/bench_link.py [--pages 2000] [--staging 512MiB]
+    .venv/bin/python bench/bench_link.py [--pages 2000] [--rounds 5] [--staging 512MiB]
 
 Starts a real agent (`tandem agent serve`, torch, embedded model), then in this process:
 - agent stream: pulls N synthetic pages (SmolLM2 geometry, 1.47 MB each) from
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -113,6 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=2000)
     ap.add_argument("--staging", default="512MiB")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     if not is_fetched(data_dir()):
         sys.exit("run `tandem model fetch` first")
@@ -125,19 +127,25 @@ def main() -> None:
         contract = compute_contract(info, info.max_context).fingerprint_bytes
         expect = FrameExpectation(contract, b"\0" * 16, b"\0" * 16, SMOLLM2)
         uvloop.run(agent_stream(f"http://127.0.0.1:{port}", 20, expect))  # warm-up
-        with RssSampler(agent.proc.pid, os.getpid()) as rss:
-            http_s, http_bytes = uvloop.run(agent_stream(f"http://127.0.0.1:{port}", args.pages, expect))
         page = make_page(SMOLLM2, 0, np.zeros(SMOLLM2.page_shape, dtype="<f2"))
         frame = frame_bytes(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16)
-        tcp_s, tcp_bytes = raw_tcp(frame, args.pages, b"\0" * 64)
+        http_rates, tcp_rates = [], []
+        with RssSampler(agent.proc.pid, os.getpid()) as rss:
+            for _ in range(args.rounds):  # interleaved, so both see the same machine weather
+                seconds, http_bytes = uvloop.run(agent_stream(f"http://127.0.0.1:{port}", args.pages, expect))
+                http_rates.append(http_bytes / seconds)
+                seconds, tcp_bytes = raw_tcp(frame, args.pages, b"\0" * 64)
+                tcp_rates.append(tcp_bytes / seconds)
     finally:
         agent.stop()
     budget = parse_size(args.staging)
-    http_rate, tcp_rate = http_bytes / http_s, tcp_bytes / tcp_s
-    print(f"{args.pages} pages of {SMOLLM2.page_bytes:,} bytes ({http_bytes / 1e9:.2f} GB) on loopback")
-    print(f"raw TCP (reference)   {tcp_rate / 1e9:6.2f} GB/s")
-    print(f"agent page stream     {http_rate / 1e9:6.2f} GB/s   ratio {http_rate / tcp_rate:.2f}x raw TCP "
-          f"(goal >= 0.9x and >= 1 GB/s)")
+    http_rate, tcp_rate = statistics.median(http_rates), statistics.median(tcp_rates)
+    print(f"{args.pages} pages of {SMOLLM2.page_bytes:,} bytes ({http_bytes / 1e9:.2f} GB) on loopback, "
+          f"{args.rounds} interleaved rounds (median; each round's figure in brackets)")
+    print(f"raw TCP (reference)   {tcp_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in tcp_rates)}]")
+    print(f"agent page stream     {http_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in http_rates)}]")
+    print(f"ratio {http_rate / tcp_rate:.2f}x raw TCP (goal >= 0.9x and >= 1 GB/s); "
+          f"per round [{' '.join(f'{h / t:.2f}' for h, t in zip(http_rates, tcp_rates))}]")
     mib = 2**20
     growth = [peak - base for peak, base in zip(rss.peak, rss.baseline)]
     for who, base, peak, grew in zip(("agent", "reader"), rss.baseline, rss.peak, growth):
