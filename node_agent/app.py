@@ -23,12 +23,13 @@ with a fitting status code.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import numpy as np
@@ -38,6 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from engine_adapters import ADAPTERS
 from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone
 from engine_adapters.contract import token_digest
 from engine_adapters.errors import (Cancelled, ContractMismatch, FrameError, RequestError, TandemError,
@@ -47,6 +49,8 @@ from engine_adapters.sampling import SamplingParams
 
 from .budget import BudgetExceeded, BudgetTimeout, StagingBudget
 from .client import AgentClient, AgentHTTPError, TransportError
+from .engine_slot import EngineBusy, EngineLoading, EngineSlot, Loader
+from .model_roots import ModelPathError, check_model, list_models
 from .handoffs import HandoffError, HandoffManager
 from .identity import key_matches
 from .metrics import Metrics
@@ -64,6 +68,7 @@ class AgentConfig:
     handoff_ttl: float = 60.0
     model_name: str = ""
     url: str = ""  # where this agent listens (for logs)
+    model_roots: list = field(default_factory=list)  # directories POST /v1/config may load models from
 
 
 # ---- request bodies --------------------------------------------------------------------------
@@ -105,6 +110,22 @@ class GenerateBody(BaseModel):
     request_id: str | None = None
 
 
+class ConfigBody(BaseModel):
+    engine: str
+    model_path: str
+    context_length: int | None = Field(None, ge=1)
+    staging_bytes: int | None = Field(None, ge=1 << 20)
+    dry_run: bool = False
+
+
+class ConfigError(RequestError):
+    """A node configuration the node cannot take; `field` names the form field at fault."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 class TokenizeBody(BaseModel):
     messages: list[dict] | None = None
     prompt: str | None = None
@@ -112,7 +133,8 @@ class TokenizeBody(BaseModel):
 
 # ---- errors ----------------------------------------------------------------------------------
 _STATUS = [(BudgetExceeded, 413), (BudgetTimeout, 429), (ContractMismatch, 409), (UnsupportedModel, 400),
-           (RequestError, 400), (Cancelled, 499), (FrameError, 502), (PeerError, 502)]
+           (RequestError, 400), (Cancelled, 499), (FrameError, 502), (PeerError, 502), (EngineBusy, 409),
+           (EngineLoading, 503)]
 
 
 def error_body(e: Exception) -> dict:
@@ -121,6 +143,8 @@ def error_body(e: Exception) -> dict:
         body["fields"] = e.fields
     if isinstance(e, PeerError):
         body["peer_code"] = e.code
+    if isinstance(e, ConfigError):
+        body["field"] = e.field
     return {"error": body}
 
 
@@ -148,14 +172,16 @@ class _Incremental:
         return text[len(before):]
 
 
-def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> FastAPI:
-    """The agent's ASGI app. `discovery` (optional) is started and stopped with the app."""
+def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, loader: Loader | None = None) -> FastAPI:
+    """The agent's ASGI app. `discovery` (optional) is started and stopped with the app; `loader`
+    (optional) lets a panel switch this node's engine or model (POST /v1/config)."""
     metrics = Metrics()
     budget = StagingBudget(config.staging_bytes)
-    handoffs = HandoffManager(adapter, budget, metrics, ttl=config.handoff_ttl)
+    slot = EngineSlot(adapter, loader)
+    handoffs = HandoffManager(slot, budget, metrics, ttl=config.handoff_ttl)
     metrics.bind(capacity=lambda: budget.capacity, reserved=lambda: budget.reserved,
                  waiting=lambda: budget.waiting, open_handoffs=lambda: len(handoffs.handoffs),
-                 active=lambda: adapter.active_requests)
+                 active=lambda: slot.adapter.active_requests if slot.ready else 0)
     peers: dict[str, AgentClient] = {}  # one pooled HTTP client per prefiller: connections are reused
     started = time.time()
 
@@ -176,11 +202,12 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
     # The OpenAPI document is served behind the key (/v1/openapi.json): only /healthz is open.
     app = FastAPI(title="Tandem node agent", version=str(PROTOCOL_VERSION), lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.adapter, app.state.budget, app.state.handoffs, app.state.metrics = adapter, budget, handoffs, metrics
+    app.state.slot, app.state.budget, app.state.handoffs, app.state.metrics = slot, budget, handoffs, metrics
 
     @app.exception_handler(TandemError)
     async def tandem_error(request: Request, e: TandemError):
-        headers = {"Retry-After": str(int(np.ceil(e.retry_after)))} if isinstance(e, BudgetTimeout) else None
+        retry = getattr(e, "retry_after", None)
+        headers = {"Retry-After": str(int(np.ceil(retry)))} if retry else None
         return JSONResponse(error_body(e), status_code=status_of(e), headers=headers)
 
     @app.exception_handler(AgentHTTPError)
@@ -216,12 +243,21 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
     api = APIRouter(dependencies=[Depends(require_key)])
 
     def info() -> dict:
-        return {"node_id": config.node_id, "name": config.name, "engine": adapter.name,
-                "model": config.model_name or adapter.model_dir.name, "model_path": str(adapter.model_dir),
-                "contract": adapter.contract.to_dict(), "protocol_version": PROTOCOL_VERSION,
-                "decoder_modes": [m.value for m in adapter.decoder_modes],
-                "accelerator": adapter.accelerator(), "page_bytes": adapter.geometry.page_bytes,
-                "context_length": adapter.context_length}
+        base = {"node_id": config.node_id, "name": config.name, "protocol_version": PROTOCOL_VERSION,
+                "state": "ready" if slot.ready else "loading", "model_roots": [str(r) for r in config.model_roots],
+                "switchable": loader is not None}
+        if not slot.ready:
+            return {**base, "engine": None, "model": slot.loading, "contract": None, "decoder_modes": [],
+                    "accelerator": {}, "page_bytes": 0, "context_length": 0, "last_error": slot.last_error}
+        a = slot.adapter
+        return {**base, "engine": a.name, "model": config.model_name or a.model_dir.name, "model_path": str(a.model_dir),
+                "contract": a.contract.to_dict(), "decoder_modes": [m.value for m in a.decoder_modes],
+                "accelerator": a.accelerator(), "page_bytes": a.geometry.page_bytes,
+                "context_length": a.context_length}
+
+    def idle() -> bool:
+        return not handoffs.handoffs and not handoffs.waiting and budget.reserved == 0 and \
+            budget.waiting == 0 and slot.adapter.active_requests == 0
 
     @api.get("/v1/info")
     async def get_info():
@@ -238,12 +274,47 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
                 "budget": {"capacity": budget.capacity, "reserved": budget.reserved, "waiting": budget.waiting,
                            "waiting_bytes": budget.waiting_bytes},
                 "open_handoffs": len(handoffs.handoffs), "handoffs": handoffs.describe(),
-                "active_requests": adapter.active_requests,
+                "active_requests": slot.adapter.active_requests,
                 "totals": {"prefills_started": handoffs.prefill_calls,
                            "handoffs_created": v(metrics.handoffs_created),"pages_sent": v(metrics.pages_sent), "bytes_sent": v(metrics.bytes_sent),
                            "pages_received": v(metrics.pages_received), "bytes_received": v(metrics.bytes_received),
                            "imported_tokens": v(metrics.imported_tokens),
                            "generated_tokens": v(metrics.generated_tokens)}}
+
+    @api.get("/v1/models/local")
+    async def local_models():
+        """Checkpoints in this node's model roots, for a panel's model picker."""
+        return {"roots": [str(r) for r in config.model_roots],
+                "models": await asyncio.to_thread(list_models, config.model_roots)}
+
+    @api.post("/v1/config")
+    async def configure(body: ConfigBody):
+        """Check, and unless `dry_run` apply, an engine, model path, context length and staging budget.
+
+        The model path is confined to this node's model roots and checked before anything loads;
+        a switch waits for nothing: it is refused (409) while the node has work in flight."""
+        if body.engine not in ADAPTERS:
+            raise ConfigError(f"unknown engine {body.engine!r} (known: {', '.join(ADAPTERS)})", "engine")
+        try:
+            model = await asyncio.to_thread(check_model, body.model_path, config.model_roots)
+        except ModelPathError as e:
+            raise ConfigError(str(e), "model_path") from None
+        if body.context_length is not None and not 1 <= body.context_length <= model.max_context:
+            raise ConfigError(f"context length {body.context_length} is outside 1..{model.max_context} "
+                              f"for {model.path.name}", "context_length")
+        if body.dry_run:
+            return {"ok": True, "changed": False, "model_path": str(model.path), "max_context": model.max_context}
+        changed = await slot.replace(body.engine, model.path, body.context_length, idle)
+        if changed:
+            config.model_name = model.path.name
+            if discovery is not None:
+                a, accel = slot.adapter, slot.adapter.accelerator()
+                await discovery.update(engine=a.name, model=config.model_name, contract=a.contract.fingerprint,
+                                       accel=accel["kind"], accel_name=accel.get("name", ""))
+        if body.staging_bytes is not None and body.staging_bytes != budget.capacity:
+            budget.resize(body.staging_bytes)
+            changed = True
+        return {"ok": True, "changed": changed, **info()}
 
     @api.get("/metrics")
     async def get_metrics():
@@ -254,7 +325,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
         if (body.messages is None) == (body.prompt is None):
             raise RequestError("give exactly one of `messages` (chat) or `prompt` (plain text)")
         try:
-            ids = adapter.chat_token_ids(body.messages) if body.messages is not None else adapter.encode(body.prompt)
+            ids = slot.adapter.chat_token_ids(body.messages) if body.messages is not None else slot.adapter.encode(body.prompt)
         except Exception as e:  # template errors name the problem
             raise RequestError(f"cannot tokenize: {e}") from e
         return {"token_ids": ids}
@@ -264,9 +335,9 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
         if body.protocol_version != PROTOCOL_VERSION:
             raise RequestError(f"decoder speaks Tandem protocol {body.protocol_version}, this prefiller speaks "
                                f"{PROTOCOL_VERSION}")
-        if body.contract != adapter.contract.fingerprint:
+        if body.contract != slot.adapter.contract.fingerprint:
             raise ContractMismatch(["contract fingerprint"], f"decoder's {body.contract[:16]}… differs from this "
-                                   f"prefiller's {adapter.contract.fingerprint[:16]}…: compare /v1/info of both nodes")
+                                   f"prefiller's {slot.adapter.contract.fingerprint[:16]}…: compare /v1/info of both nodes")
         h = await handoffs.create(body.room, body.token_ids, body.sampling.params(), body.mode, body.wait_timeout)
         pages, nbytes = handoffs.page_bytes_for(len(body.token_ids), body.mode)
         return {"room": h.room, "pages": pages, "reserved_bytes": nbytes}
@@ -282,7 +353,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
 
     async def token_lines(req: EngineRequest, tokens: AsyncIterator[int], kind: str, t0: float,
                           extra: dict) -> AsyncIterator[bytes]:
-        text = _Incremental(adapter)
+        text = _Incremental(slot.adapter)
         outcome, count, ttft, last = "error", 0, None, None
         try:
             async with aclosing(tokens) as stream:
@@ -292,7 +363,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
                     count, last = count + 1, token
                     metrics.generated_tokens.inc()
                     yield (json.dumps({"token": token, "text": text.add(token)}) + "\n").encode()
-            stops = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else adapter.eos_token_ids)
+            stops = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else slot.adapter.eos_token_ids)
             finish = "stop" if last in stops or count < req.sampling.max_tokens else "length"
             outcome = "ok"
             yield (json.dumps({"done": True, "finish_reason": finish, "prompt_tokens": len(req.token_ids),
@@ -306,8 +377,8 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
     @api.post("/v1/generate")
     async def generate(body: GenerateBody):
         req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling.params())
-        adapter.validate(req, generates=True)
-        return StreamingResponse(token_lines(req, adapter.generate(req), "generate", time.perf_counter(), {}),
+        slot.adapter.validate(req, generates=True)
+        return StreamingResponse(token_lines(req, slot.adapter.generate(req), "generate", time.perf_counter(), {}),
                                  media_type="application/x-ndjson")
 
     def peer(url: str) -> AgentClient:
@@ -318,12 +389,12 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
 
     @api.post("/v1/decode")
     async def decode(body: DecodeBody):
-        if body.mode not in adapter.decoder_modes:
-            raise RequestError(f"{adapter.name} cannot decode in {body.mode.value} mode")
+        if body.mode not in slot.adapter.decoder_modes:
+            raise RequestError(f"{slot.adapter.name} cannot decode in {body.mode.value} mode")
         req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling.params(), body.mode)
-        adapter.validate(req, generates=True)
-        expect = FrameExpectation(adapter.contract.fingerprint_bytes, bytes.fromhex(body.room),
-                                  token_digest(body.token_ids), adapter.geometry)
+        slot.adapter.validate(req, generates=True)
+        expect = FrameExpectation(slot.adapter.contract.fingerprint_bytes, bytes.fromhex(body.room),
+                                  token_digest(body.token_ids), slot.adapter.geometry)
         stats = {"pages": 0, "wire_bytes": 0, "kv_tokens": 0, "prefill_seconds": None,
                  "first_page_at": None, "last_page_at": None, "prefill_finished_at": None}
         prefiller = peer(body.prefill_url)
@@ -348,25 +419,25 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None) -> F
                 raise FrameError(f"the page stream from {body.prefill_url} broke off ({type(e).__name__}: {e}) "
                                  f"after {stats['wire_bytes']:,} bytes: nothing was decoded") from e
 
-        return StreamingResponse(token_lines(req, adapter.decode(req, pages()), "decode", time.perf_counter(), stats),
+        return StreamingResponse(token_lines(req, slot.adapter.decode(req, pages()), "decode", time.perf_counter(), stats),
                                  media_type="application/x-ndjson")
 
     @api.delete("/v1/requests/{request_id}")
     async def cancel_request(request_id: str):
-        return {"request_id": request_id, "cancelled": adapter.cancel(request_id)}
+        return {"request_id": request_id, "cancelled": slot.adapter.cancel(request_id)}
 
     @api.get("/v1/bench/pages")
     async def bench_pages(count: int = 100):
         if not 1 <= count <= 100_000:
             raise RequestError("count must be in 1..100000")
-        g = adapter.geometry
+        g = slot.adapter.geometry
         page = make_page(g, 0, np.random.default_rng(0).standard_normal(g.page_shape).astype("<f2"))
         hashed = xxhash.xxh3_64(page.data)  # one payload under many headers: hash it once
 
         async def frames() -> AsyncIterator[bytes]:
             for i in range(count):
                 page.index = i
-                header, payload = encode_frame(page, contract=adapter.contract.fingerprint_bytes,
+                header, payload = encode_frame(page, contract=slot.adapter.contract.fingerprint_bytes,
                                                room=b"\0" * 16, tokens=b"\0" * 16, payload_state=hashed)
                 yield header
                 yield payload

@@ -94,6 +94,19 @@ class StagingBudget:
                     retry_after=max(1.0, timeout or 1.0)) from None
             raise
 
+    def resize(self, capacity: int) -> None:
+        """Change the capacity (a panel sets a pair's budget). Waiters that can no longer ever fit
+        are refused as an oversize request would be; the others may now fit."""
+        if capacity <= 0:
+            raise ValueError("staging capacity must be positive")
+        self.capacity = capacity
+        for waiter in [w for w in self._waiters if w.nbytes > capacity]:
+            self._waiters.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.set_exception(BudgetExceeded(
+                    f"the staging budget shrank to {capacity:,} bytes, below this request's {waiter.nbytes:,}"))
+        self._wake()
+
     def _give_back(self, nbytes: int) -> None:
         self.reserved -= nbytes
         assert self.reserved >= 0, "staging budget released more than it reserved"

@@ -69,7 +69,9 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
           handoff_ttl: float = typer.Option(60.0, help="Seconds before unread pages expire."),
           device: str = typer.Option(None, help="torch only: cuda, cuda:N or cpu."),
           tls_cert: Path = typer.Option(None, help="TLS certificate (PEM) to serve HTTPS."),
-          tls_key: Path = typer.Option(None, help="TLS private key (PEM).")) -> None:
+          tls_key: Path = typer.Option(None, help="TLS private key (PEM)."),
+          model_root: list[Path] = typer.Option(None, help="Directory a panel may load models from (repeatable; "
+                                                "default: $TANDEM_HOME/models, registered models and --model).")) -> None:
     """Host one engine and serve prefill/decode to peers."""
     import uvicorn
 
@@ -79,6 +81,7 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
     from .app import AgentConfig, create_app
     from .discovery import Announcer, lan_addresses
     from .http_server import PageStreamProtocol
+    from .model_roots import default_roots
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (tls_cert is None) != (tls_key is None):
@@ -91,12 +94,16 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
     sock.bind((host, port))
     sock.listen(1024)
     port = sock.getsockname()[1]
-    kwargs = {"device": device} if device else {}
+    def loader(engine: str, path: Path, context_length: int | None):
+        kwargs = {"device": device} if device and engine == "torch" else {}
+        return load_adapter(engine, path, context_length, hash_cache=HashCache(hash_cache_path()), **kwargs)
+
     with console.status(f"loading {engine} on {path.name}…"):
-        adapter = load_adapter(engine, path, context_length, hash_cache=HashCache(hash_cache_path()), **kwargs)
+        adapter = loader(engine, path, context_length)
     config = AgentConfig(node_id=node_id(), name=name or socket.gethostname(), cluster_key=cluster_key(),
                          staging_bytes=parse_size(staging_bytes), handoff_ttl=handoff_ttl, model_name=path.name,
-                         url=f"{'https' if tls_cert else 'http'}://{host}:{port}")
+                         url=f"{'https' if tls_cert else 'http'}://{host}:{port}",
+                         model_roots=default_roots(path) + [p.expanduser().resolve() for p in model_root or []])
     announcer = None
     if mdns:
         accel = adapter.accelerator()
@@ -109,13 +116,15 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
     console.print(f"[bold]Tandem agent[/] {config.name} ({config.node_id[:8]}) · {adapter.name} · {path.name} · "
                   f"contract {adapter.contract.fingerprint[:16]} · {scheme}://{host}:{port} · "
                   f"key: `tandem agent key`" + (" · mDNS on" if mdns else ""))
+    agent = create_app(adapter, config, announcer, loader)
     try:
         server = uvicorn.Server(uvicorn.Config(
-            create_app(adapter, config, announcer), log_level="warning", http=PageStreamProtocol,
+            agent, log_level="warning", http=PageStreamProtocol, timeout_keep_alive=75,
             ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None))
         server.run(sockets=[sock])
     finally:
-        adapter.close()
+        if agent.state.slot.ready:  # the engine now serving (a panel may have switched it)
+            agent.state.slot.adapter.close()
 
 
 @app.command()

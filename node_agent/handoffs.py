@@ -28,6 +28,7 @@ from engine_adapters.pages import KVPage, encode_frame
 from engine_adapters.sampling import SamplingParams
 
 from .budget import Reservation, StagingBudget
+from .engine_slot import EngineSlot
 from .metrics import Metrics
 from .wire import DONE_MAGIC, done_frame, error_frame
 
@@ -56,14 +57,18 @@ class Handoff:
 
 
 class HandoffManager:
-    def __init__(self, adapter: EngineAdapter, budget: StagingBudget, metrics: Metrics, ttl: float = 60.0):
-        self.adapter = adapter
+    def __init__(self, slot: EngineSlot, budget: StagingBudget, metrics: Metrics, ttl: float = 60.0):
+        self.slot = slot
         self.budget = budget
         self.metrics = metrics
         self.ttl = ttl
         self.handoffs: dict[str, Handoff] = {}
         self.waiting: dict[str, asyncio.Task] = {}  # rooms waiting for budget, cancellable by room
         self.prefill_calls = 0  # how many prefills reached the engine (tests assert on it)
+
+    @property
+    def adapter(self) -> EngineAdapter:
+        return self.slot.adapter  # the engine cannot change while a handoff is open (EngineSlot)
 
     def page_bytes_for(self, prompt_tokens: int, mode: FirstTokenMode) -> tuple[int, int]:
         pages = self.adapter.geometry.pages_for(kv_tokens(prompt_tokens, mode))
