@@ -9,28 +9,37 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.staticfiles import StaticFiles
 
+from node_agent.discovery import Watcher
+
 from .db import get_setting, open_db, set_setting
 from .openai_api import OpenAIError, make_openai_router
 from .router import Router
-from .services import log_request
+from .services import log_request, note_discovered
 from .ui import STATIC_DIR, make_ui_router
 
 
-def create_panel_app(data_dir: Path, cluster_key: str | None = None) -> FastAPI:
+def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool = False,
+                     mdns_interfaces: list[str] | None = None) -> FastAPI:
+    """The panel. With `mdns`, agents announcing on the LAN are added (unpaired) as they appear."""
     engine = open_db(data_dir / "panel.db")
     if cluster_key:
         set_setting(engine, "cluster_key", cluster_key)
     router = Router(get_setting(engine, "cluster_key") or "")
+    watcher = Watcher(mdns_interfaces, lambda peer, present: note_discovered(engine, peer, present)) if mdns else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if watcher is not None:
+            await watcher.start()
         try:
             yield
         finally:
+            if watcher is not None:
+                await watcher.stop()
             await router.aclose()
 
     app = FastAPI(title="Tandem panel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.db, app.state.router = engine, router
+    app.state.db, app.state.router, app.state.watcher = engine, router, watcher
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError):
@@ -46,6 +55,6 @@ def create_panel_app(data_dir: Path, cluster_key: str | None = None) -> FastAPI:
         return {"ok": True}
 
     app.include_router(make_openai_router(engine, router, lambda row: log_request(engine, row)))
-    app.include_router(make_ui_router(engine, router))
+    app.include_router(make_ui_router(engine, router, watcher))
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -21,7 +21,9 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
           node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
           pair: list[str] = typer.Option(None, help="NAME=PREFILL_URL,DECODE_URL: expose a P/D pair (repeatable)."),
           api_key: str = typer.Option(None, help="Create an API key with this name and print it once."),
-          reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once.")) -> None:
+          reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once."),
+          mdns: bool = typer.Option(True, help="Add agents that announce themselves on the LAN (unpaired)."),
+          mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all).")) -> None:
     """Serve the panel: add agents, pair them, and answer OpenAI API requests."""
     import uvicorn
 
@@ -38,7 +40,7 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     sock.bind((host, port))
     sock.listen(1024)
     port = sock.getsockname()[1]
-    web = create_panel_app(data_dir, cluster_key)
+    web = create_panel_app(data_dir, cluster_key, mdns, mdns_interface or None)
     engine, key = web.state.db, web.state.router.cluster_key
     password = ensure_admin_password(engine)
     if reset_admin_password and not password:

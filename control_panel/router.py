@@ -52,6 +52,11 @@ class Router:
         self.cluster_key = cluster_key
         self._clients: dict[str, AgentClient] = {}
 
+    async def set_cluster_key(self, key: str) -> None:
+        """The panel learned its cluster key (the first node a user paired); clients use it from now on."""
+        await self.aclose()
+        self.cluster_key = key
+
     def client(self, url: str) -> AgentClient:
         if url not in self._clients:
             self._clients[url] = AgentClient(url, self.cluster_key)

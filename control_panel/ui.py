@@ -23,10 +23,12 @@ from itsdangerous import BadSignature, URLSafeTimedSerializer
 from sqlmodel import Session, col, select
 
 from engine_adapters.errors import ContractMismatch
+from engine_adapters import ADAPTERS
 from engine_adapters.pages import PROTOCOL_VERSION
 from node_agent.client import AgentClient, AgentHTTPError, TransportError
+from node_agent.identity import key_matches
 
-from .db import get_setting, set_setting
+from .db import set_setting
 from .i18n import COOKIE as LANG_COOKIE
 from .i18n import LANGUAGES, Translator, load_all, pick_language
 from .models import ApiKey, Node, Pair, RequestLog
@@ -54,7 +56,7 @@ ROUTES = {"pd": N_("prefill → decode"), "decode_alone": N_("decoder alone"), "
 OUTCOMES = {"ok": N_("ok"), "error": N_("error"), "cancelled": N_("cancelled")}
 CONTRACT_FIELDS = {"weights": N_("weights"), "tokenizer": N_("tokenizer"), "config": N_("model config"),
                    "context_length": N_("context length")}
-HEALTH = {"ok": N_("healthy"), "timeout": N_("timeout"), "key_rejected": N_("key rejected (401)"),
+HEALTH = {"ok": N_("healthy"), "unpaired": N_("not paired"), "timeout": N_("timeout"), "key_rejected": N_("key rejected (401)"),
           "protocol": N_("protocol mismatch"), "unreachable": N_("unreachable"), "error": N_("error")}
 
 
@@ -81,10 +83,14 @@ _env.filters["bytes"] = _fmt_bytes
 _env.filters["time"] = _fmt_time
 
 
-async def probe(url: str, key: str) -> dict:
-    """An agent's /v1/status, or why it failed: {"health": ok|timeout|key_rejected|protocol|unreachable|error}."""
-    client = AgentClient(url, key, timeout=STATUS_TIMEOUT)
+async def probe(url: str, key: str | None) -> dict:
+    """An agent's /v1/status, or why it failed: {"health": ok|timeout|key_rejected|protocol|unreachable|error}.
+    With no key (a node not paired yet is sent none), only its liveness: "unpaired" when it is up."""
+    client = AgentClient(url, key or "", timeout=STATUS_TIMEOUT)
     try:
+        if key is None:
+            await asyncio.wait_for(client.healthz(), STATUS_TIMEOUT)
+            return {"health": "unpaired", "detail": ""}
         status = await asyncio.wait_for(client.status(), STATUS_TIMEOUT)
     except (asyncio.TimeoutError, TimeoutError) as e:
         return {"health": "timeout", "detail": f"no answer within {STATUS_TIMEOUT:.0f} s" if not str(e) else str(e)}
@@ -104,7 +110,7 @@ async def probe(url: str, key: str) -> dict:
     return {"health": "ok", "status": status, "detail": ""}
 
 
-def make_ui_router(engine, router) -> APIRouter:
+def make_ui_router(engine, router, watcher=None) -> APIRouter:
     load_all()
     ui = APIRouter(include_in_schema=False)
     secret = ui_session_secret(engine)
@@ -231,7 +237,9 @@ def make_ui_router(engine, router) -> APIRouter:
 
     async def node_rows() -> list[dict]:
         nodes = nodes_list()
-        results = await asyncio.gather(*(probe(n.url, router.cluster_key) for n in nodes))
+        # an unpaired node (found by mDNS) gets no key until the user pairs it: only its liveness
+        results = await asyncio.gather(*(probe(n.url, router.cluster_key if n.paired else None)
+                                         for n in nodes))
         now = time.time()
         with Session(engine) as s:
             for n, r in zip(nodes, results):
@@ -261,7 +269,7 @@ def make_ui_router(engine, router) -> APIRouter:
         if (r := await guard(request)):
             return r
         return render(request, "nodes.html", rows=await node_rows(), error=None, added=None, url_value="",
-                      mdns=get_setting(engine, "ui_mdns", "off") == "on")
+                      mdns=watcher is not None)
 
     @ui.get("/nodes/table")
     async def nodes_table(request: Request):
@@ -291,48 +299,102 @@ def make_ui_router(engine, router) -> APIRouter:
                     error = _("Could not add %(url)s: %(reason)s", url=url, reason=str(e))
         if error:
             return render(request, "nodes.html", status_code=400, rows=await node_rows(), error=error,
-                          added=None, url_value=url, mdns=get_setting(engine, "ui_mdns", "off") == "on")
+                          added=None, url_value=url, mdns=watcher is not None)
         return RedirectResponse("/nodes", status_code=303)
 
-    @ui.get("/nodes/discovered")
-    async def nodes_discovered(request: Request):
+    @ui.get("/nodes/{node_id}/pair")
+    async def node_pair_page(request: Request, node_id: int):
         if (r := await guard(request)):
             return r
-        peers = []
-        if get_setting(engine, "ui_mdns", "off") == "on":  # off by default: no multicast unless asked
-            from node_agent.discovery import browse
-            known = {n.url for n in nodes_list()}
-            for p in await browse(2.0):
-                if p.url:
-                    peers.append({"name": p.properties.get("name") or p.service, "url": p.url,
-                                  "engine": p.properties.get("engine", ""), "model": p.properties.get("model", ""),
-                                  "known": p.url in known})
-        return render(request, "_discovered.html", peers=peers)
+        with Session(engine) as s:
+            node = s.get(Node, node_id)
+        if node is None:
+            return RedirectResponse("/nodes", status_code=303)
+        return render(request, "node_pair.html", node=node, error=None, panel_has_key=bool(router.cluster_key))
+
+    @ui.post("/nodes/{node_id}/pair")
+    async def node_pair(request: Request, node_id: int, key: str = Form(""), csrf: str = Form("")):
+        """Pair a node found by mDNS: the user vouches for it by giving the cluster key."""
+        if (r := await guard(request)):
+            return r
+        check_csrf(request, csrf)
+        _ = translator(request).gettext
+        with Session(engine) as s:
+            node = s.get(Node, node_id)
+        if node is None:
+            return RedirectResponse("/nodes", status_code=303)
+        key = key.strip() or router.cluster_key
+        error = None
+        if not key:
+            error = _("Enter the cluster key (run `tandem agent key` on the agent's machine).")
+        elif router.cluster_key and not key_matches(key, router.cluster_key):
+            error = _("This key differs from the panel's cluster key: every node of a panel shares one key.")
+        else:
+            probed = await probe(node.url, key)
+            if probed["health"] != "ok":
+                error = _("Could not pair %(name)s: %(reason)s", name=node.name, reason=_(HEALTH[probed["health"]]))
+            else:
+                if not router.cluster_key:
+                    set_setting(engine, "cluster_key", key)
+                    await router.set_cluster_key(key)
+                try:
+                    await add_node(engine, node.url, key, source=node.source)
+                except PanelError as e:
+                    error = _("Could not pair %(name)s: %(reason)s", name=node.name, reason=str(e))
+        if error:
+            return render(request, "node_pair.html", status_code=400, node=node, error=error,
+                          panel_has_key=bool(router.cluster_key))
+        return RedirectResponse("/nodes", status_code=303)
 
     # ---- pairs ---------------------------------------------------------------------------------
 
-    def pairs_context() -> dict:
+    async def pairs_context() -> dict:
         with Session(engine) as s:
             nodes = {n.id: n for n in s.exec(select(Node).order_by(Node.name))}
             pairs = [{"pair": p, "prefill": nodes.get(p.prefill_node_id), "decode": nodes.get(p.decode_node_id)}
                      for p in s.exec(select(Pair).order_by(Pair.name))]
-        return {"pairs": pairs, "nodes": list(nodes.values())}
+        paired = [n for n in nodes.values() if n.paired]
+        found = await asyncio.gather(*(node_models(n.url) for n in paired))
+        model_paths = [(n.name, m["path"]) for n, models in zip(paired, found) for m in models if m["supported"]]
+        return {"pairs": pairs, "nodes": paired, "engines": list(ADAPTERS), "model_paths": model_paths}
+
+    async def node_models(url: str) -> list[dict]:
+        """The checkpoints a node offers (for the pair form's model-path suggestions); [] if it does not answer."""
+        client = AgentClient(url, router.cluster_key, timeout=STATUS_TIMEOUT)
+        try:
+            return (await asyncio.wait_for(client.local_models(), STATUS_TIMEOUT))["models"]
+        except (AgentHTTPError, asyncio.TimeoutError, *TransportError):
+            return []
+        finally:
+            await client.aclose()
 
     @ui.get("/pairs")
     async def pairs_page(request: Request):
         if (r := await guard(request)):
             return r
-        return render(request, "pairs.html", error=None, bad_fields=[], form={}, **pairs_context())
+        return render(request, "pairs.html", error=None, bad_fields=[], form={}, **(await pairs_context()))
 
     @ui.post("/pairs")
     async def pairs_create(request: Request, name: str = Form(""), prefill: str = Form(""), decode: str = Form(""),
+                           prefill_engine: str = Form(""), prefill_model_path: str = Form(""),
+                           decode_engine: str = Form(""), decode_model_path: str = Form(""),
+                           context_length: str = Form(""), staging_mib: str = Form(""),
                            threshold: str = Form("0"), fallback: str = Form("decode_alone"), csrf: str = Form("")):
         if (r := await guard(request)):
             return r
         check_csrf(request, csrf)
         _ = translator(request).gettext
-        form = {"name": name.strip(), "prefill": prefill, "decode": decode, "threshold": threshold, "fallback": fallback}
+        form = {"name": name.strip(), "prefill": prefill, "decode": decode, "threshold": threshold, "fallback": fallback,
+                "prefill_engine": prefill_engine, "prefill_model_path": prefill_model_path.strip(),
+                "decode_engine": decode_engine, "decode_model_path": decode_model_path.strip(),
+                "context_length": context_length.strip(), "staging_mib": staging_mib.strip()}
         error, bad = None, []
+        numbers = {}
+        for key, message in (("context_length", _("The context length must be a whole number of tokens, 1 or more.")),
+                             ("staging_mib", _("The staging budget must be a whole number of MiB, 1 or more."))):
+            if form[key] and (not form[key].isdigit() or int(form[key]) < 1):
+                error, bad = message, [key]
+            numbers[key] = int(form[key]) if form[key].isdigit() and int(form[key]) >= 1 else None
         with Session(engine) as s:
             p_node = s.get(Node, int(prefill)) if prefill.isdigit() else None
             d_node = s.get(Node, int(decode)) if decode.isdigit() else None
@@ -353,7 +415,11 @@ def make_ui_router(engine, router) -> APIRouter:
                 error, bad = _("Unknown fallback policy."), ["fallback"]
         if error is None:
             try:
-                await create_pair(engine, router.cluster_key, form["name"], p_node.url, d_node.url, limit, fallback)
+                staging = numbers["staging_mib"] << 20 if numbers["staging_mib"] else None
+                await create_pair(engine, router.cluster_key, form["name"], p_node.url, d_node.url, limit, fallback,
+                                  prefill_engine=prefill_engine or None, prefill_model_path=form["prefill_model_path"] or None,
+                                  decode_engine=decode_engine or None, decode_model_path=form["decode_model_path"] or None,
+                                  context_length=numbers["context_length"], staging_bytes=staging)
             except ContractMismatch as e:
                 names = ", ".join(_(CONTRACT_FIELDS.get(f, f)) for f in e.fields)
                 error = _("The two nodes do not run the same model: their contracts differ in %(fields)s.",
@@ -363,7 +429,7 @@ def make_ui_router(engine, router) -> APIRouter:
                 error, bad = _("Could not create the pair: %(reason)s", reason=str(e)), list(e.fields)
         if error:
             return render(request, "pairs.html", status_code=400, error=error, bad_fields=bad, form=form,
-                          **pairs_context())
+                          **(await pairs_context()))
         return RedirectResponse("/pairs", status_code=303)
 
     @ui.post("/pairs/{pair_id}/delete")
@@ -467,7 +533,7 @@ def make_ui_router(engine, router) -> APIRouter:
         with Session(engine) as s:
             keys = list(s.exec(select(ApiKey).order_by(col(ApiKey.created).desc())))
         return {"keys": keys, "new_key": None, "key_error": None, "pw_error": None, "pw_ok": False,
-                "mdns": get_setting(engine, "ui_mdns", "off") == "on", **extra}
+                "mdns": watcher is not None, "mdns_seen": len(watcher.peers) if watcher else 0, **extra}
 
     @ui.get("/settings")
     async def settings_page(request: Request):
@@ -518,14 +584,6 @@ def make_ui_router(engine, router) -> APIRouter:
         data = {"u": "admin", "csrf": secrets.token_urlsafe(24), "pv": admin_password_version(engine)}
         response.set_cookie(SESSION_COOKIE, sessions.dumps(data), max_age=SESSION_MAX_AGE, **cookie_args(request))
         return response
-
-    @ui.post("/settings/discovery")
-    async def settings_discovery(request: Request, mdns: str = Form("off"), csrf: str = Form("")):
-        if (r := await guard(request)):
-            return r
-        check_csrf(request, csrf)
-        set_setting(engine, "ui_mdns", "on" if mdns == "on" else "off")
-        return RedirectResponse("/settings", status_code=303)
 
     return ui
 

@@ -41,7 +41,7 @@ from pydantic import BaseModel, Field
 
 from engine_adapters import ADAPTERS
 from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone
-from engine_adapters.contract import token_digest
+from engine_adapters.contract import HashCache, compute_contract, token_digest
 from engine_adapters.errors import (Cancelled, ContractMismatch, FrameError, RequestError, TandemError,
                                     UnsupportedModel)
 from engine_adapters.pages import PROTOCOL_VERSION, FrameExpectation, KVPage, encode_frame, make_page
@@ -54,6 +54,7 @@ from .model_roots import ModelPathError, check_model, list_models
 from .handoffs import HandoffError, HandoffManager
 from .identity import key_matches
 from .metrics import Metrics
+from .settings import hash_cache_path
 from .wire import PeerError, done_frame
 
 log = logging.getLogger("tandem.agent")
@@ -302,9 +303,12 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         if body.context_length is not None and not 1 <= body.context_length <= model.max_context:
             raise ConfigError(f"context length {body.context_length} is outside 1..{model.max_context} "
                               f"for {model.path.name}", "context_length")
-        if body.dry_run:
-            return {"ok": True, "changed": False, "model_path": str(model.path), "max_context": model.max_context}
-        changed = await slot.replace(body.engine, model.path, body.context_length, idle)
+        context_length = body.context_length or model.max_context  # blank: the model's own
+        if body.dry_run:  # the contract the node would have, so a panel compares pairs before loading
+            contract = await asyncio.to_thread(compute_contract, model, context_length, HashCache(hash_cache_path()))
+            return {"ok": True, "changed": False, "model_path": str(model.path), "max_context": model.max_context,
+                    "contract": contract.to_dict()}
+        changed = await slot.replace(body.engine, model.path, context_length, idle)
         if changed:
             config.model_name = model.path.name
             if discovery is not None:

@@ -111,7 +111,8 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
         announcer = Announcer({"node_id": config.node_id, "name": config.name, "engine": adapter.name,
                                "model": path.name, "contract": adapter.contract.fingerprint,
                                "proto": str(PROTOCOL_VERSION), "accel": accel["kind"],
-                               "accel_name": accel.get("name", "")}, port, addresses, mdns_interface or None)
+                               "accel_name": accel.get("name", ""), "tls": "1" if tls_cert else "0"},
+                              port, addresses, mdns_interface or None)
     scheme = "https" if tls_cert else "http"
     console.print(f"[bold]Tandem agent[/] {config.name} ({config.node_id[:8]}) · {adapter.name} · {path.name} · "
                   f"contract {adapter.contract.fingerprint[:16]} · {scheme}://{host}:{port} · "

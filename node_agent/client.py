@@ -26,10 +26,11 @@ TransportError = (aiohttp.ClientError, ConnectionError, TimeoutError)  # StreamB
 
 
 class AgentHTTPError(TandemError):
-    def __init__(self, status: int, message: str, kind: str = "AgentHTTPError"):
+    def __init__(self, status: int, message: str, kind: str = "AgentHTTPError", detail: dict | None = None):
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.detail = detail or {}  # the agent's error object (e.g. "field" for a bad configuration)
 
 
 def _raise_for(response: aiohttp.ClientResponse, body: bytes) -> None:
@@ -41,9 +42,9 @@ def _http_error(status: int, where: str, body: bytes) -> AgentHTTPError:
     try:
         err = json.loads(body)["error"]
         kind, message = err.get("type", "error"), err.get("message", "")
-    except (ValueError, KeyError, TypeError):
-        kind, message = "error", body[:500].decode(errors="replace")
-    return AgentHTTPError(status, f"{where} answered {status} {kind}: {message}", kind)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        err, kind, message = {}, "error", body[:500].decode(errors="replace")
+    return AgentHTTPError(status, f"{where} answered {status} {kind}: {message}", kind, err)
 
 
 class AgentClient:
@@ -82,6 +83,10 @@ class AgentClient:
             _raise_for(response, body)
             return json.loads(body)
 
+    async def healthz(self) -> dict:
+        """Liveness (the one route that needs no key)."""
+        return await self._json("GET", "/healthz")
+
     async def info(self) -> dict:
         return await self._json("GET", "/v1/info")
 
@@ -90,6 +95,13 @@ class AgentClient:
 
     async def tokenize(self, messages: list[dict] | None = None, prompt: str | None = None) -> list[int]:
         return (await self._json("POST", "/v1/tokenize", json={"messages": messages, "prompt": prompt}))["token_ids"]
+
+    async def configure(self, **body) -> dict:
+        """POST /v1/config: check (dry_run) or switch the node's engine, model and budget."""
+        return await self._json("POST", "/v1/config", json=body)
+
+    async def local_models(self) -> dict:
+        return await self._json("GET", "/v1/models/local")
 
     async def create_handoff(self, **body) -> dict:
         return await self._json("POST", "/v1/handoffs", json=body)

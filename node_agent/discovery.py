@@ -4,10 +4,10 @@ An agent announces `<name>-<id8>._tandem._tcp.local.` with TXT properties that l
 peer decide whether to talk to it — never a secret:
 
     node_id, name, engine, model, contract (fingerprint), proto (protocol version),
-    accel (cuda|metal|cpu), accel_name
+    accel (cuda|metal|cpu), accel_name, tls ("1" when the agent serves HTTPS)
 
 The announcement is updated when these change and withdrawn on shutdown. `browse` lists the
-agents that answer within a time window.
+agents that answer within a time window; `Watcher` keeps a live list.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import socket
 from dataclasses import dataclass
+from typing import Callable
 
 import ifaddr
 from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 SERVICE_TYPE = "_tandem._tcp.local."
-ANNOUNCED_KEYS = ("node_id", "name", "engine", "model", "contract", "proto", "accel", "accel_name")
+ANNOUNCED_KEYS = ("node_id", "name", "engine", "model", "contract", "proto", "accel", "accel_name", "tls")
 
 
 def lan_addresses(include_loopback: bool = False) -> list[str]:
@@ -86,29 +87,71 @@ class Peer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.addresses[0]}:{self.port}" if self.addresses else ""
+        scheme = "https" if self.properties.get("tls") == "1" else "http"
+        return f"{scheme}://{self.addresses[0]}:{self.port}" if self.addresses else ""
+
+
+class Watcher:
+    """A live view of the agents announcing on the LAN (a panel keeps one running).
+
+    `peers` maps service names to resolved Peers; `on_change(peer, present)` is called in the
+    event loop when an agent appears, changes or withdraws.
+    """
+
+    def __init__(self, interfaces: list[str] | None = None,
+                 on_change: Callable[[Peer, bool], None] | None = None):
+        self.interfaces = interfaces or ["0.0.0.0"]
+        self.on_change = on_change
+        self.peers: dict[str, Peer] = {}
+        self._zc: AsyncZeroconf | None = None
+        self._browser: AsyncServiceBrowser | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._zc = AsyncZeroconf(interfaces=self.interfaces, ip_version=IPVersion.V4Only)
+        self._browser = AsyncServiceBrowser(self._zc.zeroconf, [SERVICE_TYPE], handlers=[self._on_state])
+
+    def _on_state(self, zeroconf, service_type, name, state_change) -> None:
+        self._loop.call_soon_threadsafe(self._handle, name, state_change)
+
+    def _handle(self, name: str, state_change: ServiceStateChange) -> None:
+        if state_change is ServiceStateChange.Removed:
+            peer = self.peers.pop(name, None)
+            if peer is not None and self.on_change:
+                self.on_change(peer, False)
+            return
+        task = asyncio.ensure_future(self._resolve(name))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _resolve(self, name: str) -> None:
+        info = AsyncServiceInfo(SERVICE_TYPE, name)
+        if self._zc is None or not await info.async_request(self._zc.zeroconf, 3000):
+            return
+        props = {k.decode(): (v or b"").decode() for k, v in info.properties.items()}
+        addrs = [socket.inet_ntoa(a) for a in info.addresses_by_version(IPVersion.V4Only)]
+        peer = Peer(name, addrs, info.port or 0, props)
+        self.peers[name] = peer
+        if self.on_change:
+            self.on_change(peer, True)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._browser is not None:
+            await self._browser.async_cancel()
+        if self._zc is not None:
+            await self._zc.async_close()
+        self._zc = self._browser = None
 
 
 async def browse(seconds: float = 3.0, interfaces: list[str] | None = None) -> list[Peer]:
     """Listen for agents for `seconds` and return those that answered."""
-    zc = AsyncZeroconf(interfaces=interfaces or ["0.0.0.0"], ip_version=IPVersion.V4Only)
-    names: set[str] = set()
-
-    def on_change(zeroconf, service_type, name, state_change):
-        if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
-            names.add(name)
-
-    browser = AsyncServiceBrowser(zc.zeroconf, [SERVICE_TYPE], handlers=[on_change])
+    watcher = Watcher(interfaces)
+    await watcher.start()
     try:
         await asyncio.sleep(seconds)  # a browse is a listening window, not a wait for an event
-        peers = []
-        for name in sorted(names):
-            info = AsyncServiceInfo(SERVICE_TYPE, name)
-            if await info.async_request(zc.zeroconf, 3000):
-                props = {k.decode(): (v or b"").decode() for k, v in info.properties.items()}
-                addrs = [socket.inet_ntoa(a) for a in info.addresses_by_version(IPVersion.V4Only)]
-                peers.append(Peer(name, addrs, info.port or 0, props))
-        return peers
+        return sorted(watcher.peers.values(), key=lambda p: p.service)
     finally:
-        await browser.async_cancel()
-        await zc.async_close()
+        await watcher.stop()

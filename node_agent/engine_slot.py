@@ -51,14 +51,13 @@ class EngineSlot:
     def ready(self) -> bool:
         return self._adapter is not None
 
-    async def replace(self, engine: str, path: Path, context_length: int | None, is_idle: Callable[[], bool]) -> bool:
+    async def replace(self, engine: str, path: Path, context_length: int, is_idle: Callable[[], bool]) -> bool:
         """Serve `engine` on `path`; False when that is already what runs (nothing reloads)."""
         if self._loader is None:
             raise EngineBusy("this agent was started with a fixed engine and cannot switch")
         async with self._lock:
             old = self.adapter
-            same_context = context_length is None or context_length == old.context_length
-            if old.name == engine and old.model_dir.resolve() == path and same_context:
+            if (old.name, old.model_dir.resolve(), old.context_length) == (engine, path, context_length):
                 return False
             if not is_idle():
                 raise EngineBusy("this node has requests in flight; switch engines when it is idle")

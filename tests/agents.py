@@ -66,9 +66,10 @@ def settle(*agents: AgentProcess, timeout: float = 15.0) -> None:
 class PanelProcess(ServiceProcess):
     """`tandem panel` on a free port; `api_key` and `admin_password` hold what it printed once."""
 
-    def __init__(self, home: Path, *args: str, key: str = TEST_KEY):
-        super().__init__(["panel", "--port", "0", "--api-key", "tests", *args],
-                         env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"})
+    def __init__(self, home: Path, *args: str, key: str = TEST_KEY, netns: str | None = None):
+        extra = [] if "--mdns" in args else ["--no-mdns"]  # tests multicast only inside their namespaces
+        super().__init__(["panel", "--port", "0", "--api-key", "tests", *args, *extra],
+                         env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"}, netns=netns)
         self.wait_ready()
         keys, passwords = self.lines_matching("API key"), self.lines_matching("admin password")
         self.api_key = keys[-1].rsplit(": ", 1)[1].strip() if keys else None

@@ -81,9 +81,12 @@ def test_switch_engine_model_context_and_budget(agent, root, long_ids):
     # same engine and model: nothing reloads
     status, out = configure(agent, engine="torch", model_path=str(r / "smollm2"))
     assert status == 200 and not out["changed"]
-    # another model: the contract follows it
+    # another model: the contract follows it, and a dry run foretold it without loading anything
+    _, foretold = configure(agent, engine="torch", model_path=str(r / "tiny-qwen3"), dry_run=True)
+    assert agent.status()["contract"] == start["contract"]
     status, out = configure(agent, engine="torch", model_path=str(r / "tiny-qwen3"))
     assert status == 200 and out["changed"] and out["model"] == "tiny-qwen3"
+    assert out["contract"] == foretold["contract"]
     assert out["contract"]["fingerprint"] != start["contract"]["fingerprint"]
     # another engine on the first model, a shorter context and a new budget
     status, out = configure(agent, engine="mlx", model_path=str(r / "smollm2"), context_length=1024,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 
@@ -18,14 +17,7 @@ import pytest
 from node_agent.discovery import ANNOUNCED_KEYS, Announcer
 
 from .agents import TANDEM, TEST_KEY, AgentProcess
-
-needs_netns = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
-                                 reason="network namespaces need root and iproute2")
-
-
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True)
-
+from .netns import needs_netns, sh
 
 @pytest.fixture(scope="module")
 def two_hosts():

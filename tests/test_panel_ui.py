@@ -7,11 +7,16 @@ import os
 import re
 import shutil
 import socket
+from contextlib import contextmanager
+from typing import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from .agents import TEST_KEY, AgentProcess, PanelProcess
+from .conftest import make_tiny_checkpoint
+from .netns import host_namespace, netns_available
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -24,10 +29,29 @@ playwright_api = pytest.importorskip("playwright.sync_api")
 
 @pytest.fixture(scope="module")
 def cluster(smol_dir, tmp_path_factory):
+    if not netns_available():
+        pytest.skip("the panel's cluster runs in a network namespace: needs root and iproute2")
     home = tmp_path_factory.mktemp("panel_ui")
-    with AgentProcess("torch", smol_dir, home / "torch") as t, AgentProcess("mlx", smol_dir, home / "mlx") as m:
-        with PanelProcess(home / "panel", "--node", t.url, "--node", m.url) as panel:
-            yield {"panel": panel, "torch": t, "mlx": m}
+    models = home / "models"  # a model root on both nodes with another model in it, for the pair form
+    make_tiny_checkpoint(models / "tiny-qwen3", "qwen3", smol_dir)
+    roots = ("--model-root", str(models))
+    # one test host (a namespace): the agents announce themselves by mDNS inside it and the panel,
+    # also inside, finds them; the browser and the test reach everything over the host's veth
+    with host_namespace() as host:
+        mdns = ("--mdns", "--mdns-interface", host.mdns_addr)
+        with AgentProcess("torch", smol_dir, home / "torch", *roots, *mdns, host=host.addr, netns=host.ns) as t, \
+                AgentProcess("mlx", smol_dir, home / "mlx", *roots, *mdns, host=host.addr, netns=host.ns) as m:
+            with PanelProcess(home / "panel", "--host", host.addr, *mdns, netns=host.ns) as panel:
+                yield {"panel": panel, "torch": t, "mlx": m}
+
+
+def pair_discovered(panel) -> None:
+    """Pair every node the panel found by mDNS (what the browser test does by hand)."""
+    with logged_in(panel) as c:
+        page = c.get("/nodes")
+        for node_id in re.findall(r'href="/nodes/(\d+)/pair"', page.text):
+            r = c.post(f"/nodes/{node_id}/pair", data={"key": TEST_KEY, "csrf": _csrf(c.get(f"/nodes/{node_id}/pair").text)})
+            assert r.status_code == 303, r.text[-1500:]
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +142,29 @@ def test_browser_flow(cluster, browser):
         page.click("form[action='/login'] button[type=submit]")
         page.wait_for_url(re.compile(r"/nodes$"))
 
+        # both agents appear by themselves (found by mDNS), not paired: the panel has sent them nothing
+        for name in ("torch-torch", "mlx-mlx"):
+            row = page.locator(f"tr[data-node='{name}'][data-source='mdns']")
+            row.wait_for(timeout=30_000)  # the table refreshes every 3 s
+            page.wait_for_selector(f"tr[data-node='{name}'][data-health='unpaired']")
+            assert "not paired" in row.inner_text()
+        # pairing asks for the cluster key; a wrong one is refused and says why
+        page.click("a[data-pair-node='torch-torch']")
+        page.fill("input[name=key]", "tdm_not-the-cluster-key")
+        page.click("#pair-node-form button[type=submit]")
+        assert "differs from the panel's cluster key" in page.locator("#pair-node-error").inner_text()
+        page.fill("input[name=key]", TEST_KEY)
+        page.click("#pair-node-form button[type=submit]")
+        page.wait_for_url(re.compile(r"/nodes$"))
+        page.click("a[data-pair-node='mlx-mlx']")
+        page.fill("input[name=key]", TEST_KEY)
+        page.click("#pair-node-form button[type=submit]")
+        page.wait_for_url(re.compile(r"/nodes$"))
+
         # both agents are listed with their live status, refreshed by htmx without a reload
         for name in ("torch-torch", "mlx-mlx"):
             row = page.locator(f"tr[data-node='{name}']")
-            assert row.get_attribute("data-health") == "ok"
+            page.wait_for_selector(f"tr[data-node='{name}'][data-health='ok']")
             assert "healthy" in row.inner_text()
         assert "torch" in page.locator("tr[data-node='torch-torch']").inner_text()
         assert "smollm2" in page.locator("tr[data-node='mlx-mlx']").inner_text().lower()
@@ -252,28 +295,50 @@ def local_panel(tmp_path):
         yield c
 
 
-def test_contract_mismatch_is_named_on_the_pair_form(local_panel, monkeypatch):
-    from control_panel import ui
-    from engine_adapters.errors import ContractMismatch
+@contextmanager
+def logged_in(panel) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=panel.url, timeout=300) as c:
+        r = c.post("/login", data={"password": panel.admin_password, "csrf": _csrf(c.get("/login").text)})
+        assert r.status_code == 303
+        yield c
 
-    async def mismatch(*args, **kwargs):
-        raise ContractMismatch(["weights", "tokenizer"], "the prefiller and the decoder do not run the same model")
 
-    monkeypatch.setattr(ui, "create_pair", mismatch)
-    page = local_panel.get("/pairs")
-    ids = re.findall(r'<option value="(\d+)"', page.text)
-    form = {"name": "p", "prefill": ids[0], "decode": ids[1], "threshold": "0", "fallback": "fail",
-            "csrf": _csrf(page.text)}
-    r = local_panel.post("/pairs", data=form)
-    assert r.status_code == 400
-    assert "their contracts differ in weights, tokenizer" in r.text
-    assert 'name="prefill" aria-invalid="true"' in r.text
-    local_panel.cookies.set("lang", "de")
-    r = local_panel.post("/pairs", data=form)
-    assert "Ihre Verträge unterscheiden sich in Gewichte, Tokenizer" in r.text
-    local_panel.cookies.delete("lang")
-    r = local_panel.post("/pairs", data={**form, "threshold": "-3"})
-    assert r.status_code == 400 and re.search(r'name="threshold"[^>]*value="-3" aria-invalid="true"', r.text)
+def test_pair_form_checks_engines_model_paths_and_contracts(cluster, tmp_path):
+    """Everything on real agents: a path outside the roots and a model whose contract differs are
+    refused on the form, naming the field, before any node loads anything; an engine switch works."""
+    t, m = cluster["torch"], cluster["mlx"]
+    pair_discovered(cluster["panel"])  # nothing to do when the browser test paired them already
+    with logged_in(cluster["panel"]) as c:
+        page = c.get("/pairs")
+        assert str(t.status()["model_path"]) in page.text  # the model-path suggestions come from the nodes
+        ids = dict((name, i) for i, name in re.findall(r'<option value="(\d+)" [^>]*>([\w-]+) \(', page.text))
+        form = {"name": "checked", "prefill": ids["torch-torch"], "decode": ids["mlx-mlx"], "threshold": "0",
+                "fallback": "fail", "csrf": _csrf(page.text)}
+        r = c.post("/pairs", data={**form, "decode_model_path": str(tmp_path)})
+        assert r.status_code == 400 and "decode node:" in r.text and "outside this node&#39;s model roots" in r.text
+        assert re.search(r'name="decode_model_path"[^>]*aria-invalid="true"', r.text)
+        tiny = str(Path(m.status()["model_roots"][-1]) / "tiny-qwen3")
+        r = c.post("/pairs", data={**form, "decode_model_path": tiny})
+        assert r.status_code == 400
+        assert "their contracts differ in weights, model config, context length" in r.text
+        assert 'name="prefill" aria-invalid="true"' in r.text
+        assert m.status()["model"] != "tiny-qwen3"  # refused before anything loaded
+        c.cookies.set("lang", "de")
+        r = c.post("/pairs", data={**form, "decode_model_path": tiny})
+        assert "Ihre Verträge unterscheiden sich in Gewichte, Modellkonfiguration, Kontextlänge" in r.text
+        c.cookies.delete("lang")
+        r = c.post("/pairs", data={**form, "context_length": "0"})
+        assert r.status_code == 400 and re.search(r'name="context_length"[^>]*aria-invalid="true"', r.text)
+        r = c.post("/pairs", data={**form, "threshold": "-3"})
+        assert r.status_code == 400 and re.search(r'name="threshold"[^>]*value="-3" aria-invalid="true"', r.text)
+        # a real switch: the mlx node decodes with torch for this pair, with a 64 MiB budget on P
+        r = c.post("/pairs", data={**form, "decode_engine": "torch", "staging_mib": "64"})
+        assert r.status_code == 303, r.text[-2000:]
+        assert m.status()["engine"] == "torch" and t.status()["budget"]["capacity"] == 64 << 20
+        r = c.post("/pairs", data={**form, "decode_engine": "mlx", "staging_mib": "512"})  # and back
+        assert r.status_code == 303 and m.status()["engine"] == "mlx"
+        pair_id = re.search(r'data-pair="checked">.*?/pairs/(\d+)/delete', c.get("/pairs").text, re.S).group(1)
+        assert c.post(f"/pairs/{pair_id}/delete", data={"csrf": form["csrf"]}).status_code == 303
 
 
 def test_language_comes_from_cookie_then_accept_language(local_panel):
