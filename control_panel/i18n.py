@@ -15,7 +15,7 @@ from pathlib import Path
 from babel.messages.mofile import write_mo
 from babel.messages.pofile import read_po
 
-LOCALES_DIR = Path(__file__).resolve().parent.parent / "locales"
+LOCALES_DIR = Path(__file__).resolve().parent / "locales"  # a symlink to the top-level locales/
 DEFAULT = "en"
 COOKIE = "lang"
 

@@ -39,7 +39,7 @@ from .security import (admin_password_version, check_admin_password, create_api_
 from . import services
 from .services import delete_row, PanelError, add_node, create_pair, log_request
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "templates"  # a symlink to the top-level templates/
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 SESSION_COOKIE, ANON_COOKIE = "tandem_session", "tandem_csrf"
 SESSION_MAX_AGE = 12 * 3600

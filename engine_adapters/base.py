@@ -44,7 +44,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, AsyncIterable, AsyncIterator, Callable, ClassVar, TypeVar
@@ -102,6 +102,9 @@ class EngineAdapter(ABC):
     name: ClassVar[str]
     decoder_modes: ClassVar[tuple[FirstTokenMode, ...]] = (FirstTokenMode.COMMIT_FIRST, FirstTokenMode.RECOMPUTE_LAST)
     prefill_chunk_tokens: ClassVar[int] = 256
+    # Sampling fields this engine applies to the token it samples at the end of prefill (the
+    # first token, in commit-first mode). Ours samples with `sampling.Sampler`, which honours all.
+    first_token_sampling: ClassVar[frozenset[str]] = frozenset(f.name for f in fields(SamplingParams))
 
     def __init__(self, model_dir: str | Path, context_length: int | None = None,
                  hash_cache: HashCache | None = None, progress: Progress | None = None):
@@ -204,6 +207,11 @@ class EngineAdapter(ABC):
         arr = np.asarray(ids)
         if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= self.info.vocab_size:
             raise RequestError(f"prompt token ids must be integers in 0..{self.info.vocab_size - 1}")
+        if not generates and req.mode is FirstTokenMode.COMMIT_FIRST:
+            cannot = sorted(req.sampling.non_default() - self.first_token_sampling)
+            if cannot:
+                raise RequestError(f"the prefill engine ({self.name}) samples the first token and cannot apply "
+                                   f"{', '.join(cannot)}: leave them at their defaults or use another prefill node")
         need = len(ids) + (req.sampling.max_tokens if generates else 0)
         if need > self.context_length:
             raise RequestError(

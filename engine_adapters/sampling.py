@@ -9,7 +9,7 @@ sequence as a single-engine run with the same seed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 import numpy as np
 
@@ -25,6 +25,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+
+    def non_default(self) -> set[str]:
+        """The fields this request sets away from their defaults (what an engine must honour)."""
+        return {f.name for f in fields(self) if getattr(self, f.name) != _DEFAULTS[f.name]}
 
     def __post_init__(self) -> None:
         problems = []
@@ -74,3 +78,7 @@ class Sampler:
             probs = probs[:keep] / probs[:keep].sum()
         idx = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(probs) - 1)
         return int(order[idx])
+
+
+_DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
+             for f in fields(SamplingParams)}

@@ -253,6 +253,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         a = slot.adapter
         return {**base, "engine": a.name, "model": config.model_name or a.model_dir.name, "model_path": str(a.model_dir),
                 "contract": a.contract.to_dict(), "decoder_modes": [m.value for m in a.decoder_modes],
+                "first_token_sampling": sorted(a.first_token_sampling),
                 "accelerator": a.accelerator(), "page_bytes": a.geometry.page_bytes,
                 "context_length": a.context_length}
 

@@ -186,3 +186,20 @@ def test_pair_stats_and_early_stop(engines, long_ids):
                                FirstTokenMode.COMMIT_FIRST, stats)))
     assert len(out) == 3 and stats.pages == 3 and stats.kv_tokens == 130 and stats.ttft_seconds > 0
     assert len(stats.page_arrivals) == 3 and p.active_requests == d.active_requests == 0
+
+
+def test_first_token_sampling_an_engine_cannot_honour_is_refused(engines, monkeypatch):
+    """A commit-first prefiller samples the first token itself: parameters its engine cannot apply
+    are refused before any work (vLLM's and SGLang's adapters narrow `first_token_sampling`)."""
+    engine = engines["torch"]
+    assert engine.first_token_sampling >= SamplingParams().non_default() | {"temperature", "top_p", "top_k", "seed"}
+    monkeypatch.setattr(engine, "first_token_sampling", frozenset({"max_tokens", "stop_token_ids", "ignore_eos"}))
+    hot = SamplingParams(temperature=0.7, top_k=5, max_tokens=4)
+    assert hot.non_default() == {"temperature", "top_k", "max_tokens"}
+    with pytest.raises(RequestError, match=r"cannot apply temperature, top_k"):
+        engine.validate(EngineRequest("r", [1, 2, 3], hot, FirstTokenMode.COMMIT_FIRST), generates=False)
+    # the decoder samples every token in recompute-last mode, and an engine running alone does too
+    engine.validate(EngineRequest("r", [1, 2, 3], hot, FirstTokenMode.RECOMPUTE_LAST), generates=False)
+    engine.validate(EngineRequest("r", [1, 2, 3], hot), generates=True)
+    engine.validate(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), FirstTokenMode.COMMIT_FIRST),
+                    generates=False)
