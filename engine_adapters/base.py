@@ -148,6 +148,11 @@ class EngineAdapter(ABC):
 
         return {"kind": "cpu", "name": platform.processor() or platform.machine()}
 
+    async def engine_stats(self) -> dict:
+        """Engine-side figures for the agent's status (an engine in another process reports its
+        own KV pool here, so tests and users can see it return to baseline)."""
+        return {}
+
     def release(self, session: Any) -> None:
         """Free the session's KV memory (engines with pooled memory override this)."""
 

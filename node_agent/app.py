@@ -277,6 +277,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
                            "waiting_bytes": budget.waiting_bytes},
                 "open_handoffs": len(handoffs.handoffs), "handoffs": handoffs.describe(),
                 "active_requests": slot.adapter.active_requests,
+                "engine_stats": await slot.adapter.engine_stats(),
                 "totals": {"prefills_started": handoffs.prefill_calls,
                            "handoffs_created": v(metrics.handoffs_created),"pages_sent": v(metrics.pages_sent), "bytes_sent": v(metrics.bytes_sent),
                            "pages_received": v(metrics.pages_received), "bytes_received": v(metrics.bytes_received),

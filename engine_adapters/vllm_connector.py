@@ -1,0 +1,292 @@
+"""Tandem's KV connector for vLLM: runs inside vLLM's processes and moves canonical pages between
+vLLM's paged KV cache and the Tandem agent that supervises this vLLM (engine_adapters/vllm_adapter.py).
+
+Loaded by vLLM through `kv_transfer_config = {"kv_connector": "TandemConnector",
+"kv_connector_module_path": "engine_adapters.vllm_connector", "kv_role": "kv_both"}` (vLLM's
+documented out-of-tree connector contract, `KVConnectorBase_V1`). It imports only vLLM, torch and
+the page format (engine_adapters/pages.py: numpy + xxhash), never the agent.
+
+Requests opt in through `kv_transfer_params` (the transfer id is Tandem's room, since vLLM rewrites
+request ids):
+
+    {"tandem_room": R, "tandem_save": N}   prefiller: export the KV of prompt tokens [0, N) as
+                                           pages, each as soon as the step that completes it ends
+    {"tandem_room": R, "tandem_load": N}   decoder: load prompt tokens [0, N) from pages
+                                           (N = prompt length - 1: vLLM computes the last token)
+
+The agent side of the bridge is a unix socket (path in TANDEM_VLLM_BRIDGE). Per room, one
+connection: a JSON line `{"op": "export"|"import", "room": R, "tokens": N}`, then page frames in
+order (engine_adapters/pages.py framing, checksummed). An export connection ends after its last
+page; an import connection that ends early is a failed load: its blocks are reported to vLLM,
+whose `kv_load_failure_policy` ("fail", the default) fails the request — no silent recompute.
+
+Layouts: detected at start-up by writing a probe through vLLM's own cache-writing kernel and
+reading it back; only layouts this file can read are accepted (see `CacheLayout`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                KVConnectorRole)
+from vllm.logger import init_logger
+
+from engine_adapters.pages import (HEADER_SIZE, PageGeometry, decode_frame, encode_frame, make_page,
+                                   parse_header)
+
+logger = init_logger("vllm.tandem_connector")  # a vllm.* logger, so worker processes' lines show
+
+BRIDGE_ENV = "TANDEM_VLLM_BRIDGE"
+ZERO16 = b"\0" * 16
+
+
+# ---- what the scheduler tells the workers each step ------------------------------------------
+@dataclass
+class SaveItem:
+    room: str
+    block_ids: list[int]
+    computed: int  # prompt tokens whose KV is in the cache once this step ends
+    tokens: int  # how many tokens to export in all
+
+
+@dataclass
+class LoadItem:
+    req_id: str
+    room: str
+    block_ids: list[int]
+    tokens: int
+
+
+@dataclass
+class TandemMeta(KVConnectorMetadata):
+    saves: list[SaveItem] = field(default_factory=list)
+    loads: list[LoadItem] = field(default_factory=list)
+
+
+# ---- the CPU cache layout --------------------------------------------------------------------
+class CacheLayout:
+    """vLLM CPU_ATTN, "vec" ISA: per layer [blocks, kv_heads, block_size, 2*head_dim] FP16; per
+    (block, head) the first half is K transposed [head_dim][block_size], the second V
+    [block_size][head_dim]. Writes go through vLLM's `cpu_attn_reshape_and_cache`."""
+
+    def __init__(self, tensor: torch.Tensor, block_size: int):
+        nb, heads, bs, two_d = tensor.shape
+        if tensor.dtype != torch.float16 or tensor.device.type != "cpu" or bs != block_size or two_d % 2:
+            raise RuntimeError(f"Tandem's vLLM connector reads FP16 CPU_ATTN caches [blocks, heads, {block_size}, "
+                               f"2*head_dim]; this cache is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}")
+        self.heads, self.block_size, self.head_dim = heads, bs, two_d // 2
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        self.isa = _get_attn_isa(torch.float16, bs, self.head_dim)
+        if self.isa != "vec":
+            raise RuntimeError(f"vLLM packs this CPU's KV cache with the {self.isa!r} kernel layout, which Tandem "
+                               "cannot read yet (only 'vec', AVX2/AVX-512 FP16); refusing rather than moving garbage")
+        self._probe()
+
+    def read(self, cache: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one block as [block_size, heads, head_dim]."""
+        flat = cache.view(cache.shape[0], self.heads, -1)[block]
+        half = self.block_size * self.head_dim
+        k = flat[:, :half].view(self.heads, self.head_dim, self.block_size).permute(2, 0, 1)
+        v = flat[:, half:].view(self.heads, self.block_size, self.head_dim).permute(1, 0, 2)
+        return k, v
+
+    def write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write K, V [tokens, heads, head_dim] at `slots` with vLLM's own kernel."""
+        import vllm._custom_ops as ops
+
+        nb = cache.shape[0]
+        key_cache, value_cache = cache.view(nb, self.heads, self.block_size * 2, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, self.isa)
+
+    def _probe(self) -> None:
+        """Write random K/V through the kernel into a scratch cache and read them back."""
+        scratch = torch.zeros(2, self.heads, self.block_size, 2 * self.head_dim, dtype=torch.float16)
+        k = torch.randn(self.block_size, self.heads, self.head_dim).half()
+        v = torch.randn(self.block_size, self.heads, self.head_dim).half()
+        self.write(scratch, k, v, torch.arange(self.block_size, 2 * self.block_size, dtype=torch.long))
+        rk, rv = self.read(scratch, 1)
+        if not (torch.equal(rk, k) and torch.equal(rv, v)):
+            raise RuntimeError("vLLM's CPU KV cache layout is not the one Tandem reads (probe mismatch): "
+                               "this vLLM version is not supported")
+
+
+# ---- the connector ---------------------------------------------------------------------------
+class TandemConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.bridge = os.environ.get(BRIDGE_ENV, "")
+        # scheduler side
+        self._saves: dict[str, dict] = {}  # req_id -> {"room", "tokens", "blocks"}
+        self._new_loads: list[LoadItem] = []
+        # worker side
+        self._layers: list[torch.Tensor] = []
+        self._layout: CacheLayout | None = None
+        self._exports: dict[str, tuple[socket.socket, int]] = {}  # room -> (connection, pages sent)
+        self._lock = threading.Lock()
+        self._loaded: set[str] = set()
+        self._failed_blocks: set[int] = set()
+
+    # ---- scheduler side ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        tokens = int(params.get("tandem_load") or 0)
+        if tokens and tokens - num_computed_tokens > 0:
+            return tokens - num_computed_tokens, True  # loaded by a worker thread, between steps
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        room = params.get("tandem_room")
+        if not room:
+            return
+        if params.get("tandem_load") and num_external_tokens > 0:
+            self._new_loads.append(LoadItem(request.request_id, room, list(blocks.get_block_ids()[0]),
+                                            int(params["tandem_load"])))
+        if params.get("tandem_save") and request.request_id not in self._saves:
+            self._saves[request.request_id] = {"room": room, "tokens": int(params["tandem_save"]), "blocks": []}
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = TandemMeta(loads=self._new_loads)
+        self._new_loads = []
+        steps = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            save = self._saves.get(new.req_id)
+            if save is not None:
+                save["blocks"] = list(new.block_ids[0])
+                save["computed"] = new.num_computed_tokens + steps.get(new.req_id, 0)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            save = self._saves.get(req_id)
+            if save is not None:
+                if cached.new_block_ids[i] is not None:
+                    save["blocks"] += list(cached.new_block_ids[i][0])
+                save["computed"] = cached.num_computed_tokens[i] + steps.get(req_id, 0)
+        for req_id, save in self._saves.items():
+            if req_id in steps and "computed" in save:
+                meta.saves.append(SaveItem(save["room"], list(save["blocks"]), save["computed"], save["tokens"]))
+        return meta
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._saves.pop(request.request_id, None)
+        return False, None  # pages were copied out synchronously: the blocks may go
+
+    # ---- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        def layer_index(name: str) -> int:
+            return next(int(p) for p in name.split(".") if p.isdigit())
+
+        names = sorted(kv_caches, key=layer_index)
+        self._layers = [kv_caches[n] for n in names]
+        self._layout = CacheLayout(self._layers[0], self.block_size)
+        logger.info("Tandem connector: %d layers, %s layout, bridge %s", len(names), self._layout.isa, self.bridge)
+
+    @property
+    def geometry(self) -> PageGeometry:
+        return PageGeometry(len(self._layers), self._layout.heads, self._layout.head_dim, self.block_size)
+
+    def _connect(self, op: str, room: str, tokens: int) -> socket.socket:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.bridge)
+        conn.sendall(json.dumps({"op": op, "room": room, "tokens": tokens}).encode() + b"\n")
+        return conn
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TandemMeta):
+            return
+        P = self.block_size
+        for item in meta.saves:
+            conn, sent = self._exports.get(item.room) or (None, 0)
+            try:
+                if conn is None:
+                    conn = self._connect("export", item.room, item.tokens)
+                ready = min(item.computed, item.tokens)
+                last = ready // P if ready < item.tokens else -(-item.tokens // P)
+                while sent < last:
+                    valid = min(P, item.tokens - sent * P)
+                    conn.sendall(b"".join(self._page_frame(item.block_ids[sent], sent, valid)))
+                    sent += 1
+                if sent * P >= item.tokens:
+                    conn.close()
+                    self._exports.pop(item.room, None)
+                else:
+                    self._exports[item.room] = (conn, sent)
+            except OSError as e:  # the agent gave up on this room: stop exporting it
+                logger.warning("Tandem export of room %s stopped: %s", item.room, e)
+                if conn is not None:
+                    conn.close()
+                self._exports.pop(item.room, None)
+
+    def _page_frame(self, block: int, index: int, valid: int) -> tuple[bytes, memoryview]:
+        kv = np.empty((len(self._layers), 2, valid, self._layout.heads, self._layout.head_dim), dtype="<f2")
+        for i, cache in enumerate(self._layers):
+            k, v = self._layout.read(cache, block)
+            kv[i, 0] = k[:valid].numpy()
+            kv[i, 1] = v[:valid].numpy()
+        page = make_page(self.geometry, index, kv)
+        return encode_frame(page, contract=ZERO16, room=ZERO16, tokens=ZERO16)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, TandemMeta):
+            for item in meta.loads:
+                threading.Thread(target=self._load, args=(item,), name=f"tandem-load-{item.room[:8]}",
+                                 daemon=True).start()
+
+    def _load(self, item: LoadItem) -> None:
+        P = self.block_size
+        pages = -(-item.tokens // P)
+        try:
+            with self._connect("import", item.room, item.tokens) as conn:
+                stream = conn.makefile("rb")
+                for index in range(pages):
+                    head = stream.read(HEADER_SIZE)
+                    header = parse_header(head) if len(head) == HEADER_SIZE else None
+                    if header is None:
+                        raise ConnectionError(f"the agent ended room {item.room}'s pages at {index} of {pages}")
+                    payload = stream.read(header.payload_size)
+                    header, page = decode_frame(head + payload)
+                    if page.index != index or page.valid_tokens != min(P, item.tokens - index * P) \
+                            or header.geometry != self.geometry:
+                        raise ValueError(f"page {page.index} ({page.valid_tokens} tokens, {header.geometry}) does "
+                                         f"not fit slot {index} of a {item.tokens}-token load")
+                    kv = torch.from_numpy(np.ascontiguousarray(page.kv))  # [layers, 2, valid, heads, dim]
+                    slots = torch.tensor([item.block_ids[index] * P + t for t in range(page.valid_tokens)],
+                                         dtype=torch.long)
+                    for i, cache in enumerate(self._layers):
+                        self._layout.write(cache, kv[i, 0], kv[i, 1], slots)
+            failed = False
+        except Exception as e:  # any failure fails the request (kv_load_failure_policy "fail")
+            logger.warning("Tandem load of room %s failed: %s", item.room, e)
+            failed = True
+        with self._lock:  # failed blocks are reported no later than the request's completion
+            if failed:
+                self._failed_blocks.update(item.block_ids)
+            self._loaded.add(item.req_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # whole pages leave in wait_for_save, after every layer of the step is written
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            done, self._loaded = self._loaded, set()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed

@@ -1,0 +1,183 @@
+"""Real vLLM (the CPU build, in .venv-vllm) as prefiller and decoder, through agents and the panel.
+
+Two vLLM agents, a torch agent and an MLX agent run as separate processes; the panel exposes every
+pair with vLLM on one side. Figures go to reports/vllm_*.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from contextlib import ExitStack
+
+import numpy as np
+import openai
+import pytest
+
+from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
+from engine_adapters.pages import KVPage
+from engine_adapters.sampling import SamplingParams
+from engine_adapters.vllm_adapter import vllm_python
+from node_agent.client import AgentClient
+
+from .agents import TEST_KEY, AgentProcess, PanelProcess, settle
+from .conftest import collect, prompt, run, write_report
+
+LENGTHS = [64, 65, 66, 128, 129, 130, 193]
+PAIRS = {"v2m": ("vllm", "mlx"), "m2v": ("mlx", "vllm"), "v2t": ("vllm", "torch"), "t2v": ("torch", "vllm"),
+         "v2v": ("vllm", "vllm2")}
+
+
+@pytest.fixture(scope="module")
+def cluster(smol_dir, tmp_path_factory):
+    try:
+        vllm_python()
+    except Exception as e:
+        pytest.fail(f"vLLM is part of `make test`: {e}")
+    home = tmp_path_factory.mktemp("vllm")
+    os.environ.setdefault("TANDEM_VLLM_THREADS", "1")  # equal thread counts: outputs comparable bit for bit
+    with ExitStack() as stack:
+        # all four start at once (vLLM takes the better part of a minute); then each is waited for
+        started = {name: AgentProcess(engine, smol_dir, home / name) for name, engine in
+                   (("vllm", "vllm"), ("vllm2", "vllm"), ("torch", "torch"), ("mlx", "mlx"))}
+        agents = {name: stack.enter_context(a) for name, a in started.items()}
+        pairs = [a for name, (p, d) in PAIRS.items() for a in ("--pair", f"{name}={agents[p].url},{agents[d].url}")]
+        with PanelProcess(home / "panel", *pairs) as panel:
+            client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
+            yield {"panel": panel, "client": client, **agents}
+
+
+def kv_usage(agent: AgentProcess) -> float:
+    return agent.status()["engine_stats"]["kv_cache_usage"]
+
+
+async def pages_of(agent: AgentProcess, ids: list[int]) -> list[KVPage]:
+    """Ask an agent to prefill `ids` (commit-first) and read its pages off the wire."""
+    client = AgentClient(agent.url, TEST_KEY)
+    try:
+        info = await client.info()
+        room = uuid.uuid4().hex
+        await client.create_handoff(room=room, token_ids=ids, sampling={"max_tokens": 1}, mode="commit-first",
+                                    contract=info["contract"]["fingerprint"])
+        async with client.page_stream(room, None) as stream:
+            return [item async for item in stream if isinstance(item, KVPage)]
+    finally:
+        await client.aclose()
+
+
+def test_vllm_pages_equal_transformers_reference(cluster, engines, long_ids):
+    """Page bytes from vLLM's cache against the K/V transformers computes for the same prompt."""
+    figures = {}
+    for n in (65, 193):
+        ids = prompt(long_ids, n)
+        got = asyncio.run(pages_of(cluster["vllm"], ids))
+        ref = [p for p in run(collect(engines["torch"].prefill(EngineRequest(f"ref{n}", ids, SamplingParams(),
+                                                                            FirstTokenMode.COMMIT_FIRST))))
+               if not isinstance(p, PrefillDone)]
+        assert [(p.index, p.valid_tokens) for p in got] == [(p.index, p.valid_tokens) for p in ref]
+        a = np.concatenate([p.kv for p in got], axis=2).astype(np.float32)
+        b = np.concatenate([p.kv for p in ref], axis=2).astype(np.float32)
+        diff = np.abs(a - b)
+        scale = np.maximum(np.abs(b), 1.0)
+        figures[n] = {"max_abs_diff": float(diff.max()), "max_rel_diff": float((diff / scale).max()),
+                      "mean_abs_diff": float(diff.mean()), "max_abs_value": float(np.abs(b).max())}
+        # FP16 compute in vLLM vs float32 compute rounded to FP16: a few FP16 ulps of the value
+        assert (diff / scale).max() < 0.05, figures[n]
+    write_report("vllm_pages", figures)
+    settle(cluster["vllm"])
+
+
+def complete(client, model: str, ids: list[int], stream: bool) -> str:
+    args = dict(model=model, prompt=ids, max_tokens=16, temperature=0)
+    if not stream:
+        return client.completions.create(**args).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
+
+
+def test_every_direction_through_the_panel(cluster, long_ids):
+    client, figures = cluster["client"], {}
+    local = {e: {n: complete(client, f"node/{cluster[e].engine}-{e}", prompt(long_ids, n), False) for n in LENGTHS}
+             for e in ("vllm", "torch", "mlx")}
+    for pair, (p, d) in PAIRS.items():
+        agree = 0
+        for n in LENGTHS:
+            ids = prompt(long_ids, n)
+            whole, streamed = complete(client, pair, ids, False), complete(client, pair, ids, True)
+            assert whole == streamed, (pair, n)
+            reference = local["vllm" if d.startswith("vllm") else d][n]
+            agree += whole == reference
+            if pair == "v2v":  # same engine, equal thread counts: exactly the local vLLM output
+                assert whole == local["vllm"][n], (n, whole, local["vllm"][n])
+        figures[pair] = {"greedy_agreement_with_decoder_alone": f"{agree}/{len(LENGTHS)}"}
+        assert agree >= len(LENGTHS) - 1, (pair, figures[pair])
+    # chat, streaming and not, on each pair
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    for pair in PAIRS:
+        whole = client.chat.completions.create(model=pair, messages=messages, max_tokens=20, temperature=0)
+        chunks = client.chat.completions.create(model=pair, messages=messages, max_tokens=20, temperature=0,
+                                                stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+        assert "Paris" in text, (pair, text)
+    write_report("vllm_directions", figures)
+    for name in ("vllm", "vllm2", "torch", "mlx"):
+        settle(cluster[name])
+    assert kv_usage(cluster["vllm"]) == 0 and kv_usage(cluster["vllm2"]) == 0
+
+
+async def _decode_lines(d: AgentProcess, p: AgentProcess, ids: list[int], room: str) -> list[dict]:
+    from .agents import pd_request
+
+    return await pd_request(p.url, d.url, ids, {"max_tokens": 64, "ignore_eos": True}, room=room)
+
+
+def test_cancel_and_peer_kill_return_vllm_to_baseline(cluster, long_ids, smol_dir, tmp_path):
+    v = cluster["vllm"]
+    ids = (list(long_ids) * 8)[:1500]
+
+    async def cancel_mid_transfer():
+        room = uuid.uuid4().hex
+        task = asyncio.create_task(_decode_lines(v, cluster["torch"], ids, room))
+        await asyncio.sleep(0.6)  # the torch prefiller is still computing later chunks
+        client = AgentClient(cluster["torch"].url, TEST_KEY)
+        await client.cancel_handoff(room)
+        await client.aclose()
+        return await task
+
+    lines = asyncio.run(cancel_mid_transfer())
+    assert "error" in lines[-1], lines[-1]
+    settle(v, cluster["torch"])
+    assert kv_usage(v) == 0
+
+    # the prefiller dies mid-transfer: a torch agent of its own, killed while it streams
+    with AgentProcess("torch", smol_dir, tmp_path / "doomed") as doomed:
+        async def kill_mid_transfer():
+            task = asyncio.create_task(_decode_lines(v, doomed, ids, uuid.uuid4().hex))
+            await asyncio.sleep(0.6)
+            doomed.proc.kill()
+            return await task
+
+        lines = asyncio.run(kill_mid_transfer())
+    assert "error" in lines[-1], lines[-1]
+    settle(v)
+    deadline = time.monotonic() + 30
+    while kv_usage(v) != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kv_usage(v) == 0
+    # and vLLM still serves
+    assert "Paris" in cluster["client"].chat.completions.create(
+        model="t2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20, temperature=0).choices[0].message.content
+    write_report("vllm_faults", {"cancel_mid_transfer": lines[-1]["error"]["message"][:200]})
+
+
+def test_vllm_refuses_commit_first_decoding(cluster, long_ids):
+    """vLLM always computes the last prompt token itself: it decodes in recompute-last mode only."""
+    with cluster["vllm"].client() as c:
+        info = c.get("/v1/info").json()
+        assert info["decoder_modes"] == ["recompute-last"] and info["engine"] == "vllm"
+        r = c.post("/v1/decode", json={"room": uuid.uuid4().hex, "token_ids": prompt(long_ids, 70),
+                                       "mode": "commit-first", "prefill_url": cluster["torch"].url})
+        assert r.status_code == 400 and "cannot decode in commit-first mode" in r.json()["error"]["message"]
