@@ -169,8 +169,7 @@ class VLLMServer:
         return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--served-model-name", "tandem", "--dtype", "float16", "--block-size", "64",
                 "--max-model-len", str(self.context_length), "--no-enable-prefix-caching", "--enforce-eager",
-                "--host", "127.0.0.1", "--port", str(self.port), "--kv-transfer-config", json.dumps(config),
-                "--disable-log-stats"]
+                "--host", "127.0.0.1", "--port", str(self.port), "--kv-transfer-config", json.dumps(config)]
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "TANDEM_VLLM_BRIDGE": str(self.bridge),
