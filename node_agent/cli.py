@@ -233,7 +233,7 @@ def doctor(model: str = typer.Option(None, help="Model directory or name to chec
     section("packages", list(package_versions().items()))
     with console.status("importing engines…"):
         engines = engine_imports()
-    section("engines", [(k, "[green]ok[/]" if v == "ok" else f"[red]{v}[/]") for k, v in engines.items()])
+    section("engines", [(k, f"[green]{v}[/]" if v.startswith("ok") else f"[red]{v}[/]") for k, v in engines.items()])
     section("accelerators", list(accelerators().items()))
     try:
         path = resolve_model(model)

@@ -133,44 +133,72 @@ async def _decode_lines(d: AgentProcess, p: AgentProcess, ids: list[int], room: 
     return await pd_request(p.url, d.url, ids, {"max_tokens": 64, "ignore_eos": True}, room=room)
 
 
+def wait_until_streaming(p: AgentProcess, timeout: float = 120) -> None:
+    """Until the prefiller has sent some but not all of a room's pages (the transfer is under way)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rooms = p.status()["handoffs"]
+        if rooms and rooms[0]["pages_sent"] >= 1 and rooms[0]["state"] != "prefilled":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no transfer under way on {p.url}")
+
+
 def test_cancel_and_peer_kill_return_vllm_to_baseline(cluster, long_ids, smol_dir, tmp_path):
-    v = cluster["vllm"]
-    ids = (list(long_ids) * 8)[:1500]
+    v, t = cluster["vllm"], cluster["torch"]
+    ids = (list(long_ids) * 8)[:1500]  # 6 prefill chunks on the torch prefiller: time to act mid-stream
+    baseline = kv_usage(v)
 
     async def cancel_mid_transfer():
         room = uuid.uuid4().hex
-        task = asyncio.create_task(_decode_lines(v, cluster["torch"], ids, room))
-        await asyncio.sleep(0.6)  # the torch prefiller is still computing later chunks
-        client = AgentClient(cluster["torch"].url, TEST_KEY)
+        task = asyncio.create_task(_decode_lines(v, t, ids, room))
+        await asyncio.to_thread(wait_until_streaming, t)
+        client = AgentClient(t.url, TEST_KEY)
         await client.cancel_handoff(room)
         await client.aclose()
         return await task
 
-    lines = asyncio.run(cancel_mid_transfer())
-    assert "error" in lines[-1], lines[-1]
-    settle(v, cluster["torch"])
-    assert kv_usage(v) == 0
+    cancelled = asyncio.run(cancel_mid_transfer())
+    assert "error" in cancelled[-1] and "cancelled" in cancelled[-1]["error"]["message"], cancelled[-1]
+    settle(v, t)
+    assert kv_usage(v) == baseline == 0
 
     # the prefiller dies mid-transfer: a torch agent of its own, killed while it streams
     with AgentProcess("torch", smol_dir, tmp_path / "doomed") as doomed:
         async def kill_mid_transfer():
             task = asyncio.create_task(_decode_lines(v, doomed, ids, uuid.uuid4().hex))
-            await asyncio.sleep(0.6)
+            await asyncio.to_thread(wait_until_streaming, doomed)
             doomed.proc.kill()
             return await task
 
-        lines = asyncio.run(kill_mid_transfer())
-    assert "error" in lines[-1], lines[-1]
+        killed = asyncio.run(kill_mid_transfer())
+    assert "error" in killed[-1] and "broke off" in killed[-1]["error"]["message"], killed[-1]
     settle(v)
-    deadline = time.monotonic() + 30
-    while kv_usage(v) != 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert kv_usage(v) == 0
+    assert kv_usage(v) == baseline
     # and vLLM still serves
     assert "Paris" in cluster["client"].chat.completions.create(
         model="t2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=20, temperature=0).choices[0].message.content
-    write_report("vllm_faults", {"cancel_mid_transfer": lines[-1]["error"]["message"][:200]})
+    write_report("vllm_faults", {"cancel_mid_transfer": cancelled[-1]["error"]["message"][:300],
+                                 "prefiller_killed_mid_transfer": killed[-1]["error"]["message"][:300],
+                                 "kv_cache_usage_after": kv_usage(v)})
+
+
+def test_a_crashed_vllm_is_restarted(cluster):
+    v = cluster["vllm2"]
+    stats = v.status()["engine_stats"]
+    os.kill(stats["pid"], 9)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        stats = v.status()["engine_stats"]
+        if stats["restarts"] == 1 and stats["kv_cache_usage"] is not None:
+            break
+        time.sleep(0.5)
+    assert stats["restarts"] == 1 and stats["pid"] is not None
+    text = cluster["client"].chat.completions.create(
+        model="v2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20, temperature=0).choices[0].message.content
+    assert "Paris" in text
 
 
 def test_vllm_refuses_commit_first_decoding(cluster, long_ids):
