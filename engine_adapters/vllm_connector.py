@@ -20,8 +20,9 @@ order (engine_adapters/pages.py framing, checksummed). An export connection ends
 page; an import connection that ends early is a failed load: its blocks are reported to vLLM,
 whose `kv_load_failure_policy` ("fail", the default) fails the request — no silent recompute.
 
-Layouts: detected at start-up by writing a probe through vLLM's own cache-writing kernel and
-reading it back; only layouts this file can read are accepted (see `CacheLayout`).
+Layouts: on CPU, detected at start-up by writing a probe through vLLM's own cache-writing kernel
+and reading it back (`CacheLayout`); on GPUs, the strided [blocks, heads, tokens, K|V] views of
+vLLM 0.32 (`StridedLayout`). Anything else is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -72,7 +73,44 @@ class TandemMeta(KVConnectorMetadata):
     loads: list[LoadItem] = field(default_factory=list)
 
 
-# ---- the CPU cache layout --------------------------------------------------------------------
+# ---- cache layouts -----------------------------------------------------------------------------
+def cache_layout(tensor: torch.Tensor, block_size: int):
+    """The reader/writer for this vLLM's per-layer cache views, or a clear refusal."""
+    if tensor.device.type == "cpu":
+        return CacheLayout(tensor, block_size)
+    return StridedLayout(tensor, block_size)
+
+
+class StridedLayout:
+    """vLLM 0.32 GPU backends (FlashAttention, FlashInfer, ...): every layer is a logical
+    [blocks, kv_heads, block_size, 2*head_dim] view, K then V in the last dim, with the physical
+    axis order of the chosen KVCacheLayout carried by the view's strides (FlashAttention's own
+    split: `kv_cache.transpose(1, 2).split(head_size, dim=-1)`). Reads and writes go through the
+    view, so every stride order vLLM can choose is handled the same way."""
+
+    isa = "strided"
+
+    def __init__(self, tensor: torch.Tensor, block_size: int):
+        if tensor.dim() != 4 or tensor.shape[2] != block_size or tensor.shape[3] % 2:
+            raise RuntimeError(f"unknown vLLM KV cache view {tuple(tensor.shape)} (expected [blocks, heads, "
+                               f"{block_size}, 2*head_dim]): this vLLM version is not supported")
+        if tensor.dtype != torch.float16:
+            raise RuntimeError(f"Tandem moves FP16 pages; this vLLM caches KV as {tensor.dtype} "
+                               "(start it with --dtype float16 and no KV quantization)")
+        self.heads, self.block_size, self.head_dim = tensor.shape[1], block_size, tensor.shape[3] // 2
+
+    def read(self, cache: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+        return cache[block, :, :, :d].permute(1, 0, 2).cpu(), cache[block, :, :, d:].permute(1, 0, 2).cpu()
+
+    def write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        d = self.head_dim
+        slots = slots.to(cache.device)
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        cache[blocks, :, offsets, :d] = k.to(cache.device)
+        cache[blocks, :, offsets, d:] = v.to(cache.device)
+
+
 class CacheLayout:
     """vLLM CPU_ATTN, "vec" ISA: per layer [blocks, kv_heads, block_size, 2*head_dim] FP16; per
     (block, head) the first half is K transposed [head_dim][block_size], the second V
@@ -131,7 +169,7 @@ class TandemConnector(KVConnectorBase_V1):
         self._new_loads: list[LoadItem] = []
         # worker side
         self._layers: list[torch.Tensor] = []
-        self._layout: CacheLayout | None = None
+        self._layout: CacheLayout | StridedLayout | None = None
         self._exports: dict[str, tuple[socket.socket, int]] = {}  # room -> (connection, pages sent)
         self._lock = threading.Lock()
         self._loaded: set[str] = set()
@@ -188,7 +226,7 @@ class TandemConnector(KVConnectorBase_V1):
 
         names = sorted(kv_caches, key=layer_index)
         self._layers = [kv_caches[n] for n in names]
-        self._layout = CacheLayout(self._layers[0], self.block_size)
+        self._layout = cache_layout(self._layers[0], self.block_size)
         logger.info("Tandem connector: %d layers, %s layout, bridge %s", len(names), self._layout.isa, self.bridge)
 
     @property

@@ -7,6 +7,7 @@ pair with vLLM on one side. Figures go to reports/vllm_*.json.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import uuid
@@ -209,3 +210,17 @@ def test_vllm_refuses_commit_first_decoding(cluster, long_ids):
         r = c.post("/v1/decode", json={"room": uuid.uuid4().hex, "token_ids": prompt(long_ids, 70),
                                        "mode": "commit-first", "prefill_url": cluster["torch"].url})
         assert r.status_code == 400 and "cannot decode in commit-first mode" in r.json()["error"]["message"]
+
+
+def test_gpu_layouts_with_vllms_own_views():
+    """The connector's GPU layout code on caches built by vLLM's own view functions, for every
+    KVCacheLayout vLLM defines (run in vLLM's interpreter: vLLM lives in its own environment)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).with_name("vllm_layouts_check.py")
+    out = subprocess.run([str(vllm_python()), str(script)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(results) >= 6 and all(all(r.values()) for r in results.values()), results
+    write_report("vllm_gpu_layouts", results)
