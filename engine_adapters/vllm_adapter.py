@@ -432,10 +432,12 @@ class VLLMAdapter(EngineAdapter):
                     raise item
                 if item.index != index:
                     raise FrameError(f"vLLM exported page {item.index} where {index} was expected")
+                # the last page leaves at the end of vLLM's last prefill step: that is when it finished
+                finished_at, seconds = time.time(), time.perf_counter() - t0
                 yield item
             first = await self._next(req, out)
             yield PrefillDone(first_token=int(first), kv_tokens=export, pages=pages,
-                              prefill_seconds=time.perf_counter() - t0, finished_at=time.time())
+                              prefill_seconds=seconds, finished_at=finished_at)
         finally:
             self.bridge.close_room(room)
             self._end(req, task)

@@ -224,3 +224,17 @@ def test_gpu_layouts_with_vllms_own_views():
     results = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(results) >= 6 and all(all(r.values()) for r in results.values()), results
     write_report("vllm_gpu_layouts", results)
+
+
+def test_vllm_pages_leave_while_it_still_prefills(cluster, long_ids):
+    """vLLM prefills in chunks (--max-num-batched-tokens 512): a 1,500-token prompt's first pages
+    reach the decoder before vLLM has finished the prompt."""
+    from .agents import pd_request
+
+    ids = (list(long_ids) * 8)[:1500]
+    done = asyncio.run(pd_request(cluster["vllm"].url, cluster["torch"].url, ids, {"max_tokens": 2}))[-1]
+    assert done.get("done"), done
+    # (in one step, every page would leave together, within milliseconds of the last)
+    assert done["first_page_at"] < done["prefill_finished_at"] - 0.05, done
+    write_report("vllm_overlap", {k: done[k] for k in ("first_page_at", "last_page_at", "prefill_finished_at",
+                                                         "prefill_seconds", "pages")})
