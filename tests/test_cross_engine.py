@@ -51,6 +51,11 @@ async def first_step_logits(prefiller, decoder, ids: list[int]) -> tuple[np.ndar
     prompt[:-1] (recompute-last), and the decoder's logits from its own prefill of the prompt."""
     req = EngineRequest("logits-p", ids, SamplingParams(max_tokens=1), FirstTokenMode.RECOMPUTE_LAST)
     pages = [p for p in await collect(prefiller.prefill(req)) if isinstance(p, KVPage)]
+    return await logits_after_import(decoder, pages, ids)
+
+
+async def logits_after_import(decoder, pages: list[KVPage], ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(logits of the last prompt token over imported pages of prompt[:-1], the decoder's own logits)."""
     session = await decoder.on_engine(decoder.new_session, len(ids) + 1)
     for page in pages:
         await decoder.on_engine(decoder.import_kv, session, page.start, page.kv)

@@ -54,13 +54,13 @@ def kv_usage(agent: AgentProcess) -> float:
     return agent.status()["engine_stats"]["kv_cache_usage"]
 
 
-async def pages_of(agent: AgentProcess, ids: list[int]) -> list[KVPage]:
-    """Ask an agent to prefill `ids` (commit-first) and read its pages off the wire."""
+async def pages_of(agent: AgentProcess, ids: list[int], mode: str = "commit-first") -> list[KVPage]:
+    """Ask an agent to prefill `ids` and read its pages off the wire."""
     client = AgentClient(agent.url, TEST_KEY)
     try:
         info = await client.info()
         room = uuid.uuid4().hex
-        await client.create_handoff(room=room, token_ids=ids, sampling={"max_tokens": 1}, mode="commit-first",
+        await client.create_handoff(room=room, token_ids=ids, sampling={"max_tokens": 1}, mode=mode,
                                     contract=info["contract"]["fingerprint"])
         async with client.page_stream(room, None) as stream:
             return [item async for item in stream if isinstance(item, KVPage)]
@@ -238,3 +238,34 @@ def test_vllm_pages_leave_while_it_still_prefills(cluster, long_ids):
     assert done["first_page_at"] < done["prefill_finished_at"] - 0.05, done
     write_report("vllm_overlap", {k: done[k] for k in ("first_page_at", "last_page_at", "prefill_finished_at",
                                                          "prefill_seconds", "pages")})
+
+
+@pytest.mark.parametrize("decoder", ["torch", "mlx"])
+def test_vllm_prefill_meets_the_cross_engine_rules(cluster, engines, decoder):
+    """The core issue's rules for vLLM -> torch and vLLM -> MLX over its 20 chat prompts: the
+    decoder's first-step logits after importing vLLM's pages against its own, and greedy agreement."""
+    from .test_cross_engine import LOGIT_TOLERANCE, MIN_AGREEMENT, PROMPTS, logits_after_import
+
+    d = engines[decoder]
+    sampling = {"max_tokens": 32, "ignore_eos": True}
+    diffs, agree = [], 0
+    for i, text in enumerate(PROMPTS):
+        ids = d.chat_token_ids([{"role": "user", "content": text}])
+        pages = asyncio.run(pages_of(cluster["vllm"], ids, "recompute-last"))
+        imported, local = run(logits_after_import(d, pages, ids))
+        diffs.append(float(np.abs(imported - local).max()))
+        lines = asyncio.run(_pd(cluster["vllm"], cluster[decoder], ids, sampling))
+        own = run(collect(d.generate(EngineRequest(f"own-{i}", ids, SamplingParams(**sampling)))))
+        agree += [x["token"] for x in lines if "token" in x] == own
+    figures = {"direction": f"vllm->{decoder}", "prompts": len(PROMPTS), "greedy_agreement": agree,
+               "logit_max_abs_diff_max": max(diffs), "logit_max_abs_diff_median": float(np.median(diffs)),
+               "logit_tolerance": LOGIT_TOLERANCE}
+    write_report(f"cross_engine_vllm_to_{decoder}", figures)
+    assert max(diffs) <= LOGIT_TOLERANCE, figures
+    assert agree >= MIN_AGREEMENT, figures
+
+
+async def _pd(p: AgentProcess, d: AgentProcess, ids: list[int], sampling: dict) -> list[dict]:
+    from .agents import pd_request
+
+    return await pd_request(p.url, d.url, ids, sampling)
