@@ -463,6 +463,36 @@ class VLLMAdapter(EngineAdapter):
             self.bridge.close_room(room)
             self._end(req, task)
 
+    async def first_step_logprobs(self, token_ids: list[int], pages: list[KVPage] | None = None,
+                                  top: int = 20) -> dict[int, float]:
+        """vLLM's top log-probabilities for the token after `token_ids`: over its own prefill, or
+        with prompt[:-1] imported from `pages` (recompute-last) — how the cross-engine rules are
+        measured with vLLM as the decoder (its API exposes log-probabilities, not logits)."""
+        import aiohttp
+
+        body = {"model": "tandem", "prompt": token_ids, "max_tokens": 1, "temperature": 0, "logprobs": top,
+                "return_tokens_as_token_ids": True}
+        room = None
+        if pages is not None:
+            room = uuid.uuid4().hex
+            box = self.bridge.open("import", room, len(token_ids) - 1)
+            for page in pages:
+                header, payload = encode_frame(page, contract=ZERO16, room=ZERO16, tokens=ZERO16)
+                box.outgoing.put(header + bytes(payload))
+            box.outgoing.put(_END)
+            body["kv_transfer_params"] = {"tandem_room": room, "tandem_load": len(token_ids) - 1}
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(self.server.url + "/v1/completions", json=body) as r:
+                    data = await r.json()
+            if "choices" not in data:
+                raise TandemError(f"vLLM refused the log-probability request: {data}")
+            top_lp = data["choices"][0]["logprobs"]["top_logprobs"][0]
+            return {int(k.split(":", 1)[1]): float(v) for k, v in top_lp.items()}
+        finally:
+            if room is not None:
+                self.bridge.close_room(room)
+
     async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
         self.validate(req, generates=True)
         self._start(req)

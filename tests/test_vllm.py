@@ -269,3 +269,52 @@ async def _pd(p: AgentProcess, d: AgentProcess, ids: list[int], sampling: dict) 
     from .agents import pd_request
 
     return await pd_request(p.url, d.url, ids, sampling)
+
+
+@pytest.mark.parametrize("prefiller", ["torch", "mlx"])
+def test_vllm_decoder_meets_the_cross_engine_rules(cluster, engines, prefiller, vllm_engine):
+    """X -> vLLM under the core issue's rules, over its 20 chat prompts: vLLM's first-step
+    log-probabilities (its API exposes those, not logits) after importing X's pages of prompt[:-1]
+    against vLLM's own, and greedy agreement of the P/D output with vLLM alone."""
+    from .test_cross_engine import LOGIT_TOLERANCE, MIN_AGREEMENT, PROMPTS
+
+    p = engines[prefiller]
+    sampling = {"max_tokens": 32, "ignore_eos": True}
+    diffs, agree = [], 0
+    for i, text in enumerate(PROMPTS):
+        ids = p.chat_token_ids([{"role": "user", "content": text}])
+        req = EngineRequest(f"lp-{i}", ids, SamplingParams(max_tokens=1), FirstTokenMode.RECOMPUTE_LAST)
+        pages = [x for x in run(collect(p.prefill(req))) if isinstance(x, KVPage)]
+        imported = run(vllm_engine.first_step_logprobs(ids, pages))
+        local = run(vllm_engine.first_step_logprobs(ids))
+        shared = set(imported) & set(local)
+        assert max(imported, key=imported.get) == max(local, key=local.get), text
+        diffs.append(max(abs(imported[t] - local[t]) for t in shared))
+        pd = [x["token"] for x in asyncio.run(_pd(cluster[prefiller], cluster["vllm"], ids, sampling)) if "token" in x]
+        alone = [x["token"] for x in asyncio.run(_generate(cluster["vllm"], ids, sampling)) if "token" in x]
+        agree += pd == alone
+    figures = {"direction": f"{prefiller}->vllm", "prompts": len(PROMPTS), "greedy_agreement": agree,
+               "logprob_max_abs_diff_max": max(diffs), "logprob_max_abs_diff_median": float(np.median(diffs)),
+               "compared": "top-20 log-probabilities of the first decode step", "tolerance": LOGIT_TOLERANCE}
+    write_report(f"cross_engine_{prefiller}_to_vllm", figures)
+    assert max(diffs) <= LOGIT_TOLERANCE, figures
+    assert agree >= MIN_AGREEMENT, figures
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(smol_dir):
+    """vLLM driven from this process through its adapter, for its log-probabilities."""
+    from engine_adapters import load_adapter
+
+    adapter = load_adapter("vllm", smol_dir)
+    yield adapter
+    adapter.close()
+
+
+async def _generate(agent: AgentProcess, ids: list[int], sampling: dict) -> list[dict]:
+    client = AgentClient(agent.url, TEST_KEY)
+    try:
+        return [line async for line in client.lines("/v1/generate", {"token_ids": ids, "sampling": sampling})]
+    finally:
+        await client.aclose()
+
