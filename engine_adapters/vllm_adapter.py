@@ -39,7 +39,7 @@ import numpy as np
 
 from .base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone, kv_tokens
 from .errors import Cancelled, FrameError, RequestError, TandemError
-from .pages import HEADER_SIZE, KVPage, decode_frame, encode_frame, parse_header
+from .pages import HEADER_SIZE, KVPage, decode_frame, encode_frame, make_page, parse_header
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_VERSION = "0.32"  # the minor version the connector and its layout probe were written against
@@ -72,12 +72,17 @@ def vllm_environment() -> str:
 
 
 # ---- the bridge: pages between this process and the connector in vLLM's workers ---------------
+def _bridge_frame(page: KVPage) -> bytes:
+    """A page as the connector reads it (the wire's frame; the ids are not checked on this hop)."""
+    header, payload = encode_frame(page, contract=ZERO16, room=ZERO16, tokens=ZERO16)
+    return header + bytes(payload)
+
+
 class _Room:
     def __init__(self, kind: str, tokens: int, loop: asyncio.AbstractEventLoop | None):
         self.kind, self.tokens, self.loop = kind, tokens, loop
         self.outgoing: queue.Queue = queue.Queue()  # import rooms: frames for the connector, then _END
         self.incoming: asyncio.Queue = asyncio.Queue()  # export rooms: pages from the connector, then _END
-        self.attached = threading.Event()
 
 
 class Bridge:
@@ -125,7 +130,6 @@ class Bridge:
             room = self.rooms.get(str(hello.get("room")))
             if room is None or room.kind != hello.get("op"):
                 return  # unknown room: the connector's load or export fails
-            room.attached.set()
             if room.kind == "import":
                 self._feed(conn, room)
             else:
@@ -288,11 +292,8 @@ class VLLMAdapter(EngineAdapter):
 
     def import_kv(self, room: str, start: int, kv: np.ndarray) -> None:
         """Hand a checked page to the connector's loader (called by `_import_stream`)."""
-        index = start // self.geometry.page_tokens
-        page = KVPage(index=index, valid_tokens=kv.shape[2], data=np.ascontiguousarray(
-            np.pad(kv, ((0, 0), (0, 0), (0, self.geometry.page_tokens - kv.shape[2]), (0, 0), (0, 0)))))
-        header, payload = encode_frame(page, contract=ZERO16, room=ZERO16, tokens=ZERO16)
-        self.bridge.rooms[room].outgoing.put(header + bytes(payload))
+        page = make_page(self.geometry, start // self.geometry.page_tokens, kv)
+        self.bridge.rooms[room].outgoing.put(_bridge_frame(page))
 
     async def engine_stats(self) -> dict:
         """vLLM's KV pool use (from its /metrics) and how often its process was restarted."""
@@ -477,8 +478,7 @@ class VLLMAdapter(EngineAdapter):
             room = uuid.uuid4().hex
             box = self.bridge.open("import", room, len(token_ids) - 1)
             for page in pages:
-                header, payload = encode_frame(page, contract=ZERO16, room=ZERO16, tokens=ZERO16)
-                box.outgoing.put(header + bytes(payload))
+                box.outgoing.put(_bridge_frame(page))
             box.outgoing.put(_END)
             body["kv_transfer_params"] = {"tandem_room": room, "tandem_load": len(token_ids) - 1}
         try:

@@ -106,6 +106,17 @@ async def pd_request(p_url: str, d_url: str, token_ids: list[int], sampling: dic
         await d.aclose()
 
 
+async def generate_request(url: str, token_ids: list[int], sampling: dict, key: str = TEST_KEY) -> list[dict]:
+    """One request on an agent's engine alone (POST /v1/generate); returns its NDJSON lines."""
+    from node_agent.client import AgentClient
+
+    client = AgentClient(url, key)
+    try:
+        return [line async for line in client.lines("/v1/generate", {"token_ids": token_ids, "sampling": sampling})]
+    finally:
+        await client.aclose()
+
+
 def tokens_of(lines: list[dict]) -> list[int]:
     assert "error" not in lines[-1], lines[-1]
     return [line["token"] for line in lines if "token" in line]

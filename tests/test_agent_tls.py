@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from node_agent.client import AgentClient, TransportError
-from tests.agents import AgentProcess, pd_request, settle, tokens_of
+from tests.agents import AgentProcess, generate_request, pd_request, settle, tokens_of
 
 SAMPLING = {"max_tokens": 12, "ignore_eos": True}
 
@@ -33,7 +33,7 @@ def test_pd_over_tls(smol_dir, long_ids, cert, tmp_path, monkeypatch):
         ids = list(long_ids[:130])
         monkeypatch.setenv("TANDEM_CA_FILE", str(cert_file))  # this process routes, as a panel would
         over_tls = tokens_of(asyncio.run(pd_request(p.url, d.url, ids, SAMPLING)))
-        alone = tokens_of(asyncio.run(_generate(d.url, ids)))
+        alone = tokens_of(asyncio.run(generate_request(d.url, ids, SAMPLING)))
         assert over_tls == alone and len(over_tls) == SAMPLING["max_tokens"]
         settle(p, d)
 
@@ -49,13 +49,3 @@ def test_pd_over_tls(smol_dir, long_ids, cert, tmp_path, monkeypatch):
 
         with pytest.raises(TransportError, match="certificate verify failed"):
             asyncio.run(untrusted())
-
-
-async def _generate(url: str, ids: list[int]) -> list[dict]:
-    from tests.agents import TEST_KEY
-
-    client = AgentClient(url, TEST_KEY)
-    try:
-        return [line async for line in client.lines("/v1/generate", {"token_ids": ids, "sampling": SAMPLING})]
-    finally:
-        await client.aclose()

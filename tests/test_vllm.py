@@ -23,7 +23,7 @@ from engine_adapters.sampling import SamplingParams
 from engine_adapters.vllm_adapter import vllm_python
 from node_agent.client import AgentClient
 
-from .agents import TEST_KEY, AgentProcess, PanelProcess, settle
+from .agents import TEST_KEY, AgentProcess, PanelProcess, generate_request, pd_request, settle
 from .conftest import collect, prompt, run, write_report
 
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]
@@ -129,8 +129,6 @@ def test_every_direction_through_the_panel(cluster, long_ids):
 
 
 async def _decode_lines(d: AgentProcess, p: AgentProcess, ids: list[int], room: str) -> list[dict]:
-    from .agents import pd_request
-
     return await pd_request(p.url, d.url, ids, {"max_tokens": 64, "ignore_eos": True}, room=room)
 
 
@@ -229,7 +227,6 @@ def test_gpu_layouts_with_vllms_own_views():
 def test_vllm_pages_leave_while_it_still_prefills(cluster, long_ids):
     """vLLM prefills in chunks (--max-num-batched-tokens 512): a 1,500-token prompt's first pages
     reach the decoder before vLLM has finished the prompt."""
-    from .agents import pd_request
 
     ids = (list(long_ids) * 8)[:1500]
     done = asyncio.run(pd_request(cluster["vllm"].url, cluster["torch"].url, ids, {"max_tokens": 2}))[-1]
@@ -254,7 +251,7 @@ def test_vllm_prefill_meets_the_cross_engine_rules(cluster, engines, decoder):
         pages = asyncio.run(pages_of(cluster["vllm"], ids, "recompute-last"))
         imported, local = run(logits_after_import(d, pages, ids))
         diffs.append(float(np.abs(imported - local).max()))
-        lines = asyncio.run(_pd(cluster["vllm"], cluster[decoder], ids, sampling))
+        lines = asyncio.run(pd_request(cluster["vllm"].url, cluster[decoder].url, ids, sampling))
         own = run(collect(d.generate(EngineRequest(f"own-{i}", ids, SamplingParams(**sampling)))))
         agree += [x["token"] for x in lines if "token" in x] == own
     figures = {"direction": f"vllm->{decoder}", "prompts": len(PROMPTS), "greedy_agreement": agree,
@@ -263,12 +260,6 @@ def test_vllm_prefill_meets_the_cross_engine_rules(cluster, engines, decoder):
     write_report(f"cross_engine_vllm_to_{decoder}", figures)
     assert max(diffs) <= LOGIT_TOLERANCE, figures
     assert agree >= MIN_AGREEMENT, figures
-
-
-async def _pd(p: AgentProcess, d: AgentProcess, ids: list[int], sampling: dict) -> list[dict]:
-    from .agents import pd_request
-
-    return await pd_request(p.url, d.url, ids, sampling)
 
 
 @pytest.mark.parametrize("prefiller", ["torch", "mlx"])
@@ -290,8 +281,8 @@ def test_vllm_decoder_meets_the_cross_engine_rules(cluster, engines, prefiller, 
         shared = set(imported) & set(local)
         assert max(imported, key=imported.get) == max(local, key=local.get), text
         diffs.append(max(abs(imported[t] - local[t]) for t in shared))
-        pd = [x["token"] for x in asyncio.run(_pd(cluster[prefiller], cluster["vllm"], ids, sampling)) if "token" in x]
-        alone = [x["token"] for x in asyncio.run(_generate(cluster["vllm"], ids, sampling)) if "token" in x]
+        pd = [x["token"] for x in asyncio.run(pd_request(cluster[prefiller].url, cluster["vllm"].url, ids, sampling)) if "token" in x]
+        alone = [x["token"] for x in asyncio.run(generate_request(cluster["vllm"].url, ids, sampling)) if "token" in x]
         agree += pd == alone
     figures = {"direction": f"{prefiller}->vllm", "prompts": len(PROMPTS), "greedy_agreement": agree,
                "logprob_max_abs_diff_max": max(diffs), "logprob_max_abs_diff_median": float(np.median(diffs)),
@@ -309,12 +300,3 @@ def vllm_engine(smol_dir):
     adapter = load_adapter("vllm", smol_dir)
     yield adapter
     adapter.close()
-
-
-async def _generate(agent: AgentProcess, ids: list[int], sampling: dict) -> list[dict]:
-    client = AgentClient(agent.url, TEST_KEY)
-    try:
-        return [line async for line in client.lines("/v1/generate", {"token_ids": ids, "sampling": sampling})]
-    finally:
-        await client.aclose()
-
