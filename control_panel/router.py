@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from engine_adapters.sampling import non_default_fields
 from node_agent.client import AgentClient, AgentHTTPError, TransportError
 
 
@@ -94,6 +95,10 @@ class Router:
         d, p = self.client(target.decode_url), self.client(target.prefill_url)
         try:
             info = await d.info()
+            cannot = sorted(non_default_fields(sampling) - set(info.get("sampling", ())))
+            if cannot:  # refused before either role is scheduled
+                raise RouteError(f"the decode engine of {target.name} ({info['engine']}) cannot apply "
+                                 f"{', '.join(cannot)}", 400, kind="invalid_request_error")
             mode = info["decoder_modes"][0]
             await p.create_handoff(room=room, token_ids=token_ids, sampling=sampling, mode=mode,
                                    contract=info["contract"]["fingerprint"])

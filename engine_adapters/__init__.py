@@ -19,6 +19,7 @@ ADAPTERS = {
     "torch": "engine_adapters.torch_adapter:TorchAdapter",
     "mlx": "engine_adapters.mlx_adapter:MLXAdapter",
     "vllm": "engine_adapters.vllm_adapter:VLLMAdapter",
+    "sglang": "engine_adapters.sglang_adapter:SGLangAdapter",
 }
 
 

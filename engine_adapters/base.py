@@ -44,7 +44,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, AsyncIterable, AsyncIterator, Callable, ClassVar, TypeVar
@@ -55,7 +55,7 @@ from .contract import HashCache, Progress, compute_contract
 from .errors import Cancelled, FrameError, RequestError
 from .model_dir import inspect_model
 from .pages import KVPage, make_page
-from .sampling import Sampler, SamplingParams
+from .sampling import OUTPUT_ONLY_FIELDS, SAMPLER_FIELDS, Sampler, SamplingParams
 
 # Tandem never downloads weights or tokenizers at run time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,9 +102,12 @@ class EngineAdapter(ABC):
     name: ClassVar[str]
     decoder_modes: ClassVar[tuple[FirstTokenMode, ...]] = (FirstTokenMode.COMMIT_FIRST, FirstTokenMode.RECOMPUTE_LAST)
     prefill_chunk_tokens: ClassVar[int] = 256
-    # Sampling fields this engine applies to the token it samples at the end of prefill (the
-    # first token, in commit-first mode). Ours samples with `sampling.Sampler`, which honours all.
-    first_token_sampling: ClassVar[frozenset[str]] = frozenset(f.name for f in fields(SamplingParams))
+    # Sampling fields this engine applies when it generates (`sampling`), and to the token it
+    # samples at the end of a prefill (`first_token_sampling`: the first token, in commit-first
+    # mode). In-process engines sample with `sampling.Sampler`; output-only penalties cannot
+    # change a first token, so a prefiller honours them by doing nothing.
+    sampling: ClassVar[frozenset[str]] = SAMPLER_FIELDS
+    first_token_sampling: ClassVar[frozenset[str]] = SAMPLER_FIELDS | OUTPUT_ONLY_FIELDS
 
     def __init__(self, model_dir: str | Path, context_length: int | None = None,
                  hash_cache: HashCache | None = None, progress: Progress | None = None):
@@ -212,7 +215,12 @@ class EngineAdapter(ABC):
         arr = np.asarray(ids)
         if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= self.info.vocab_size:
             raise RequestError(f"prompt token ids must be integers in 0..{self.info.vocab_size - 1}")
-        if not generates and req.mode is FirstTokenMode.COMMIT_FIRST:
+        if generates:
+            cannot = sorted(req.sampling.non_default() - self.sampling)
+            if cannot:
+                raise RequestError(f"the decode engine ({self.name}) cannot apply {', '.join(cannot)}: leave "
+                                   f"{'them' if len(cannot) > 1 else 'it'} at the default or use another node")
+        elif req.mode is FirstTokenMode.COMMIT_FIRST:
             cannot = sorted(req.sampling.non_default() - self.first_token_sampling)
             if cannot:
                 raise RequestError(f"the prefill engine ({self.name}) samples the first token and cannot apply "

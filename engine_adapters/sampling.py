@@ -25,6 +25,12 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # Applied by the engines that run as servers (vLLM, SGLang), not by `Sampler` below: an
+    # engine that cannot apply one refuses the request (EngineAdapter.sampling).
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # on prompt and output tokens (vLLM's and SGLang's meaning)
+    presence_penalty: float = 0.0  # on output tokens only
+    frequency_penalty: float = 0.0  # on output tokens only
 
     def non_default(self) -> set[str]:
         """The fields this request sets away from their defaults (what an engine must honour)."""
@@ -40,6 +46,14 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             problems.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            problems.append(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2 <= value <= 2:
+                problems.append(f"{name} must be in [-2, 2], got {value!r}")
         if problems:
             raise RequestError("; ".join(problems))
 
@@ -80,5 +94,21 @@ class Sampler:
         return int(order[idx])
 
 
+# What `Sampler` applies, and the penalties that only look at output tokens (so they cannot
+# change the first token, which an engine samples right after the prompt).
+SAMPLER_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"})
+OUTPUT_ONLY_FIELDS = frozenset({"presence_penalty", "frequency_penalty"})
+
+ALL_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+# the parameters only the server engines apply, passed to them under these same names
+SERVER_FIELDS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
 _DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
              for f in fields(SamplingParams)}
+
+
+def non_default_fields(sampling: dict) -> set[str]:
+    """The fields a request's sampling dict sets away from their defaults (for callers that
+    hold the dict, like the panel's router, which has to refuse before anything is scheduled)."""
+    return {name for name, value in sampling.items()
+            if name in _DEFAULTS and value != _DEFAULTS[name] and not (name == "stop_token_ids" and not value)}

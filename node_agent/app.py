@@ -37,7 +37,7 @@ import xxhash
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine_adapters import ADAPTERS
 from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone
@@ -74,6 +74,7 @@ class AgentConfig:
 
 # ---- request bodies --------------------------------------------------------------------------
 class SamplingBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a sampling field this agent does not know is refused, never dropped
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -81,6 +82,10 @@ class SamplingBody(BaseModel):
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def params(self) -> SamplingParams:
         return SamplingParams(**{**self.model_dump(), "stop_token_ids": tuple(self.stop_token_ids)})
@@ -253,7 +258,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         a = slot.adapter
         return {**base, "engine": a.name, "model": config.model_name or a.model_dir.name, "model_path": str(a.model_dir),
                 "contract": a.contract.to_dict(), "decoder_modes": [m.value for m in a.decoder_modes],
-                "first_token_sampling": sorted(a.first_token_sampling),
+                "first_token_sampling": sorted(a.first_token_sampling), "sampling": sorted(a.sampling),
                 "accelerator": a.accelerator(), "page_bytes": a.geometry.page_bytes,
                 "context_length": a.context_length}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ssl
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -117,6 +118,58 @@ async def generate_request(url: str, token_ids: list[int], sampling: dict, key: 
         await client.aclose()
 
 
+async def decode_foreign_pages(p_url: str, d_url: str, token_ids: list[int], key: str = TEST_KEY) -> list[dict]:
+    """A handoff made for P's own contract, decoded by D anyway (a router that skipped the
+    contract check): D's NDJSON lines."""
+    from node_agent.client import AgentClient
+
+    p, d = AgentClient(p_url, key), AgentClient(d_url, key)
+    try:
+        room = uuid.uuid4().hex
+        await p.create_handoff(room=room, token_ids=token_ids, sampling={"max_tokens": 4}, mode="commit-first",
+                               contract=(await p.info())["contract"]["fingerprint"])
+        return [x async for x in d.lines("/v1/decode", {"room": room, "token_ids": token_ids, "mode": "commit-first",
+                                                         "sampling": {"max_tokens": 4}, "prefill_url": p_url})]
+    finally:
+        await p.aclose()
+        await d.aclose()
+
+
 def tokens_of(lines: list[dict]) -> list[int]:
     assert "error" not in lines[-1], lines[-1]
     return [line["token"] for line in lines if "token" in line]
+
+
+async def pages_of(agent: AgentProcess, ids: list[int], mode: str = "commit-first") -> list:
+    """Ask an agent to prefill `ids` and read its pages (KVPage) off the wire."""
+    from engine_adapters.pages import KVPage
+    from node_agent.client import AgentClient
+
+    client = AgentClient(agent.url, TEST_KEY)
+    try:
+        info = await client.info()
+        room = uuid.uuid4().hex
+        await client.create_handoff(room=room, token_ids=ids, sampling={"max_tokens": 1}, mode=mode,
+                                    contract=info["contract"]["fingerprint"])
+        async with client.page_stream(room, None) as stream:
+            return [item async for item in stream if isinstance(item, KVPage)]
+    finally:
+        await client.aclose()
+
+
+def wait_until_streaming(p: AgentProcess, timeout: float = 120) -> None:
+    """Until the prefiller has sent some but not all of a room's pages (the transfer is under way)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rooms = p.status()["handoffs"]
+        if rooms and rooms[0]["pages_sent"] >= 1 and rooms[0]["state"] != "prefilled":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no transfer under way on {p.url}")
+
+
+def complete(client, model: str, ids: list[int], stream: bool) -> str:
+    args = dict(model=model, prompt=ids, max_tokens=16, temperature=0)
+    if not stream:
+        return client.completions.create(**args).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))

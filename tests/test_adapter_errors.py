@@ -188,18 +188,26 @@ def test_pair_stats_and_early_stop(engines, long_ids):
     assert len(stats.page_arrivals) == 3 and p.active_requests == d.active_requests == 0
 
 
-def test_first_token_sampling_an_engine_cannot_honour_is_refused(engines, monkeypatch):
-    """A commit-first prefiller samples the first token itself: parameters its engine cannot apply
-    are refused before any work (vLLM's and SGLang's adapters narrow `first_token_sampling`)."""
-    engine = engines["torch"]
-    assert engine.first_token_sampling >= SamplingParams().non_default() | {"temperature", "top_p", "top_k", "seed"}
-    monkeypatch.setattr(engine, "first_token_sampling", frozenset({"max_tokens", "stop_token_ids", "ignore_eos"}))
+@pytest.mark.parametrize("name", ["torch", "mlx"])
+def test_sampling_an_engine_cannot_honour_is_refused(engines, name):
+    """torch and MLX sample with Tandem's own sampler, which has no min_p and no penalties: as
+    commit-first prefillers (they sample the first token) they refuse min_p and the repetition
+    penalty, which change a first token, but not the output-only penalties; generating, they
+    refuse all four. Everything is refused before any work, naming the engine and parameter."""
+    engine = engines[name]
     hot = SamplingParams(temperature=0.7, top_k=5, max_tokens=4)
-    assert hot.non_default() == {"temperature", "top_k", "max_tokens"}
-    with pytest.raises(RequestError, match=r"cannot apply temperature, top_k"):
-        engine.validate(EngineRequest("r", [1, 2, 3], hot, FirstTokenMode.COMMIT_FIRST), generates=False)
-    # the decoder samples every token in recompute-last mode, and an engine running alone does too
-    engine.validate(EngineRequest("r", [1, 2, 3], hot, FirstTokenMode.RECOMPUTE_LAST), generates=False)
+    for params in (SamplingParams(min_p=0.1), SamplingParams(repetition_penalty=1.2, temperature=0.5)):
+        field = "min_p" if params.min_p else "repetition_penalty"
+        with pytest.raises(RequestError, match=rf"prefill engine \({name}\).*cannot apply {field}"):
+            engine.validate(EngineRequest("r", [1, 2, 3], params, FirstTokenMode.COMMIT_FIRST), generates=False)
+        with pytest.raises(RequestError, match=rf"decode engine \({name}\) cannot apply {field}"):
+            engine.validate(EngineRequest("r", [1, 2, 3], params), generates=True)
+        # a recompute-last prefill samples nothing: the decoder's sampling is what matters
+        engine.validate(EngineRequest("r", [1, 2, 3], params, FirstTokenMode.RECOMPUTE_LAST), generates=False)
+    output_only = SamplingParams(presence_penalty=0.5, frequency_penalty=0.3)
+    engine.validate(EngineRequest("r", [1, 2, 3], output_only, FirstTokenMode.COMMIT_FIRST), generates=False)
+    with pytest.raises(RequestError, match="cannot apply frequency_penalty, presence_penalty"):
+        engine.validate(EngineRequest("r", [1, 2, 3], output_only), generates=True)
+    for mode in FirstTokenMode:
+        engine.validate(EngineRequest("r", [1, 2, 3], hot, mode), generates=False)
     engine.validate(EngineRequest("r", [1, 2, 3], hot), generates=True)
-    engine.validate(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), FirstTokenMode.COMMIT_FIRST),
-                    generates=False)

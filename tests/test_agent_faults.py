@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 
 import pytest
 
-from node_agent.client import AgentClient, AgentHTTPError
+from node_agent.client import AgentHTTPError
 
-from .agents import TEST_KEY, AgentProcess, pd_request, settle
+from .agents import AgentProcess, decode_foreign_pages, pd_request, settle
 from .conftest import prompt, run
 
 
@@ -124,20 +123,7 @@ def test_wrong_contract_refused_by_prefiller(pair, long_ids):
 def test_wrong_contract_caught_by_decoder(pair, long_ids):
     """Even if a router skips the prefiller's check, the decoder refuses foreign pages."""
     p, _, other = pair
-    ids = prompt(long_ids, 70)
-
-    async def main():
-        c, o = AgentClient(p.url, TEST_KEY), AgentClient(other.url, TEST_KEY)
-        room = uuid.uuid4().hex
-        await c.create_handoff(room=room, token_ids=ids, sampling={"max_tokens": 4}, mode="commit-first",
-                               contract=(await c.info())["contract"]["fingerprint"])
-        lines = [x async for x in o.lines("/v1/decode", {"room": room, "token_ids": ids, "mode": "commit-first",
-                                                          "sampling": {"max_tokens": 4}, "prefill_url": p.url})]
-        await c.aclose()
-        await o.aclose()
-        return lines
-
-    error = error_of(run(main()))
+    error = error_of(run(decode_foreign_pages(p.url, other.url, prompt(long_ids, 70))))
     assert error["type"] == "ContractMismatch" and error["fields"] == ["contract fingerprint"]
     settle(p, other)
 

@@ -9,24 +9,23 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 import uuid
-from contextlib import ExitStack
 
 import numpy as np
-import openai
 import pytest
 
-from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
+from engine_adapters.base import EngineRequest, FirstTokenMode
 from engine_adapters.pages import KVPage
 from engine_adapters.sampling import SamplingParams
 from engine_adapters.vllm_adapter import vllm_python
 from node_agent.client import AgentClient
 
-from .agents import TEST_KEY, AgentProcess, PanelProcess, generate_request, pd_request, settle
+from .agents import (TEST_KEY, AgentProcess, generate_request, pd_request,
+                     settle, wait_until_streaming)
 from .conftest import collect, prompt, run, write_report
+from .server_engines import (check_every_direction, engine_cluster, check_pages_against_transformers, check_prefiller_rules,
+                             kill_engine_and_wait_for_restart)
 
-LENGTHS = [64, 65, 66, 128, 129, 130, 193]
 PAIRS = {"v2m": ("vllm", "mlx"), "m2v": ("mlx", "vllm"), "v2t": ("vllm", "torch"), "t2v": ("torch", "vllm"),
          "v2v": ("vllm", "vllm2")}
 
@@ -39,108 +38,28 @@ def cluster(smol_dir, tmp_path_factory):
         pytest.fail(f"vLLM is part of `make test`: {e}")
     home = tmp_path_factory.mktemp("vllm")
     os.environ.setdefault("TANDEM_VLLM_THREADS", "1")  # equal thread counts: outputs comparable bit for bit
-    with ExitStack() as stack:
-        # all four start at once (vLLM takes the better part of a minute); then each is waited for
-        started = {name: AgentProcess(engine, smol_dir, home / name) for name, engine in
-                   (("vllm", "vllm"), ("vllm2", "vllm"), ("torch", "torch"), ("mlx", "mlx"))}
-        agents = {name: stack.enter_context(a) for name, a in started.items()}
-        pairs = [a for name, (p, d) in PAIRS.items() for a in ("--pair", f"{name}={agents[p].url},{agents[d].url}")]
-        with PanelProcess(home / "panel", *pairs) as panel:
-            client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
-            yield {"panel": panel, "client": client, **agents}
+    agents = {name: ("vllm" if name.startswith("vllm") else name, {}) for name in ("vllm", "vllm2", "torch", "mlx")}
+    with engine_cluster(smol_dir, home, agents, PAIRS) as cluster:
+        yield cluster
 
 
 def kv_usage(agent: AgentProcess) -> float:
     return agent.status()["engine_stats"]["kv_cache_usage"]
 
 
-async def pages_of(agent: AgentProcess, ids: list[int], mode: str = "commit-first") -> list[KVPage]:
-    """Ask an agent to prefill `ids` and read its pages off the wire."""
-    client = AgentClient(agent.url, TEST_KEY)
-    try:
-        info = await client.info()
-        room = uuid.uuid4().hex
-        await client.create_handoff(room=room, token_ids=ids, sampling={"max_tokens": 1}, mode=mode,
-                                    contract=info["contract"]["fingerprint"])
-        async with client.page_stream(room, None) as stream:
-            return [item async for item in stream if isinstance(item, KVPage)]
-    finally:
-        await client.aclose()
-
-
 def test_vllm_pages_equal_transformers_reference(cluster, engines, long_ids):
     """Page bytes from vLLM's cache against the K/V transformers computes for the same prompt."""
-    figures = {}
-    for n in (65, 193):
-        ids = prompt(long_ids, n)
-        got = asyncio.run(pages_of(cluster["vllm"], ids))
-        ref = [p for p in run(collect(engines["torch"].prefill(EngineRequest(f"ref{n}", ids, SamplingParams(),
-                                                                            FirstTokenMode.COMMIT_FIRST))))
-               if not isinstance(p, PrefillDone)]
-        assert [(p.index, p.valid_tokens) for p in got] == [(p.index, p.valid_tokens) for p in ref]
-        a = np.concatenate([p.kv for p in got], axis=2).astype(np.float32)
-        b = np.concatenate([p.kv for p in ref], axis=2).astype(np.float32)
-        diff = np.abs(a - b)
-        scale = np.maximum(np.abs(b), 1.0)
-        figures[n] = {"max_abs_diff": float(diff.max()), "max_rel_diff": float((diff / scale).max()),
-                      "mean_abs_diff": float(diff.mean()), "max_abs_value": float(np.abs(b).max())}
-        # FP16 compute in vLLM vs float32 compute rounded to FP16: a few FP16 ulps of the value
-        assert (diff / scale).max() < 0.05, figures[n]
-    write_report("vllm_pages", figures)
+    check_pages_against_transformers(cluster["vllm"], engines["torch"], long_ids, "vllm_pages")
     settle(cluster["vllm"])
 
 
-def complete(client, model: str, ids: list[int], stream: bool) -> str:
-    args = dict(model=model, prompt=ids, max_tokens=16, temperature=0)
-    if not stream:
-        return client.completions.create(**args).choices[0].text
-    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
-
-
 def test_every_direction_through_the_panel(cluster, long_ids):
-    client, figures = cluster["client"], {}
-    local = {e: {n: complete(client, f"node/{cluster[e].engine}-{e}", prompt(long_ids, n), False) for n in LENGTHS}
-             for e in ("vllm", "torch", "mlx")}
-    for pair, (p, d) in PAIRS.items():
-        agree = 0
-        for n in LENGTHS:
-            ids = prompt(long_ids, n)
-            whole, streamed = complete(client, pair, ids, False), complete(client, pair, ids, True)
-            assert whole == streamed, (pair, n)
-            reference = local["vllm" if d.startswith("vllm") else d][n]
-            agree += whole == reference
-            if pair == "v2v":  # same engine, equal thread counts: exactly the local vLLM output
-                assert whole == local["vllm"][n], (n, whole, local["vllm"][n])
-        figures[pair] = {"greedy_agreement_with_decoder_alone": f"{agree}/{len(LENGTHS)}"}
-        assert agree >= len(LENGTHS) - 1, (pair, figures[pair])
-    # chat, streaming and not, on each pair
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    for pair in PAIRS:
-        whole = client.chat.completions.create(model=pair, messages=messages, max_tokens=20, temperature=0)
-        chunks = client.chat.completions.create(model=pair, messages=messages, max_tokens=20, temperature=0,
-                                                stream=True)
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text == whole.choices[0].message.content
-        assert "Paris" in text, (pair, text)
-    write_report("vllm_directions", figures)
-    for name in ("vllm", "vllm2", "torch", "mlx"):
-        settle(cluster[name])
+    check_every_direction(cluster, PAIRS, "v2v", long_ids, "vllm_directions")
     assert kv_usage(cluster["vllm"]) == 0 and kv_usage(cluster["vllm2"]) == 0
 
 
 async def _decode_lines(d: AgentProcess, p: AgentProcess, ids: list[int], room: str) -> list[dict]:
     return await pd_request(p.url, d.url, ids, {"max_tokens": 64, "ignore_eos": True}, room=room)
-
-
-def wait_until_streaming(p: AgentProcess, timeout: float = 120) -> None:
-    """Until the prefiller has sent some but not all of a room's pages (the transfer is under way)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rooms = p.status()["handoffs"]
-        if rooms and rooms[0]["pages_sent"] >= 1 and rooms[0]["state"] != "prefilled":
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no transfer under way on {p.url}")
 
 
 def test_cancel_and_peer_kill_return_vllm_to_baseline(cluster, long_ids, smol_dir, tmp_path):
@@ -184,16 +103,7 @@ def test_cancel_and_peer_kill_return_vllm_to_baseline(cluster, long_ids, smol_di
 
 
 def test_a_crashed_vllm_is_restarted(cluster):
-    v = cluster["vllm2"]
-    stats = v.status()["engine_stats"]
-    os.kill(stats["pid"], 9)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        stats = v.status()["engine_stats"]
-        if stats["restarts"] == 1 and stats["kv_cache_usage"] is not None:
-            break
-        time.sleep(0.5)
-    assert stats["restarts"] == 1 and stats["pid"] is not None
+    kill_engine_and_wait_for_restart(cluster["vllm2"], "kv_cache_usage")
     text = cluster["client"].chat.completions.create(
         model="v2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=20, temperature=0).choices[0].message.content
@@ -239,27 +149,8 @@ def test_vllm_pages_leave_while_it_still_prefills(cluster, long_ids):
 
 @pytest.mark.parametrize("decoder", ["torch", "mlx"])
 def test_vllm_prefill_meets_the_cross_engine_rules(cluster, engines, decoder):
-    """The core issue's rules for vLLM -> torch and vLLM -> MLX over its 20 chat prompts: the
-    decoder's first-step logits after importing vLLM's pages against its own, and greedy agreement."""
-    from .test_cross_engine import LOGIT_TOLERANCE, MIN_AGREEMENT, PROMPTS, logits_after_import
-
-    d = engines[decoder]
-    sampling = {"max_tokens": 32, "ignore_eos": True}
-    diffs, agree = [], 0
-    for i, text in enumerate(PROMPTS):
-        ids = d.chat_token_ids([{"role": "user", "content": text}])
-        pages = asyncio.run(pages_of(cluster["vllm"], ids, "recompute-last"))
-        imported, local = run(logits_after_import(d, pages, ids))
-        diffs.append(float(np.abs(imported - local).max()))
-        lines = asyncio.run(pd_request(cluster["vllm"].url, cluster[decoder].url, ids, sampling))
-        own = run(collect(d.generate(EngineRequest(f"own-{i}", ids, SamplingParams(**sampling)))))
-        agree += [x["token"] for x in lines if "token" in x] == own
-    figures = {"direction": f"vllm->{decoder}", "prompts": len(PROMPTS), "greedy_agreement": agree,
-               "logit_max_abs_diff_max": max(diffs), "logit_max_abs_diff_median": float(np.median(diffs)),
-               "logit_tolerance": LOGIT_TOLERANCE}
-    write_report(f"cross_engine_vllm_to_{decoder}", figures)
-    assert max(diffs) <= LOGIT_TOLERANCE, figures
-    assert agree >= MIN_AGREEMENT, figures
+    """The core issue's rules for vLLM -> torch and vLLM -> MLX over its 20 chat prompts."""
+    check_prefiller_rules(cluster["vllm"], cluster[decoder], engines[decoder], f"vllm->{decoder}")
 
 
 @pytest.mark.parametrize("prefiller", ["torch", "mlx"])

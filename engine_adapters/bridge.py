@@ -1,0 +1,149 @@
+"""The bridge: canonical pages between the agent's process and an engine running in its own
+process (vLLM's connector, SGLang's transfer backend), over a private unix socket.
+
+One connection per room. The engine side opens it with a JSON line
+`{"op": "export"|"import", "room": R, ...}`, then:
+
+    export  the engine writes page frames in order (engine_adapters/pages.py framing,
+            checksummed) and closes the connection after its last page;
+    import  the agent writes page frames in order, then (for engines that continue from the
+            prefiller's first token) one first-token frame, then closes the connection.
+            A connection that ends early is a failed load.
+
+The ids in the frames (contract, room, token digest) are zero on this hop: the agent checked
+them on the wire before a page gets here. This module imports no engine and no agent, so both
+sides of the socket can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import socket
+import struct
+import threading
+from pathlib import Path
+
+from .errors import FrameError
+from .pages import HEADER_SIZE, KVPage, decode_frame, encode_frame, parse_header
+
+ZERO16 = b"\0" * 16
+FIRST_TOKEN_MAGIC = b"TKVF"
+_FIRST_TOKEN = struct.Struct("<4sq")
+FIRST_TOKEN_SIZE = _FIRST_TOKEN.size
+END = object()  # ends a room's queue
+
+
+def page_frame(page: KVPage) -> bytes:
+    """A page as it crosses the bridge."""
+    header, payload = encode_frame(page, contract=ZERO16, room=ZERO16, tokens=ZERO16)
+    return header + bytes(payload)
+
+
+def first_token_frame(token: int) -> bytes:
+    return _FIRST_TOKEN.pack(FIRST_TOKEN_MAGIC, token)
+
+
+def read_item(stream) -> KVPage | int | None:
+    """The next page or first token from a bridge connection's byte stream; None at its end.
+    Raises FrameError on a damaged or truncated frame."""
+    head = stream.read(4)
+    if not head:
+        return None
+    if head == FIRST_TOKEN_MAGIC:
+        rest = stream.read(FIRST_TOKEN_SIZE - 4)
+        if len(rest) != FIRST_TOKEN_SIZE - 4:
+            raise FrameError("the bridge ended inside a first-token frame")
+        return _FIRST_TOKEN.unpack(head + rest)[1]
+    head += stream.read(HEADER_SIZE - 4)
+    if len(head) != HEADER_SIZE:
+        raise FrameError("the bridge ended inside a page header")
+    payload = stream.read(parse_header(head).payload_size)
+    return decode_frame(head + payload)[1]
+
+
+def connect(path: str, op: str, room: str, **extra) -> socket.socket:
+    """Open a room's connection (engine side)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    conn.sendall(json.dumps({"op": op, "room": room, **extra}).encode() + b"\n")
+    return conn
+
+
+class Room:
+    def __init__(self, kind: str, tokens: int, loop: asyncio.AbstractEventLoop | None):
+        self.kind, self.tokens, self.loop = kind, tokens, loop
+        self.outgoing: queue.Queue = queue.Queue()  # import rooms: frames for the engine, then END
+        self.incoming: asyncio.Queue = asyncio.Queue()  # export rooms: pages from the engine, then END
+
+
+class Bridge:
+    """The agent's side: a unix socket (mode 0600) the engine connects to, one connection per room."""
+
+    def __init__(self, path: Path, engine: str):
+        self.path, self.engine = path, engine
+        self.rooms: dict[str, Room] = {}
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path.unlink(missing_ok=True)
+        self._server.bind(str(path))
+        os.chmod(path, 0o600)
+        self._server.listen(64)
+        threading.Thread(target=self._accept, name=f"tandem-{engine}-bridge", daemon=True).start()
+
+    def open(self, kind: str, room: str, tokens: int) -> Room:
+        r = Room(kind, tokens, asyncio.get_running_loop())
+        self.rooms[room] = r
+        return r
+
+    def close_room(self, room: str) -> None:
+        r = self.rooms.pop(room, None)
+        if r is not None and r.kind == "import":
+            r.outgoing.put(END)  # a loader still waiting gets an early end: its load fails
+
+    def close(self) -> None:
+        self._server.close()
+        self.path.unlink(missing_ok=True)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            stream = conn.makefile("rb")
+            try:
+                hello = json.loads(stream.readline())
+            except ValueError:
+                return
+            room = self.rooms.get(str(hello.get("room")))
+            if room is None or room.kind != hello.get("op"):
+                return  # unknown room: the engine's load or export fails
+            if room.kind == "import":
+                self._feed(conn, room)
+            else:
+                self._collect(stream, room)
+
+    @staticmethod
+    def _feed(conn: socket.socket, room: Room) -> None:
+        while (item := room.outgoing.get()) is not END:
+            try:
+                conn.sendall(item)
+            except OSError:
+                return
+
+    def _collect(self, stream, room: Room) -> None:
+        def deliver(item) -> None:
+            room.loop.call_soon_threadsafe(room.incoming.put_nowait, item)
+
+        try:
+            while (item := read_item(stream)) is not None:
+                deliver(item)
+            deliver(END)
+        except Exception as e:  # a damaged frame from the engine ends the room with the reason
+            deliver(FrameError(f"{self.engine} sent a bad page: {e}"))

@@ -1,0 +1,338 @@
+"""SGLang as a Tandem engine: the adapter starts and supervises an SGLang server (its own process,
+in its own virtual environment) in PD-disaggregation mode with Tandem's transfer backend
+(engine_adapters/sglang_backend.py), and moves pages between the agent and that backend over
+the bridge (engine_adapters/bridge.py).
+
+    prefill  POST /generate {input_ids, sampling_params: {max_new_tokens: 1, …}, bootstrap_room}
+             on SGLang in its prefill role: the backend sends each page as SGLang hands its
+             chunk over; the answer carries SGLang's first token. SGLang exports the whole
+             prompt; for a recompute-last decoder (vLLM) the adapter drops the last token.
+    decode   POST /generate (streaming) on SGLang in its decode role, with the same room:
+             SGLang allocates slots for the whole prompt, the backend fills them from the pages
+             the prefiller sends, then hands SGLang the prefiller's first token; SGLang
+             continues from it (commit-first: SGLang never recomputes a prompt token).
+    generate the engine alone: a prefill on SGLang, then a decode on SGLang from those pages.
+
+SGLang serves one PD role at a time; one server switches between them at run time
+(`/pd_role_switch`, which needs the server idle). `RoleGate` lets requests of the current role
+run together and makes a request of the other role wait, in arrival order, until those have
+finished; then it switches (milliseconds: the KV pool is kept). A pair's node serves one role,
+so switches are rare outside the engine-alone path.
+
+Where SGLang comes from: TANDEM_SGLANG_PYTHON (an interpreter with sglang and this package
+installed), else the repository's `.venv-sglang` (`make sglang`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterable, AsyncIterator
+
+from .base import EngineRequest, FirstTokenMode, PrefillDone, kv_tokens
+from .bridge import END, first_token_frame, page_frame
+from .engine_server import EngineServer, engine_python
+from .errors import RequestError, TandemError
+from .pages import KVPage
+from .sampling import SERVER_FIELDS
+from .server_adapter import ServerAdapter
+
+SGLANG_VERSION = "0.5.23"  # the release the transfer backend was written against
+ROLES = ("prefill", "decode")
+
+
+def sglang_python() -> Path:
+    return engine_python("SGLang", "TANDEM_SGLANG_PYTHON", ".venv-sglang", "sglang")
+
+
+def on_cpu() -> bool:
+    """SGLang runs on an NVIDIA GPU where a driver answers, else on its CPU engine."""
+    return os.environ.get("TANDEM_SGLANG_DEVICE", "cuda" if shutil.which("nvidia-smi") else "cpu") == "cpu"
+
+
+def sglang_environment() -> str:
+    """'ok' text when SGLang's interpreter has the pinned release and sees Tandem's backend
+    plugin, else what is wrong (the doctor)."""
+    python = sglang_python()
+    code = ("import importlib.metadata as m\nprint(m.version('sglang'))\n"
+            "print(any(e.name == 'tandem' for e in m.entry_points(group='sglang.srt.plugins')))")
+    run = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
+    out = run.stdout.split()
+    if len(out) != 2:
+        raise TandemError(f"{python} has no sglang installed (run `make sglang`)")
+    version, plugin = out
+    if version != SGLANG_VERSION:
+        raise TandemError(f"sglang {version} at {python}, but Tandem's backend is pinned to {SGLANG_VERSION}")
+    if plugin != "True":
+        raise TandemError(f"sglang at {python} does not see Tandem's transfer backend (run `make sglang`)")
+    return f"sglang {version} (pinned) with Tandem's transfer backend at {python}"
+
+
+class SGLangServer(EngineServer):
+    """SGLang's HTTP server in PD-disaggregation mode with Tandem's transfer backend."""
+
+    engine = "SGLang"
+    start_timeout = float(os.environ.get("TANDEM_SGLANG_START_TIMEOUT", "600"))
+
+    def __init__(self, model_dir: Path, context_length: int, bridge: Path, log_path: Path, role: str):
+        super().__init__(log_path)
+        self.model_dir, self.context_length, self.bridge, self.role = model_dir, context_length, bridge, role
+        with socket.socket() as s:  # SGLang binds a bootstrap port even when it serves nobody
+            s.bind(("127.0.0.1", 0))
+            self.bootstrap_port = s.getsockname()[1]
+
+    def command(self) -> list[str]:
+        cmd = [str(sglang_python()), "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
+               "--served-model-name", "tandem", "--dtype", "float16", "--page-size", "64",
+               "--context-length", str(self.context_length), "--host", "127.0.0.1", "--port", str(self.port),
+               "--disaggregation-mode", self.role, "--disaggregation-transfer-backend", "tandem",
+               "--disaggregation-bootstrap-port", str(self.bootstrap_port), "--enable-pd-role-switch",
+               # the decoder continues from the prefiller's KV alone: nothing shared between requests
+               "--disable-radix-cache", "--enable-metrics", "--skip-server-warmup",
+               # prefill in chunks of this many tokens, so pages leave while later chunks compute
+               "--chunked-prefill-size", os.environ.get("TANDEM_SGLANG_CHUNK_TOKENS", "512")]
+        if on_cpu():
+            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                    "--sleep-on-idle", "--max-total-tokens", os.environ.get("TANDEM_SGLANG_KV_TOKENS", "16384"),
+                    # a decoder's retraction backup otherwise pins a host pool with CUDA calls
+                    "--disaggregation-decode-retraction-backup", "cpu_tensor"]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = {**super().environment(), "TANDEM_SGLANG_BRIDGE": str(self.bridge), "SGLANG_PLUGINS": "tandem",
+               # SGLang's decoder waits this long for a transfer to begin before failing it
+               "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": os.environ.get("TANDEM_SGLANG_WAIT_S", "300")}
+        if on_cpu():
+            # the CPU engine; and no early send of a chunked prompt's cached prefix, which waits
+            # on a CUDA event (the regular per-chunk send moves the same pages)
+            env.update(SGLANG_USE_CPU_ENGINE="1", SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX="0")
+        threads = os.environ.get("TANDEM_SGLANG_THREADS")
+        if threads:
+            env["OMP_NUM_THREADS"] = threads
+        return env
+
+
+class RoleGate:
+    """Requests of the engine's current role run together; a request for the other role waits
+    (and holds back later arrivals, so it is not starved) until the engine is idle, then the
+    role is switched."""
+
+    def __init__(self, role: str, switch):
+        self.role, self._switch = role, switch
+        self.active = 0
+        self._waiting: collections.deque[str] = collections.deque()
+        self._changed: asyncio.Condition | None = None
+        self.switches = 0
+
+    @asynccontextmanager
+    async def hold(self, role: str):
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        async with self._changed:
+            token = object()
+            self._waiting.append(token)
+            try:
+                await self._changed.wait_for(
+                    lambda: self._waiting[0] is token and (self.role == role or self.active == 0))
+                if self.role != role:
+                    await self._switch(role)
+                    self.role = role
+                    self.switches += 1
+            finally:
+                self._waiting.remove(token)
+                self._changed.notify_all()
+            self.active += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.active -= 1
+                self._changed.notify_all()
+
+
+class SGLangAdapter(ServerAdapter):
+    name = "sglang"
+    engine_label = "SGLang"
+    decoder_modes = (FirstTokenMode.COMMIT_FIRST,)
+
+    def _server(self, run_dir: Path) -> SGLangServer:
+        role = os.environ.get("TANDEM_SGLANG_ROLE", "prefill")
+        if role not in ROLES:
+            raise TandemError(f"TANDEM_SGLANG_ROLE must be one of {', '.join(ROLES)}, not {role!r}")
+        self.gate = RoleGate(role, self._switch_role)
+        return SGLangServer(self.model_dir, self.context_length, self.bridge.path, run_dir / "sglang.log", role)
+
+    async def _switch_role(self, role: str) -> None:
+        """Ask SGLang to flip roles. It refuses while a finished request is still being retired,
+        so an "is not idle" answer is retried for a few seconds (there is no event to wait on)."""
+        deadline = time.monotonic() + 30
+        while True:
+            # decode_cuda_graph_memory_gb: the headroom SGLang must find before capturing decode
+            # graphs on a flip to decode; 0 asks for none beyond what it needs (CPU has no graphs)
+            body = {"new_role": role, "decode_cuda_graph_memory_gb": 0}
+            async with self.http().post(self.server.url + "/pd_role_switch", json=body) as r:
+                answer = await r.json(content_type=None)
+            if answer.get("success"):
+                self.server.role = role  # a restarted SGLang comes back in the role it last had
+                return
+            message = str(answer.get("message", answer))
+            if "not idle" not in message or time.monotonic() > deadline:
+                raise TandemError(f"SGLang could not switch to its {role} role: {message}")
+            await asyncio.sleep(0.02)
+
+    async def engine_stats(self) -> dict:
+        """SGLang's role, its token pool in use (from its /metrics: slots held by running,
+        preallocated and transferring requests) and how often its process was restarted."""
+        stats = await self.server_stats({
+            "sglang:num_used_tokens": "kv_tokens_used", "sglang:token_usage": "kv_cache_usage",
+            "sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting",
+            "sglang:num_decode_prealloc_queue_reqs": "decode_prealloc",
+            "sglang:num_decode_transfer_queue_reqs": "decode_transfer",
+            "sglang:num_prefill_inflight_queue_reqs": "prefill_inflight"})
+        return {**stats, "role": self.gate.role, "role_switches": self.gate.switches}
+
+    def accelerator(self) -> dict:
+        info = super().accelerator()
+        device = "CPU" if on_cpu() else "CUDA"
+        return {**info, "name": f"{info['name']} (SGLang {SGLANG_VERSION}, {device})"}
+
+    # ---- talking to SGLang --------------------------------------------------------------------
+    def _body(self, req: EngineRequest, max_tokens: int, room: int, stream: bool) -> dict:
+        s = req.sampling
+        params = {"max_new_tokens": max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                  "top_k": s.top_k or -1, "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
+                  "skip_special_tokens": False}
+        params.update({name: getattr(s, name) for name in SERVER_FIELDS})
+        if s.seed is not None:
+            params["sampling_seed"] = s.seed
+        return {"input_ids": req.token_ids, "sampling_params": params, "stream": stream,
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": self.server.bootstrap_port, "bootstrap_room": room}
+
+    generate_path = "/generate"
+
+    async def _answer_tokens(self, response, stream: bool) -> AsyncIterator[int]:
+        if not stream:
+            data = await response.json()
+            _check_finish(data)
+            for token in data.get("output_ids") or []:
+                yield token
+            return
+        seen = 0
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            _check_finish(data)
+            ids = data.get("output_ids") or []  # cumulative
+            for token in ids[seen:]:
+                yield token
+            seen = len(ids)
+
+    # ---- the three operations ---------------------------------------------------------------
+    async def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
+        self.validate(req, generates=False)
+        export = kv_tokens(len(req.token_ids), req.mode)
+        room = _room()
+        box = self.bridge.open("export", str(room), len(req.token_ids))
+        self._start(req)
+        task = None
+        try:
+            async with self.gate.hold("prefill"):
+                out: asyncio.Queue = asyncio.Queue()
+                t0 = time.perf_counter()
+                task = asyncio.create_task(self._tokens(self._body(req, 1, room, stream=False), out, box.incoming))
+                async for item in self._relay_prefill(req, box.incoming, export, out, t0):
+                    yield item
+        finally:
+            self.bridge.close_room(str(room))
+            self._end(req, task)
+
+    async def decode(self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone]) -> AsyncIterator[int]:
+        if req.mode not in self.decoder_modes:
+            raise RequestError(f"SGLang decodes in commit-first mode only (it continues from the prefiller's "
+                               f"first token and never recomputes a prompt token), not {req.mode.value}")
+        self.validate(req, generates=True)
+        expected = kv_tokens(len(req.token_ids), req.mode)
+        room = _room()
+        box = self.bridge.open("import", str(room), expected)
+        self._start(req)
+        task = None
+        try:
+            async with self.gate.hold("decode"):
+                out: asyncio.Queue = asyncio.Queue()
+                task = asyncio.create_task(self._tokens(self._body(req, req.sampling.max_tokens, room, stream=True), out))
+                event = self._cancels[req.request_id]
+                done = await self._import_stream(req, event, str(room), stream, expected)
+                box.outgoing.put(first_token_frame(done.first_token))
+                box.outgoing.put(END)
+                while (token := await self._next(req, out)) is not None:
+                    yield token
+        finally:
+            self.bridge.close_room(str(room))
+            self._end(req, task)
+
+    async def decode_step_logprobs(self, token_ids: list[int], first_token: int, pages: list[KVPage],
+                                   top: int = 20) -> dict[int, float]:
+        """SGLang's top log-probabilities at its first decode step (the token after `first_token`)
+        with the whole prompt's KV taken from `pages` — how the cross-engine rules are measured
+        with SGLang as the decoder (its API exposes log-probabilities, not logits)."""
+        room = _room()
+        box = self.bridge.open("import", str(room), len(token_ids))
+        for page in pages:
+            box.outgoing.put(page_frame(page))
+        box.outgoing.put(first_token_frame(first_token))
+        box.outgoing.put(END)
+        body = {"input_ids": token_ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+                "return_logprob": True, "top_logprobs_num": top, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": self.server.bootstrap_port, "bootstrap_room": room}
+        try:
+            async with self.gate.hold("decode"):
+                async with self.http().post(self.server.url + "/generate", json=body) as r:
+                    data = await r.json()
+            _check_finish(data)
+            steps = data["meta_info"]["output_top_logprobs"]
+            return {int(token): float(logprob) for logprob, token, *_ in steps[1]}
+        finally:
+            self.bridge.close_room(str(room))
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
+        """The engine alone: SGLang prefills, then SGLang decodes from its own pages."""
+        prefill_req = EngineRequest(f"{req.request_id}/prefill", req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST)
+        decode_req = EngineRequest(req.request_id, req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST)
+        self.validate(req, generates=True)
+        items = [item async for item in self.prefill(prefill_req)]
+
+        async def replay():
+            for item in items:
+                yield item
+
+        async for token in self.decode(decode_req, replay()):
+            yield token
+
+    def cancel(self, request_id: str) -> bool:
+        # a generate's prefill half runs under its own id
+        return super().cancel(request_id) | super().cancel(f"{request_id}/prefill")
+
+
+def _room() -> int:
+    """SGLang's bootstrap room: a non-zero 63-bit id (SGLang treats 0 as "no metadata yet")."""
+    return secrets.randbits(63) or 1
+
+
+def _check_finish(data: dict) -> None:
+    """SGLang reports a failed or aborted request inside a normal-looking answer."""
+    if "error" in data:
+        raise TandemError(f"SGLang failed the request: {data['error']}")
+    reason = (data.get("meta_info") or {}).get("finish_reason") or {}
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        raise TandemError(f"SGLang aborted the request: {reason.get('message', reason)}")
+

@@ -1,0 +1,343 @@
+"""Tandem's transfer backend for SGLang's PD disaggregation: runs inside SGLang's processes and
+moves canonical pages between SGLang's KV pool and the Tandem agent that supervises this SGLang
+(engine_adapters/sglang_adapter.py), over the agent's bridge (engine_adapters/bridge.py).
+
+SGLang has no registry for out-of-tree transfer backends (ENGINE_NOTES.md): the backend list is
+the closed enum `TransferBackend` and the function `get_kv_class`. Its plugin mechanism (entry
+point group `sglang.srt.plugins`, loaded in every SGLang process before arguments are parsed)
+is the supported way in; `register` below is that entry point. It adds "tandem" to the enum and
+to the `--disaggregation-transfer-backend` choices and wraps `get_kv_class` so "tandem" resolves
+to the classes here, the way SGLang's own backends are built: a manager per scheduler, a sender
+per prefill request, a receiver per decode request (SGLang's base classes, disaggregation/base).
+
+    prefill  SGLang (`--disaggregation-mode prefill`) calls `send(page_indices)` as chunks of the
+             prompt finish; each page is copied out of the pool at once and written to the
+             agent as a frame, so the pool's slots are free to reuse as soon as send returns.
+             The whole prompt's KV leaves (the agent trims it for a recompute-last decoder);
+             the first token comes back in SGLang's HTTP answer.
+    decode   SGLang (`--disaggregation-mode decode`) allocates slots for the whole prompt and
+             calls `send_metadata(page_indices, aux_index)`; a worker thread pulls pages from
+             the agent as they arrive from the prefiller, writes them into those slots, then
+             writes the prefiller's first token (and the room, which SGLang checks) into the
+             metadata row, and only then reports Success. SGLang continues from that token and
+             never recomputes (commit-first).
+
+The bootstrap room (SGLang's 63-bit transfer id, sent in the /generate request) names the bridge
+room. Any failure — the agent gone, a damaged page, a page that does not fit — is a Failed poll
+with the reason, which SGLang turns into an aborted request and freed slots. `abort` waits for a
+worker still writing into the pool, so slots are never reclaimed under a copy in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from types import SimpleNamespace
+from typing import Optional
+
+import numpy as np
+
+from sglang.srt.disaggregation.base.conn import (BaseKVBootstrapServer, BaseKVManager, BaseKVReceiver,
+                                                 BaseKVSender, KVArgs, KVPoll)
+
+from engine_adapters import bridge
+from engine_adapters.model_dir import inspect_model
+from engine_adapters.pages import make_page
+from engine_adapters.sglang_pool import MetadataRows, PoolPages
+
+logger = logging.getLogger("sglang.tandem_backend")
+
+BRIDGE_ENV = "TANDEM_SGLANG_BRIDGE"
+BACKEND = "tandem"
+
+
+# ---- registration (the plugin entry point) --------------------------------------------------
+def register() -> None:
+    """Entry point `sglang.srt.plugins: tandem`: make `--disaggregation-transfer-backend tandem` work."""
+    from sglang.srt.arg_groups.choices import add_disagg_transfer_backend_choices
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    enum = utils.TransferBackend
+    if BACKEND not in enum._value2member_map_:
+        # Enums are closed by design; this adds one member the way Enum builds its own.
+        member = object.__new__(enum)
+        member._name_, member._value_ = "TANDEM", BACKEND
+        type.__setattr__(enum, "TANDEM", member)
+        enum._member_map_["TANDEM"] = member
+        enum._value2member_map_[BACKEND] = member
+        enum._member_names_.append("TANDEM")
+        add_disagg_transfer_backend_choices([BACKEND])
+
+    classes = {utils.KVClassType.MANAGER: TandemKVManager, utils.KVClassType.SENDER: TandemKVSender,
+               utils.KVClassType.RECEIVER: TandemKVReceiver,
+               utils.KVClassType.BOOTSTRAP_SERVER: TandemBootstrapServer}
+
+    def get_kv_class(original, transfer_backend, class_type):
+        if getattr(transfer_backend, "value", transfer_backend) == BACKEND and class_type in classes:
+            return classes[class_type]
+        return original(transfer_backend, class_type)
+
+    HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", get_kv_class, HookType.AROUND)
+
+
+# ---- SGLang's backend classes -----------------------------------------------------------------
+class TandemKVManager(BaseKVManager):
+    """One per scheduler: the pool view and the bridge's address. There is no SGLang peer to
+    discover: the peer is this machine's Tandem agent."""
+
+    supports_role_switch = True
+    supports_host_destination = False
+    enable_staging = False
+    enable_all_cp_ranks_for_transfer = False
+    enable_deferred_decode_kv_release = False
+    is_dummy_cp_rank = False
+    attn_cp_size, attn_cp_rank = 1, 0
+
+    def __init__(self, args: KVArgs, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if is_mla_backend:
+            raise ValueError("Tandem pages carry per-head K and V; MLA models are not supported")
+        self.kv_args = args
+        self.mode = getattr(disaggregation_mode, "value", str(disaggregation_mode))
+        self.bridge_path = os.environ.get(BRIDGE_ENV, "")
+        if not self.bridge_path:
+            raise ValueError(f"the Tandem transfer backend needs {BRIDGE_ENV} (SGLang is started by a Tandem agent)")
+        # the canonical geometry, read from the model's config as every Tandem engine does
+        geometry = inspect_model(server_args.model_path).geometry
+        self.pool = PoolPages(args, server_args.device, geometry)
+        self.rows = MetadataRows(args, bool(getattr(server_args, "disaggregation_enable_kv_checksum", False)))
+        # SGLang's decode queue asks each prefill address for its parallel layout; the agent is
+        # one rank with no data parallelism.
+        info = SimpleNamespace(dp_size=1, follow_bootstrap_room=True)
+        self.prefill_info_table = _EveryAddress(info)
+        self.transfer_infos: dict = {}
+        logger.info("Tandem backend (%s): %d layers, %d KV heads, head dim %d, pool on %s, bridge %s", self.mode,
+                    self.pool.layers, self.pool.heads, self.pool.head_dim, self.pool.device, self.bridge_path)
+
+    def register_to_bootstrap(self):
+        pass
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        return True
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        return False  # every Tandem page is checksummed on the wire and on the bridge
+
+    def clear_deferred_abort_state(self, *args, **kwargs) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass
+
+
+class _EveryAddress(dict):
+    def __init__(self, info):
+        super().__init__()
+        self._info = info
+
+    def get(self, key, default=None):
+        return self._info
+
+    def __getitem__(self, key):
+        return self._info
+
+    def __contains__(self, key):
+        return True
+
+
+class TandemKVSender(BaseKVSender):
+    """Prefill side: pages leave as SGLang hands them over."""
+
+    def __init__(self, mgr: TandemKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False, *args, **kwargs):
+        self.kv_mgr, self.room = mgr, bootstrap_room
+        self.state, self.reason = KVPoll.WaitingForInput, ""
+        self.pages_total: Optional[int] = None
+        self.pages_sent = 0
+        self.bytes_sent = 0
+        self.conn: Optional[socket.socket] = None
+        try:
+            self.conn = bridge.connect(mgr.bridge_path, "export", str(bootstrap_room))
+        except OSError as e:
+            self._fail(f"cannot reach the Tandem agent's bridge: {e}")
+
+    def _fail(self, reason: str) -> None:
+        self.state, self.reason = KVPoll.Failed, reason
+        logger.warning("Tandem export of room %s failed: %s", self.room, reason)
+        self._close()
+
+    def _close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        self.pages_total = num_kv_indices
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk
+
+    def send(self, kv_indices, state_indices=None, num_kv_tokens: Optional[int] = None, **kwargs):
+        if self.state == KVPoll.Failed:
+            return
+        indices = [int(i) for i in np.asarray(kv_indices).reshape(-1)]
+        tokens = num_kv_tokens if num_kv_tokens is not None else len(indices) * self.kv_mgr.pool.page_tokens
+        P = self.kv_mgr.pool.page_tokens
+        try:
+            for j, page in enumerate(indices):
+                valid = min(P, tokens - j * P)
+                kv = self.kv_mgr.pool.read(page, valid)
+                frame = bridge.page_frame(make_page(self.kv_mgr.pool.geometry, self.pages_sent, kv))
+                self.conn.sendall(frame)
+                self.pages_sent += 1
+                self.bytes_sent += len(frame)
+        except (OSError, AttributeError) as e:  # the agent closed the room (cancelled) or went away
+            self._fail(f"the Tandem agent stopped reading: {e}")
+            return
+        if self.pages_total is not None and self.pages_sent >= self.pages_total:
+            self._close()
+            self.state = KVPoll.Success
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def poll_pp_consensus(self) -> KVPoll:
+        return self.state
+
+    def failure_exception(self):
+        raise RuntimeError(f"Tandem transfer of room {self.room} failed: {self.reason}")
+
+    def mark_prefill_complete(self) -> None:
+        pass
+
+    def pop_decode_prefix_len(self) -> int:
+        return 0
+
+    def get_max_transfer_tokens(self) -> Optional[int]:
+        return None
+
+    def get_transfer_metric(self):
+        from sglang.srt.disaggregation.base.conn import KVTransferMetric
+
+        return KVTransferMetric(transfer_total_bytes=self.bytes_sent)
+
+    def abort(self):
+        if self.state != KVPoll.Success:
+            self._fail("aborted by SGLang")
+
+    def clear(self):
+        self._close()
+
+
+class TandemKVReceiver(BaseKVReceiver):
+    """Decode side: a worker thread fills the slots SGLang allocated, page by page as they arrive."""
+
+    def __init__(self, mgr: TandemKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None,
+                 *args, **kwargs):
+        self.kv_mgr, self.room = mgr, bootstrap_room
+        self.state, self.reason = KVPoll.Bootstrapping, ""
+        self.conclude_state: Optional[KVPoll] = None
+        self.abort_notified = False
+        self.require_staging = False
+        self.bootstrap_infos = None
+        self._aborted = threading.Event()
+        self._conn: Optional[socket.socket] = None
+        self._worker: Optional[threading.Thread] = None
+
+    @property
+    def is_abort_release_safe(self) -> bool:
+        return self._worker is None or not self._worker.is_alive()
+
+    @property
+    def supports_host_destination(self) -> bool:
+        return False
+
+    def init(self, prefill_dp_rank: int = 0, *args, **kwargs):
+        if self.state == KVPoll.Bootstrapping:
+            self.state = KVPoll.WaitingForInput
+
+    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices=None, **kwargs):
+        if self.state == KVPoll.Failed:
+            return
+        pages = [int(i) for i in np.asarray(kv_indices).reshape(-1)]
+        self.state = KVPoll.Transferring
+        self._worker = threading.Thread(target=self._receive, args=(pages, aux_index), daemon=True,
+                                        name=f"tandem-receive-{self.room}")
+        self._worker.start()
+
+    def _receive(self, pages: list[int], aux_index: int) -> None:
+        pool = self.kv_mgr.pool
+        try:
+            self._conn = bridge.connect(self.kv_mgr.bridge_path, "import", str(self.room))
+            stream = self._conn.makefile("rb")
+            for index, slot_page in enumerate(pages):
+                item = bridge.read_item(stream)
+                if self._aborted.is_set():
+                    raise RuntimeError("aborted by SGLang")
+                if item is None or isinstance(item, int):
+                    raise RuntimeError(f"the Tandem agent ended the pages at {index} of {len(pages)}")
+                if item.index != index or item.data.shape != pool.geometry.page_shape:
+                    raise RuntimeError(f"page {item.index} of shape {item.data.shape} does not fit slot {index} "
+                                       f"(expected {pool.geometry.page_shape})")
+                pool.write(slot_page, item.kv)
+            first = bridge.read_item(stream)
+            if not isinstance(first, int) or isinstance(first, bool):
+                raise RuntimeError("the Tandem agent sent no first token after the pages")
+            if self._aborted.is_set():
+                raise RuntimeError("aborted by SGLang")
+            self.kv_mgr.rows.commit(aux_index, first, self.room)
+            self.state = KVPoll.Success
+        except Exception as e:  # any failure fails the request; SGLang frees its slots
+            self.reason = str(e)
+            logger.warning("Tandem import of room %s failed: %s", self.room, e)
+            self.state = KVPoll.Failed
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def poll_pp_consensus(self) -> KVPoll:
+        return self.state
+
+    def failure_exception(self):
+        raise RuntimeError(f"Tandem transfer of room {self.room} failed: {self.reason or 'aborted'}")
+
+    def abort(self):
+        """Stop the worker and wait until it has stopped writing: SGLang frees the slots next."""
+        self._aborted.set()
+        if self._conn is not None:
+            try:
+                self._conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._worker is not None:
+            self._worker.join()
+        if self.state != KVPoll.Success:
+            self.state = KVPoll.Failed
+            self.reason = self.reason or "aborted by SGLang"
+        self.conclude_state = self.state
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        pass
+
+    def clear(self):
+        pass
+
+
+class TandemBootstrapServer(BaseKVBootstrapServer):
+    """SGLang starts a bootstrap server on prefill nodes so decoders can find them; with Tandem
+    the agent is every server's peer, so there is nothing to serve."""
+
+    def __init__(self, host: str, port: int, *args, **kwargs):
+        self.host, self.port = host, port
+
+    def run(self):
+        pass
+
+    def close(self):
+        pass

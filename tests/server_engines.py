@@ -1,0 +1,133 @@
+"""Checks shared by the tests of the engines that run as their own servers (vLLM, SGLang): the
+pages they export against transformers' K/V, and the core issue's cross-engine rules with them as
+prefiller (the decoder is torch or MLX, whose logits are visible)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import numpy as np
+import openai
+
+from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
+from engine_adapters.sampling import SamplingParams
+
+from .agents import AgentProcess, PanelProcess, complete, pages_of, pd_request, settle, tokens_of
+from .conftest import collect, prompt, run, write_report
+
+
+def check_pages_against_transformers(agent: AgentProcess, torch_engine, long_ids: list[int], report: str) -> None:
+    """Page bytes from the server's cache against the K/V transformers computes for the same
+    prompt (65 and 193 tokens): equal layout, values within a few FP16 ulps."""
+    figures = {}
+    for n in (65, 193):
+        ids = prompt(long_ids, n)
+        got = asyncio.run(pages_of(agent, ids))
+        ref = [p for p in run(collect(torch_engine.prefill(EngineRequest(f"ref{n}", ids, SamplingParams(),
+                                                                         FirstTokenMode.COMMIT_FIRST))))
+               if not isinstance(p, PrefillDone)]
+        assert [(p.index, p.valid_tokens) for p in got] == [(p.index, p.valid_tokens) for p in ref]
+        a = np.concatenate([p.kv for p in got], axis=2).astype(np.float32)
+        b = np.concatenate([p.kv for p in ref], axis=2).astype(np.float32)
+        diff = np.abs(a - b)
+        scale = np.maximum(np.abs(b), 1.0)
+        figures[n] = {"max_abs_diff": float(diff.max()), "max_rel_diff": float((diff / scale).max()),
+                      "mean_abs_diff": float(diff.mean()), "max_abs_value": float(np.abs(b).max())}
+        # FP16 compute in the server vs float32 compute rounded to FP16: a few FP16 ulps of the value
+        assert (diff / scale).max() < 0.05, figures[n]
+    write_report(report, figures)
+
+
+@contextmanager
+def engine_cluster(model: Path, home: Path, agents: dict[str, tuple[str, dict]], pairs: dict[str, tuple[str, str]]):
+    """Agents (name -> (engine, environment)) started all at once — server engines take the better
+    part of a minute — then each waited for, and a panel with `pairs` (name -> (P, D)). Yields
+    {"panel", "client" (OpenAI), name: AgentProcess ...}."""
+    with ExitStack() as stack:
+        started = {name: AgentProcess(engine, model, home / name, env=env) for name, (engine, env) in agents.items()}
+        running = {name: stack.enter_context(a) for name, a in started.items()}
+        args = [a for name, (p, d) in pairs.items() for a in ("--pair", f"{name}={running[p].url},{running[d].url}")]
+        with PanelProcess(home / "panel", *args) as panel:
+            client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
+            yield {"panel": panel, "client": client, **running}
+
+
+LENGTHS = [64, 65, 66, 128, 129, 130, 193]  # the core issue's prompt lengths, around page boundaries
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def check_every_direction(cluster: dict, pairs: dict[str, tuple[str, str]], same_engine_pair: str,
+                          long_ids: list[int], report: str) -> dict:
+    """Every pair through the panel's OpenAI API: completions at each length, streaming equal to
+    not streaming, greedy agreement with the decoder alone (the decoder's node through the panel),
+    the same-engine pair exactly equal to it; then chat, streaming and not, answering "Paris"."""
+    client, figures = cluster["client"], {}
+    decoders = sorted({d for _, d in pairs.values()})
+    local = {d: {n: complete(client, f"node/{cluster[d].engine}-{d}", prompt(long_ids, n), False) for n in LENGTHS}
+             for d in decoders}
+    for pair, (p, d) in pairs.items():
+        agree = 0
+        for n in LENGTHS:
+            ids = prompt(long_ids, n)
+            whole, streamed = complete(client, pair, ids, False), complete(client, pair, ids, True)
+            assert whole == streamed, (pair, n)
+            agree += whole == local[d][n]
+            if pair == same_engine_pair:  # same engine, equal thread counts: exactly its own output
+                assert whole == local[d][n], (n, whole, local[d][n])
+        figures[pair] = {"direction": f"{p}->{d}", "greedy_agreement_with_decoder_alone": f"{agree}/{len(LENGTHS)}"}
+        assert agree >= len(LENGTHS) - 1, (pair, figures[pair])
+    for pair in pairs:
+        whole = client.chat.completions.create(model=pair, messages=QUESTION, max_tokens=20, temperature=0)
+        chunks = client.chat.completions.create(model=pair, messages=QUESTION, max_tokens=20, temperature=0,
+                                                stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+        assert "Paris" in text, (pair, text)
+        figures[pair]["chat"] = text
+    write_report(report, figures)
+    settle(*(cluster[name] for name in {n for pq in pairs.values() for n in pq}))
+    return figures
+
+
+def check_prefiller_rules(prefiller: AgentProcess, decoder: AgentProcess, decoder_engine, label: str) -> None:
+    """The core issue's rules with a server engine as prefiller, over its 20 chat prompts: the
+    decoder's first-step logits after importing the prefiller's pages against its own, and
+    greedy agreement of P/D with the decoder alone."""
+    from .test_cross_engine import LOGIT_TOLERANCE, MIN_AGREEMENT, PROMPTS, logits_after_import
+
+    d = decoder_engine
+    sampling = {"max_tokens": 32, "ignore_eos": True}
+    diffs, agree = [], 0
+    for i, text in enumerate(PROMPTS):
+        ids = d.chat_token_ids([{"role": "user", "content": text}])
+        pages = asyncio.run(pages_of(prefiller, ids, "recompute-last"))
+        imported, local = run(logits_after_import(d, pages, ids))
+        diffs.append(float(np.abs(imported - local).max()))
+        pd = tokens_of(asyncio.run(pd_request(prefiller.url, decoder.url, ids, sampling)))
+        own = run(collect(d.generate(EngineRequest(f"own-{i}", ids, SamplingParams(**sampling)))))
+        agree += pd == own
+    figures = {"direction": label, "prompts": len(PROMPTS), "greedy_agreement": agree,
+               "logit_max_abs_diff_max": max(diffs), "logit_max_abs_diff_median": float(np.median(diffs)),
+               "logit_tolerance": LOGIT_TOLERANCE}
+    write_report("cross_engine_" + label.replace("->", "_to_"), figures)
+    assert max(diffs) <= LOGIT_TOLERANCE, figures
+    assert agree >= MIN_AGREEMENT, figures
+
+
+def kill_engine_and_wait_for_restart(agent: AgentProcess, ready_stat: str, timeout: float = 300) -> dict:
+    """SIGKILL the agent's engine server; wait until the agent has started it again and it
+    reports `ready_stat`. Returns the engine stats then."""
+    stats = agent.status()["engine_stats"]
+    os.kill(stats["pid"], 9)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = agent.status()["engine_stats"]
+        if stats["restarts"] == 1 and stats[ready_stat] is not None:
+            break
+        time.sleep(0.5)
+    assert stats["restarts"] == 1 and stats["pid"] is not None, stats
+    return stats
