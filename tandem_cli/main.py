@@ -7,7 +7,7 @@ import typer
 from control_panel import cli as panel_cli
 from node_agent import cli as agent_cli
 
-from . import demo_cmd, model_cmd, up_cmd
+from . import bench_ttft, demo_cmd, model_cmd, up_cmd
 
 app = typer.Typer(help="Tandem: one LLM service from the machines on your desk (prefill/decode disaggregation).",
                   no_args_is_help=True, add_completion=False)
@@ -16,6 +16,9 @@ app.add_typer(agent_cli.app, name="agent")
 app.command("panel")(panel_cli.panel)
 app.command("demo")(demo_cmd.demo)
 app.command("up")(up_cmd.up)
+bench = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+bench.command("ttft")(bench_ttft.bench_ttft)
+app.add_typer(bench, name="bench")
 
 
 def main() -> None:

@@ -18,8 +18,11 @@ TANDEM = str(Path(sys.executable).with_name("tandem"))
 
 
 class ServiceProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, netns: str | None = None):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, netns: str | None = None,
+                 cpus: str | None = None):
         cmd = [TANDEM, *args]
+        if cpus:  # pinned to these CPUs (taskset list, e.g. "0" or "2-3"), children included
+            cmd = ["taskset", "-c", cpus, *cmd]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},

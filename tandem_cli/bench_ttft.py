@@ -1,0 +1,468 @@
+"""`tandem bench ttft`: time to first token through the panel's OpenAI API, each engine alone and
+P→D, against the physical bound measured in the same run.
+
+    bound = max(P's prefill alone, KV bytes ÷ the link's raw TCP throughput) + one decode step on D
+
+(the decode step only where D recomputes the last prompt token, vLLM's way; in commit-first mode
+the first token is the one P sampled, so D has nothing to compute before it).
+
+The benchmark starts its own cluster (two agents on the embedded model and a panel), either on
+loopback or with each agent in its own network namespace, joined by a veth pair shaped with
+`tc tbf` to a given rate (`--link shaped`); the panel reaches both over unshaped veths, agents
+reach each other only over the shaped one. Each agent is pinned to its own CPU. Per cell: a
+warm-up, then `--samples` requests, one at a time, greedy, streaming, distinct random prompts
+(no prefix reuse); TTFT is the time from sending the request to the first streamed chunk.
+
+Output (in --out): ttft-<time>.json (every sample and every bound term), .md (the table) and
+.png (TTFT and bound against prompt length).
+
+This kernel has no `netem`, so the shaped link has a rate but no added delay; the measured
+round-trip time is recorded instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import typer
+
+from .processes import ServiceProcess
+from .progress import console
+
+DEFAULT_LENGTHS = "51,184,744,2844"
+
+
+# ---- where the agents live: loopback, or two namespaces joined by a shaped veth pair ---------------
+@dataclass
+class Place:
+    netns: str | None
+    host: str  # address the agent binds
+    addr: str  # address peers (and the panel) use
+
+
+@dataclass
+class Link:
+    kind: str
+    places: tuple[Place, Place]
+    rate_mbytes: float | None = None
+    namespaces: list[str] = field(default_factory=list)
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True)
+
+
+@contextmanager
+def loopback_link() -> Iterator[Link]:
+    yield Link("loopback", (Place(None, "127.0.0.1", "127.0.0.1"), Place(None, "127.0.0.1", "127.0.0.1")))
+
+
+@contextmanager
+def shaped_link(rate_mbytes: float) -> Iterator[Link]:
+    """Two namespaces A and B. Each reaches the root namespace over its own veth (10.241.{1,2}.0/24);
+    A and B are joined by a third veth (10.241.3.1 <-> 10.241.3.2) shaped with tbf on both ends.
+    Agents are known by their shaped-link addresses; the root namespace routes to each of those
+    through that namespace's own veth, so panel traffic never takes the shaped link."""
+    if os.geteuid() != 0:
+        raise typer.BadParameter("--link shaped needs root (network namespaces and tc)")
+    tag = secrets.token_hex(2)
+    a, b = f"tdm-bench-a-{tag}", f"tdm-bench-b-{tag}"
+    created: list[str] = []
+    rate = f"{int(rate_mbytes * 8)}mbit"
+    try:
+        for ns, i in ((a, 1), (b, 2)):
+            root_end, ns_end = f"tbr{i}{tag}", f"tbn{i}{tag}"
+            _sh("ip", "netns", "add", ns)
+            created.append(ns)
+            _sh("ip", "link", "add", root_end, "type", "veth", "peer", "name", ns_end)
+            _sh("ip", "link", "set", ns_end, "netns", ns)
+            _sh("ip", "addr", "add", f"10.241.{i}.1/24", "dev", root_end)
+            _sh("ip", "link", "set", root_end, "up")
+            _sh("ip", "-n", ns, "addr", "add", f"10.241.{i}.2/24", "dev", ns_end)
+            _sh("ip", "-n", ns, "link", "set", ns_end, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        la, lb = f"tbla{tag}", f"tblb{tag}"
+        _sh("ip", "link", "add", la, "type", "veth", "peer", "name", lb)
+        _sh("ip", "link", "set", la, "netns", a)
+        _sh("ip", "link", "set", lb, "netns", b)
+        for ns, dev, addr in ((a, la, "10.241.3.1"), (b, lb, "10.241.3.2")):
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            # a token bucket at the link rate; burst and queue as a switch port would have them
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                "burst", "256kb", "latency", "50ms")
+        for i, addr in ((1, "10.241.3.1"), (2, "10.241.3.2")):
+            _sh("ip", "route", "replace", f"{addr}/32", "via", f"10.241.{i}.2")
+        yield Link("shaped", (Place(a, "0.0.0.0", "10.241.3.1"), Place(b, "0.0.0.0", "10.241.3.2")),
+                   rate_mbytes, created)
+    finally:
+        for addr in ("10.241.3.1", "10.241.3.2"):
+            subprocess.run(["ip", "route", "del", f"{addr}/32"], capture_output=True)
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+# ---- raw TCP between the two places, in the same run ------------------------------------------------
+_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 0)); s.listen(1); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); n = 0; buf = bytearray(1 << 20); t0 = None
+while (k := c.recv_into(buf)):
+    t0 = t0 or time.perf_counter(); n += k
+print(n, time.perf_counter() - t0, flush=True)
+"""
+_SOURCE = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+t0 = time.perf_counter(); c.send(b"x"); c.recv(1) if False else None
+chunk = bytes(1 << 20)
+for _ in range(int(sys.argv[3])): c.sendall(chunk)
+c.close()
+"""
+_RTT = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+times = []
+for _ in range(50):
+    t0 = time.perf_counter(); c.sendall(b"p"); c.recv(1); times.append(time.perf_counter() - t0)
+print(sorted(times)[len(times) // 2])
+"""
+_ECHO = """
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (b := c.recv(1)):
+    c.sendall(b)
+"""
+
+
+def _in(place: Place, code: str, *args: str, cpus: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-c", code, *args]
+    if cpus:
+        cmd = ["taskset", "-c", cpus, *cmd]
+    return ["ip", "netns", "exec", place.netns, *cmd] if place.netns else cmd
+
+
+def raw_tcp(src: Place, dst: Place, megabytes: int, cpus: tuple[str | None, str | None]) -> dict:
+    """Bytes per second of a plain TCP copy from `src` to `dst` (the link's raw throughput), and
+    the median TCP round trip of one byte."""
+    sink = subprocess.Popen(_in(dst, _SINK, dst.addr if dst.netns else "127.0.0.1", cpus=cpus[1]),
+                            stdout=subprocess.PIPE, text=True)
+    port = sink.stdout.readline().strip()
+    subprocess.run(_in(src, _SOURCE, dst.addr, port, str(megabytes), cpus=cpus[0]), check=True)
+    n, seconds = sink.stdout.readline().split()
+    sink.wait()
+    echo = subprocess.Popen(_in(dst, _ECHO, dst.addr if dst.netns else "127.0.0.1"), stdout=subprocess.PIPE, text=True)
+    port = echo.stdout.readline().strip()
+    rtt = float(subprocess.run(_in(src, _RTT, dst.addr, port), check=True, capture_output=True,
+                               text=True).stdout.strip())
+    echo.kill()
+    return {"bytes_per_second": int(n) / float(seconds), "bytes": int(n), "rtt_seconds": rtt}
+
+
+# ---- the cluster --------------------------------------------------------------------------------
+@dataclass
+class Agent:
+    name: str
+    engine: str
+    url: str
+    cpus: str | None
+    info: dict = field(default_factory=dict)
+
+
+@contextmanager
+def cluster(model: Path, engines: tuple[str, str], link: Link, home: Path, key: str, pin: bool,
+            directions: list[tuple[int, int]], envs: tuple[dict, dict] = ({}, {})
+            ) -> Iterator[tuple[str, str, list[Agent]]]:
+    """Two agents (one per place) and a panel with a pair per direction. Yields (panel URL, API
+    key, agents)."""
+    cores = os.cpu_count() or 1
+    with ExitStack() as stack:
+        procs, agents = [], []
+        for i, (engine, place) in enumerate(zip(engines, link.places)):
+            name = f"{'ab'[i]}-{engine}"
+            cpus = str(i % cores) if pin else None
+            proc = ServiceProcess(["agent", "serve", "--engine", engine, "--model", str(model), "--host", place.host,
+                                   "--port", "0", "--no-mdns", "--name", name],
+                                  env={"TANDEM_HOME": str(home / name), "TANDEM_CLUSTER_KEY": key, **envs[i]},
+                                  netns=place.netns, cpus=cpus)
+            stack.callback(proc.stop)
+            procs.append((proc, place, name, engine, cpus))
+        for proc, place, name, engine, cpus in procs:
+            port = proc.wait_ready(600).rsplit(":", 1)[1]
+            agents.append(Agent(name, engine, f"http://{place.addr}:{port}", cpus))
+        pairs = [a for p, d in directions
+                 for a in ("--pair", f"{agents[p].name}->{agents[d].name}={agents[p].url},{agents[d].url}")]
+        panel = ServiceProcess(["panel", "--port", "0", "--no-mdns", "--api-key", "bench", *pairs],
+                               env={"TANDEM_HOME": str(home / "panel"), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"})
+        stack.callback(panel.stop)
+        url = panel.wait_ready()
+        api_key = panel.lines_matching("API key")[-1].rsplit(": ", 1)[1].strip()
+        for a in agents:
+            a.info = httpx.get(a.url + "/v1/info", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+        yield url, api_key, agents
+
+
+# ---- measuring -------------------------------------------------------------------------------
+def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
+    """n random token ids; the seed makes every prompt's start distinct (no prefix reuse)."""
+    return [int(x) for x in np.random.default_rng(seed).integers(100, vocab - 100, size=n)]
+
+
+def ttft(http: httpx.Client, model: str, ids: list[int], max_tokens: int) -> float:
+    """Seconds from sending a streaming completion to its first chunk with a choice."""
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    first = None
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{model}: {r.status_code} {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {") and '"choices"' in line:
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError(f"{model}: the stream carried no token")
+    return first
+
+
+def prefill_seconds(agent: Agent, key: str, ids: list[int]) -> float:
+    """The agent's engine alone on the prompt, to its first token (its own clock: no HTTP in it)."""
+    with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=600) as c:
+        with c.stream("POST", agent.url + "/v1/generate", json={"token_ids": ids, "sampling": {"max_tokens": 1}}) as r:
+            lines = [json.loads(x) for x in r.iter_lines() if x]
+    return float(lines[-1]["ttft_seconds"])
+
+
+def decode_step_seconds(agent: Agent, key: str, vocab: int) -> float:
+    """One decode step of the agent's engine: the median gap between streamed tokens."""
+    gaps = []
+    with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=600) as c:
+        for seed in range(3):
+            body = {"token_ids": prompt_ids(32, 10_000 + seed, vocab), "sampling": {"max_tokens": 12, "ignore_eos": True}}
+            stamps = []
+            with c.stream("POST", agent.url + "/v1/generate", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith('{"token"'):
+                        stamps.append(time.perf_counter())
+            gaps += [b - a for a, b in zip(stamps[1:], stamps[2:])]  # skip the prefill
+    return statistics.median(gaps)
+
+
+def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int) -> dict:
+    """One P/D request driven the way the panel's router drives it, straight to the agents, with
+    the agents' own timestamps (same host, one clock): where each millisecond of it goes."""
+    import uuid
+
+    headers = {"Authorization": f"Bearer {key}"}
+    sampling = {"max_tokens": max_tokens, "temperature": 0}
+    with httpx.Client(headers=headers, timeout=600) as c:
+        t0 = time.time()
+        info = c.get(d.url + "/v1/info").json()
+        mode, room = info["decoder_modes"][0], uuid.uuid4().hex
+        r = c.post(p.url + "/v1/handoffs", json={"room": room, "token_ids": ids, "sampling": sampling, "mode": mode,
+                                                 "contract": info["contract"]["fingerprint"]})
+        r.raise_for_status()
+        t_handoff = time.time()
+        first, done = None, None
+        body = {"room": room, "token_ids": ids, "sampling": sampling, "mode": mode, "prefill_url": p.url}
+        with c.stream("POST", d.url + "/v1/decode", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith('{"token"') and first is None:
+                    first = time.time()
+                elif line.startswith('{"done"'):
+                    done = json.loads(line)
+    if done is None or first is None or done.get("prefill_finished_at") is None:
+        raise RuntimeError(f"traced P/D request failed: {done}")
+    prefill_start = done["prefill_finished_at"] - done["prefill_seconds"]
+    parts = {"router: D info + handoff on P": t_handoff - t0,
+             "P: from handoff to prefill start": prefill_start - t_handoff,
+             "P: prefill": done["prefill_seconds"],
+             "wire: last page after prefill end": done["last_page_at"] - done["prefill_finished_at"],
+             "D: first token after last page": first - done["last_page_at"]}
+    return {"total_seconds": first - t0, "parts": parts, "pages": done["pages"], "wire_bytes": done["wire_bytes"],
+            "first_page_before_prefill_end_seconds": done["prefill_finished_at"] - done["first_page_at"]}
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
+
+
+# ---- the command ------------------------------------------------------------------------------
+def bench_ttft(
+        lengths: str = typer.Option(DEFAULT_LENGTHS, help="Prompt lengths in tokens, comma-separated."),
+        samples: int = typer.Option(5, min=1, help="Measured requests per cell (after the warm-up)."),
+        warmup: int = typer.Option(1, min=0, help="Unmeasured requests per cell first."),
+        max_tokens: int = typer.Option(32, min=1, help="Output tokens per request."),
+        prefill: str = typer.Option("torch", help="Engine of agent A."),
+        decode: str = typer.Option("mlx", help="Engine of agent B."),
+        direction: str = typer.Option("both", help="P->D directions: a2b (A prefills), b2a, or both."),
+        link: str = typer.Option("loopback", help="loopback, or shaped (namespaces + tc tbf; needs root)."),
+        rate: float = typer.Option(85.0, help="Shaped link rate in MB/s."),
+        pin: bool = typer.Option(True, help="Pin each agent to its own CPU."),
+        out: Path = typer.Option(Path("bench/results"), help="Where the JSON, markdown and PNG go."),
+        model_dir: Path = typer.Option(None, "--model", help="Model directory (default: the embedded model)."),
+        b_cpu_only: bool = typer.Option(False, help="Hide GPUs from agent B (e.g. CUDA prefill -> CPU decode)."),
+) -> None:
+    """Measure time to first token, engines alone and P->D, against the physical bound."""
+    from engine_adapters.model_dir import inspect_model
+
+    from .model_cmd import ensure_embedded_model
+
+    sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    dirs = {"a2b": [(0, 1)], "b2a": [(1, 0)], "both": [(0, 1), (1, 0)]}.get(direction)
+    if dirs is None:
+        raise typer.BadParameter("--direction must be a2b, b2a or both")
+    if link not in ("loopback", "shaped"):
+        raise typer.BadParameter("--link must be loopback or shaped")
+    model = model_dir.resolve() if model_dir else ensure_embedded_model()
+    key = "tdm_bench-" + secrets.token_hex(16)
+    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".local/share/tandem")) / "bench" / secrets.token_hex(3)
+    link_cm = shaped_link(rate) if link == "shaped" else loopback_link()
+    result: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(), "model": str(model),
+                    "cpu_count": os.cpu_count(), "lengths": sizes, "samples": samples, "warmup": warmup,
+                    "max_tokens": max_tokens, "link": link, "pinned": pin, "cells": []}
+    envs = ({}, {"CUDA_VISIBLE_DEVICES": ""} if b_cpu_only else {})
+    with link_cm as net, cluster(model, (prefill, decode), net, home, key, pin, dirs, envs) as (panel, api_key, agents):
+        result["agents"] = [{"name": a.name, "engine": a.engine, "url": a.url, "cpus": a.cpus,
+                             "accelerator": a.info.get("accelerator")} for a in agents]
+        vocab = inspect_model(model).vocab_size
+        with console.status("measuring the link (raw TCP, both ways) and one decode step per engine…"):
+            mb = 64 if link == "shaped" else 512
+            result["link_measured"] = {
+                f"{agents[p].name}->{agents[d].name}": raw_tcp(net.places[p], net.places[d], mb,
+                                                               (agents[p].cpus, agents[d].cpus))
+                for p, d in dirs}
+            if rate and link == "shaped":
+                result["link_measured"]["configured_rate_bytes_per_second"] = rate * 1e6
+            steps = {a.name: decode_step_seconds(a, key, vocab) for a in agents}
+        http = httpx.Client(base_url=panel, headers={"Authorization": f"Bearer {api_key}"}, timeout=600)
+        columns = [(f"node/{a.name}", None, a) for a in agents] + \
+                  [(f"{agents[p].name}->{agents[d].name}", agents[p], agents[d]) for p, d in dirs]
+        from rich.progress import Progress
+
+        with Progress(console=console) as bar:
+            task = bar.add_task("TTFT", total=len(sizes) * len(columns) * (samples + warmup))
+            for n in sizes:
+                for model_name, p_agent, d_agent in columns:
+                    times = []
+                    for k in range(warmup + samples):
+                        ids = prompt_ids(n, hash((n, model_name, k)) & 0xFFFFFFFF, vocab)
+                        t = ttft(http, model_name, ids, max_tokens)
+                        if k >= warmup:
+                            times.append(t)
+                        bar.advance(task)
+                    cell = {"tokens": n, "column": model_name, "ttft": summary(times)}
+                    if p_agent is not None:
+                        cell["trace"] = trace_pd(p_agent, d_agent, key, prompt_ids(n, 30_000 + n, vocab), max_tokens)
+                        # what the panel adds on top of the agents' own path (its routing, SSE, HTTP)
+                        cell["trace"]["parts"]["panel and client"] = cell["ttft"]["median"] - cell["trace"]["total_seconds"]
+                        cell["bound"] = bound_terms(p_agent, d_agent, key, n, vocab, result["link_measured"],
+                                                    steps[d_agent.name], samples)
+                        cell["ttft_over_bound"] = cell["ttft"]["median"] / cell["bound"]["seconds"]
+                        cell["ttft_minus_bound_ms"] = (cell["ttft"]["median"] - cell["bound"]["seconds"]) * 1000
+                    result["cells"].append(cell)
+        http.close()
+    result["decode_step_seconds"] = steps
+    paths = write_outputs(result, out)
+    console.print(markdown_table(result))
+    console.print("written: " + ", ".join(str(p) for p in paths))
+
+
+def bound_terms(p: Agent, d: Agent, key: str, n: int, vocab: int, link: dict, step: float, samples: int) -> dict:
+    """max(P's prefill alone, KV bytes / raw TCP) + D's decode step where it recomputes, each term
+    measured now."""
+    mode = d.info["decoder_modes"][0]
+    kv_tokens = n - 1 if mode == "recompute-last" else n
+    pages = -(-kv_tokens // 64)
+    kv_bytes = pages * int(p.info["page_bytes"])
+    rate = link[f"{p.name}->{d.name}"]["bytes_per_second"]
+    prefill = statistics.median(prefill_seconds(p, key, prompt_ids(n, 20_000 + s, vocab)) for s in range(max(1, min(samples, 3))))
+    transfer = kv_bytes / rate
+    # recompute-last: D runs the last prompt token (one decode step) before its first token;
+    # commit-first: the first token is P's, D has it as soon as the last page has arrived
+    d_step = step if mode == "recompute-last" else 0.0
+    return {"prefill_seconds": prefill, "kv_bytes": kv_bytes, "pages": pages, "mode": mode,
+            "transfer_seconds": transfer, "decode_step_seconds": d_step, "seconds": max(prefill, transfer) + d_step}
+
+
+# ---- output ---------------------------------------------------------------------------------
+def markdown_table(result: dict) -> str:
+    rows = ["| tokens | column | TTFT median ms (min–max) | bound ms | TTFT ÷ bound | TTFT − bound ms | "
+            "P prefill ms | KV MB | transfer ms | D step ms |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in result["cells"]:
+        t = c["ttft"]
+        cell = f"| {c['tokens']} | {c['column']} | {t['median'] * 1000:.0f} ({t['min'] * 1000:.0f}–{t['max'] * 1000:.0f}) |"
+        b = c.get("bound")
+        if b:
+            cell += (f" {b['seconds'] * 1000:.0f} | {c['ttft_over_bound']:.2f} | {c['ttft_minus_bound_ms']:+.0f} |"
+                     f" {b['prefill_seconds'] * 1000:.0f} | {b['kv_bytes'] / 1e6:.1f} | {b['transfer_seconds'] * 1000:.0f} |"
+                     f" {b['decode_step_seconds'] * 1000:.0f} |")
+        else:
+            cell += " | | | | | | |"
+        rows.append(cell)
+    link = ", ".join(f"{k}: {v['bytes_per_second'] / 1e6:.0f} MB/s raw TCP, RTT {v['rtt_seconds'] * 1e3:.2f} ms"
+                     for k, v in result["link_measured"].items() if isinstance(v, dict))
+    traces = [c for c in result["cells"] if c.get("trace")]
+    if traces:
+        names = list(traces[0]["trace"]["parts"])
+        rows += ["", "Where the time of one P/D request goes (ms; one traced request per cell, agents' clocks)", "",
+                 "| tokens | column | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
+        for c in traces:
+            rows.append(f"| {c['tokens']} | {c['column']} | "
+                        + " | ".join(f"{c['trace']['parts'][k] * 1000:.1f}" for k in names) + " |")
+    head = (f"TTFT through the panel ({result['link']} link; {link}; agents pinned: {result['pinned']}; "
+            f"{result['samples']} samples after {result['warmup']} warm-up, {result['max_tokens']} tokens)\n\n")
+    return head + "\n".join(rows) + "\n"
+
+
+def write_outputs(result: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"ttft-{result['link']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
+    paths[0].write_text(json.dumps(result, indent=2))
+    paths[1].write_text(markdown_table(result))
+    plot(result, paths[2])
+    return paths
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    columns = sorted({c["column"] for c in result["cells"]})
+    for col in columns:
+        cells = [c for c in result["cells"] if c["column"] == col]
+        xs = [c["tokens"] for c in cells]
+        ax.plot(xs, [c["ttft"]["median"] * 1000 for c in cells], marker="o", label=f"{col} TTFT")
+        if cells[0].get("bound"):
+            ax.plot(xs, [c["bound"]["seconds"] * 1000 for c in cells], linestyle="--", label=f"{col} bound")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"Tandem TTFT, {result['link']} link")
+    ax.legend(fontsize="small")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
