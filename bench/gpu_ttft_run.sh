@@ -1,0 +1,34 @@
+#!/bin/bash
+# The GPU TTFT run (issue 7) on the team's lent H200, which has torch CUDA but no network, no
+# vLLM/SGLang and no iproute2 (so no shaped link there). Run from the repository root on that
+# machine with $OUT set, after carrying:
+#   .whl/                  transformers==5.24.0 (our pin; the machine has an older one)
+#   .devcarry/wheels312/   `pip download --no-deps --only-binary=:all: --python-version 3.12` of our
+#                          dependencies the machine lacks (fastapi, starlette, opentelemetry-api,
+#                          uvicorn, httptools, h11, pydantic(+core), zeroconf, ifaddr, sqlmodel,
+#                          sqlalchemy, greenlet, alembic, mako, argon2-cffi(+bindings, cffi),
+#                          itsdangerous, babel, python-multipart, annotated-*, typing-*, anyio)
+#   .devcarry/tok/         the embedded model's tokenizer files
+# The converted model (260 MB) does not fit a call, so the run builds a random-weight model with
+# SmolLM2-135M's exact config: timing is what is measured, not text. Agent A: torch on CUDA
+# (FP16); agent B: torch on the CPU (GPUs hidden); each pinned to one core.
+# Results of the last run: bench/results/gpu-h200-*.
+set -e
+REPO=$PWD
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .devcarry/wheels312/*.whl
+export PYTHONPATH=/tmp/site:$REPO
+PY=$(python3 -c 'import sys;print(sys.executable)')
+printf "#!$PY\nfrom tandem_cli.main import main\nmain()\n" > "$(dirname "$PY")/tandem"; chmod +x "$(dirname "$PY")/tandem"
+python3 - <<'PYEOF'
+from pathlib import Path
+from tests.conftest import make_tiny_checkpoint
+make_tiny_checkpoint(Path('/tmp/smolrand'), 'llama', Path('.devcarry/tok'), seed=1, hidden_size=576,
+    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+    rope_theta=100000.0, rms_norm_eps=1e-5, vocab_size=49152, max_position_embeddings=8192,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.02)
+PYEOF
+python3 -c "import tandem_cli.main, node_agent.app, control_panel.ui; print('imports ok')"
+TANDEM_HOME=/tmp/th nohup "$(dirname "$PY")/tandem" bench ttft --model /tmp/smolrand --prefill torch --decode torch \
+  --b-cpu-only --direction a2b --lengths "${LENGTHS:-51,184,744,2844,8160}" --samples "${SAMPLES:-3}" --warmup 1 \
+  --out "$OUT" > "$OUT/bench.log" 2>&1 &
+echo started
