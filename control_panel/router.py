@@ -48,10 +48,30 @@ class RouteStats:
     started: float = field(default_factory=time.perf_counter)
 
 
+# A decoder's /v1/info (its first-token mode, contract fingerprint, sampling) is asked once and
+# reused for this long: one request less on every P/D request's path. A decoder whose contract
+# changed in the meantime is caught by the prefiller (409), and the router asks again at once.
+INFO_TTL_SECONDS = 10.0
+
+
 class Router:
     def __init__(self, cluster_key: str):
         self.cluster_key = cluster_key
         self._clients: dict[str, AgentClient] = {}
+        self._infos: dict[str, tuple[float, dict]] = {}
+
+    def forget(self, *urls: str) -> None:
+        """Drop what the router remembers of these agents (after the panel reconfigured them)."""
+        for url in urls:
+            self._infos.pop(url, None)
+
+    async def decoder_info(self, url: str, fresh: bool = False) -> dict:
+        cached = self._infos.get(url)
+        if cached and not fresh and time.monotonic() - cached[0] < INFO_TTL_SECONDS:
+            return cached[1]
+        info = await self.client(url).info()
+        self._infos[url] = (time.monotonic(), info)
+        return info
 
     async def set_cluster_key(self, key: str) -> None:
         """The panel learned its cluster key (the first node a user paired); clients use it from now on."""
@@ -92,16 +112,22 @@ class Router:
                 yield event
             return
         room = uuid.uuid4().hex
-        d, p = self.client(target.decode_url), self.client(target.prefill_url)
+        p = self.client(target.prefill_url)
         try:
-            info = await d.info()
-            cannot = sorted(non_default_fields(sampling) - set(info.get("sampling", ())))
-            if cannot:  # refused before either role is scheduled
-                raise RouteError(f"the decode engine of {target.name} ({info['engine']}) cannot apply "
-                                 f"{', '.join(cannot)}", 400, kind="invalid_request_error")
-            mode = info["decoder_modes"][0]
-            await p.create_handoff(room=room, token_ids=token_ids, sampling=sampling, mode=mode,
-                                   contract=info["contract"]["fingerprint"])
+            for fresh in (False, True):
+                info = await self.decoder_info(target.decode_url, fresh)
+                cannot = sorted(non_default_fields(sampling) - set(info.get("sampling", ())))
+                if cannot:  # refused before either role is scheduled
+                    raise RouteError(f"the decode engine of {target.name} ({info['engine']}) cannot apply "
+                                     f"{', '.join(cannot)}", 400, kind="invalid_request_error")
+                mode = info["decoder_modes"][0]
+                try:
+                    await p.create_handoff(room=room, token_ids=token_ids, sampling=sampling, mode=mode,
+                                           contract=info["contract"]["fingerprint"])
+                    break
+                except AgentHTTPError as e:
+                    if e.status != 409 or fresh:  # 409: maybe the decoder changed since it was asked
+                        raise
         except AgentHTTPError as e:
             if e.status == 429:
                 raise RouteError(f"the prefiller of {target.name} is busy: {e}", 429, retry_after=2.0,

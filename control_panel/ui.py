@@ -416,10 +416,15 @@ def make_ui_router(engine, router, watcher=None) -> APIRouter:
         if error is None:
             try:
                 staging = numbers["staging_mib"] << 20 if numbers["staging_mib"] else None
-                await create_pair(engine, router.cluster_key, form["name"], p_node.url, d_node.url, limit, fallback,
-                                  prefill_engine=prefill_engine or None, prefill_model_path=form["prefill_model_path"] or None,
-                                  decode_engine=decode_engine or None, decode_model_path=form["decode_model_path"] or None,
-                                  context_length=numbers["context_length"], staging_bytes=staging)
+                try:
+                    await create_pair(engine, router.cluster_key, form["name"], p_node.url, d_node.url, limit,
+                                      fallback, prefill_engine=prefill_engine or None,
+                                      prefill_model_path=form["prefill_model_path"] or None,
+                                      decode_engine=decode_engine or None,
+                                      decode_model_path=form["decode_model_path"] or None,
+                                      context_length=numbers["context_length"], staging_bytes=staging)
+                finally:
+                    router.forget(p_node.url, d_node.url)  # their engines may have just changed
             except ContractMismatch as e:
                 names = ", ".join(_(CONTRACT_FIELDS.get(f, f)) for f in e.fields)
                 error = _("The two nodes do not run the same model: their contracts differ in %(fields)s.",

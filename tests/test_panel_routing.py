@@ -47,6 +47,23 @@ def test_client_disconnect_aborts_both_roles(cluster):
     assert row.route == "pd" and row.outcome == "cancelled" and row.output_tokens < 500
 
 
+def test_router_remembers_the_decoder_and_notices_when_it_changed(cluster, smol_dir):
+    """The router asks D for its /v1/info once, not on every request; when both nodes are
+    reconfigured behind its back (a new context length, so a new contract), the prefiller's 409
+    makes it ask again, and the request still goes P -> D."""
+    client, p, d = cluster["client"], cluster["p"], cluster["d"]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(model="pd", messages=messages, max_tokens=8, temperature=0)
+    for agent in (p, d):
+        with agent.client() as c:
+            r = c.post("/v1/config", json={"engine": "torch", "model_path": str(smol_dir), "context_length": 4096})
+            assert r.status_code == 200, r.text
+    again = client.chat.completions.create(model="pd", messages=messages, max_tokens=8, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert log_rows(cluster["home"])[-1].route == "pd"
+    settle(p, d)
+
+
 def test_pair_with_prefiller_down_answers_through_decoder(cluster):
     client = cluster["client"]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
