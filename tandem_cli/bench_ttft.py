@@ -278,16 +278,17 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int) -> d
                                                  "contract": info["contract"]["fingerprint"]})
         r.raise_for_status()
         t_handoff = time.time()
-        first, done = None, None
+        first, done, last = None, None, ""
         body = {"room": room, "token_ids": ids, "sampling": sampling, "mode": mode, "prefill_url": p.url}
         with c.stream("POST", d.url + "/v1/decode", json=body) as r:
             for line in r.iter_lines():
+                last = line or last
                 if line.startswith('{"token"') and first is None:
                     first = time.time()
                 elif line.startswith('{"done"'):
                     done = json.loads(line)
     if done is None or first is None or done.get("prefill_finished_at") is None:
-        raise RuntimeError(f"traced P/D request failed: {done}")
+        return {"error": last[:500] or f"HTTP {r.status_code}"}  # reported in the output, the run goes on
     prefill_start = done["prefill_finished_at"] - done["prefill_seconds"]
     parts = {"router: D info + handoff on P": t_handoff - t0,
              "P: from handoff to prefill start": prefill_start - t_handoff,
@@ -369,8 +370,9 @@ def bench_ttft(
                     cell = {"tokens": n, "column": model_name, "ttft": summary(times)}
                     if p_agent is not None:
                         cell["trace"] = trace_pd(p_agent, d_agent, key, prompt_ids(n, 30_000 + n, vocab), max_tokens)
-                        # what the panel adds on top of the agents' own path (its routing, SSE, HTTP)
-                        cell["trace"]["parts"]["panel and client"] = cell["ttft"]["median"] - cell["trace"]["total_seconds"]
+                        if "parts" in cell["trace"]:  # what the panel adds on top of the agents' own path
+                            cell["trace"]["parts"]["panel and client"] = \
+                                cell["ttft"]["median"] - cell["trace"]["total_seconds"]
                         cell["bound"] = bound_terms(p_agent, d_agent, key, n, vocab, result["link_measured"],
                                                     steps[d_agent.name], samples)
                         cell["ttft_over_bound"] = cell["ttft"]["median"] / cell["bound"]["seconds"]
@@ -418,7 +420,8 @@ def markdown_table(result: dict) -> str:
         rows.append(cell)
     link = ", ".join(f"{k}: {v['bytes_per_second'] / 1e6:.0f} MB/s raw TCP, RTT {v['rtt_seconds'] * 1e3:.2f} ms"
                      for k, v in result["link_measured"].items() if isinstance(v, dict))
-    traces = [c for c in result["cells"] if c.get("trace")]
+    traces = [c for c in result["cells"] if c.get("trace", {}).get("parts")]
+    failed = [c for c in result["cells"] if c.get("trace", {}).get("error")]
     if traces:
         names = list(traces[0]["trace"]["parts"])
         rows += ["", "Where the time of one P/D request goes (ms; one traced request per cell, agents' clocks)", "",
@@ -426,6 +429,8 @@ def markdown_table(result: dict) -> str:
         for c in traces:
             rows.append(f"| {c['tokens']} | {c['column']} | "
                         + " | ".join(f"{c['trace']['parts'][k] * 1000:.1f}" for k in names) + " |")
+    for c in failed:
+        rows.append(f"\nThe traced request at {c['tokens']} tokens, {c['column']}, failed: {c['trace']['error']}")
     head = (f"TTFT through the panel ({result['link']} link; {link}; agents pinned: {result['pinned']}; "
             f"{result['samples']} samples after {result['warmup']} warm-up, {result['max_tokens']} tokens)\n\n")
     return head + "\n".join(rows) + "\n"

@@ -48,8 +48,11 @@ def engine_cluster(model: Path, home: Path, agents: dict[str, tuple[str, dict]],
     part of a minute — then each waited for, and a panel with `pairs` (name -> (P, D)). Yields
     {"panel", "client" (OpenAI), name: AgentProcess ...}."""
     with ExitStack() as stack:
-        started = {name: AgentProcess(engine, model, home / name, env=env) for name, (engine, env) in agents.items()}
-        running = {name: stack.enter_context(a) for name, a in started.items()}
+        started = {}
+        for name, (engine, env) in agents.items():
+            started[name] = AgentProcess(engine, model, home / name, env=env)
+            stack.callback(started[name].stop)  # stopped even if another one fails to start
+        running = {name: a.__enter__() for name, a in started.items()}
         args = [a for name, (p, d) in pairs.items() for a in ("--pair", f"{name}={running[p].url},{running[d].url}")]
         with PanelProcess(home / "panel", *args) as panel:
             client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
