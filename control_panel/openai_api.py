@@ -63,8 +63,6 @@ class _Common(BaseModel):
                    "logit_bias", "response_format", "echo", "suffix", "best_of", "parallel_tool_calls",
                    "audio", "modalities", "prediction")
 
-    SERVER_SAMPLING: ClassVar[tuple[str, ...]] = SERVER_FIELDS
-
     def check(self) -> None:
         if self.n != 1:
             raise OpenAIError(400, "n must be 1: Tandem returns one choice per request", param="n")
@@ -73,11 +71,11 @@ class _Common(BaseModel):
             value = extra.get(name)
             if value not in (None, False, 0, "text", {"type": "text"}) and not (name == "best_of" and value == 1):
                 raise OpenAIError(400, f"the parameter `{name}` is not supported by Tandem", param=name)
-        for name in self.SERVER_SAMPLING:
+        for name in SERVER_FIELDS:
             value = extra.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise OpenAIError(400, f"`{name}` must be a number", param=name)
-        unknown = set(extra) - set(self.UNSUPPORTED) - set(self.SERVER_SAMPLING) - {"max_completion_tokens", "metadata",
+        unknown = set(extra) - set(self.UNSUPPORTED) - set(SERVER_FIELDS) - {"max_completion_tokens", "metadata",
                                                                                     "store"}
         if unknown:
             raise OpenAIError(400, f"unknown parameter(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
@@ -87,7 +85,7 @@ class _Common(BaseModel):
         max_tokens = self.max_tokens or extra.get("max_completion_tokens") or 256
         # OpenAI's presence/frequency penalties and vLLM's/SGLang's min_p and repetition_penalty:
         # applied by engines that can (the agents refuse them where an engine cannot)
-        server = {name: extra[name] for name in self.SERVER_SAMPLING if extra.get(name) is not None}
+        server = {name: extra[name] for name in SERVER_FIELDS if extra.get(name) is not None}
         return {"max_tokens": int(max_tokens), "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": self.seed, **server}
 

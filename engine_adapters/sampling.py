@@ -34,7 +34,7 @@ class SamplingParams:
 
     def non_default(self) -> set[str]:
         """The fields this request sets away from their defaults (what an engine must honour)."""
-        return {f.name for f in fields(self) if getattr(self, f.name) != _DEFAULTS[f.name]}
+        return non_default_fields({f.name: getattr(self, f.name) for f in fields(self)})
 
     def __post_init__(self) -> None:
         problems = []
@@ -101,14 +101,14 @@ OUTPUT_ONLY_FIELDS = frozenset({"presence_penalty", "frequency_penalty"})
 
 ALL_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 # the parameters only the server engines apply, passed to them under these same names
-SERVER_FIELDS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+SERVER_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in SAMPLER_FIELDS)
 
 _DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
              for f in fields(SamplingParams)}
 
 
 def non_default_fields(sampling: dict) -> set[str]:
-    """The fields a request's sampling dict sets away from their defaults (for callers that
-    hold the dict, like the panel's router, which has to refuse before anything is scheduled)."""
+    """The fields a sampling dict sets away from their defaults (SamplingParams.non_default, and
+    the panel's router, which holds the dict and refuses before anything is scheduled)."""
     return {name for name, value in sampling.items()
             if name in _DEFAULTS and value != _DEFAULTS[name] and not (name == "stop_token_ids" and not value)}

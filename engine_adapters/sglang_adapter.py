@@ -36,7 +36,7 @@ import subprocess
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterable, AsyncIterator
+from typing import AsyncIterable, AsyncIterator, Callable
 
 from .base import EngineRequest, FirstTokenMode, PrefillDone, kv_tokens
 from .bridge import END, first_token_frame, page_frame
@@ -83,9 +83,10 @@ class SGLangServer(EngineServer):
     engine = "SGLang"
     start_timeout = float(os.environ.get("TANDEM_SGLANG_START_TIMEOUT", "600"))
 
-    def __init__(self, model_dir: Path, context_length: int, bridge: Path, log_path: Path, role: str):
+    def __init__(self, model_dir: Path, context_length: int, bridge: Path, log_path: Path, role: Callable[[], str]):
         super().__init__(log_path)
-        self.model_dir, self.context_length, self.bridge, self.role = model_dir, context_length, bridge, role
+        self.model_dir, self.context_length, self.bridge = model_dir, context_length, bridge
+        self.role = role  # the role to start in: the one it last had, so a restart keeps it
         with socket.socket() as s:  # SGLang binds a bootstrap port even when it serves nobody
             s.bind(("127.0.0.1", 0))
             self.bootstrap_port = s.getsockname()[1]
@@ -94,7 +95,7 @@ class SGLangServer(EngineServer):
         cmd = [str(sglang_python()), "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
                "--served-model-name", "tandem", "--dtype", "float16", "--page-size", "64",
                "--context-length", str(self.context_length), "--host", "127.0.0.1", "--port", str(self.port),
-               "--disaggregation-mode", self.role, "--disaggregation-transfer-backend", "tandem",
+               "--disaggregation-mode", self.role(), "--disaggregation-transfer-backend", "tandem",
                "--disaggregation-bootstrap-port", str(self.bootstrap_port), "--enable-pd-role-switch",
                # the decoder continues from the prefiller's KV alone: nothing shared between requests
                "--disable-radix-cache", "--enable-metrics", "--skip-server-warmup",
@@ -129,7 +130,7 @@ class RoleGate:
     def __init__(self, role: str, switch):
         self.role, self._switch = role, switch
         self.active = 0
-        self._waiting: collections.deque[str] = collections.deque()
+        self._waiting: collections.deque[object] = collections.deque()
         self._changed: asyncio.Condition | None = None
         self.switches = 0
 
@@ -169,7 +170,8 @@ class SGLangAdapter(ServerAdapter):
         if role not in ROLES:
             raise TandemError(f"TANDEM_SGLANG_ROLE must be one of {', '.join(ROLES)}, not {role!r}")
         self.gate = RoleGate(role, self._switch_role)
-        return SGLangServer(self.model_dir, self.context_length, self.bridge.path, run_dir / "sglang.log", role)
+        return SGLangServer(self.model_dir, self.context_length, self.bridge.path, run_dir / "sglang.log",
+                            lambda: self.gate.role)
 
     async def _switch_role(self, role: str) -> None:
         """Ask SGLang to flip roles. It refuses while a finished request is still being retired,
@@ -182,7 +184,6 @@ class SGLangAdapter(ServerAdapter):
             async with self.http().post(self.server.url + "/pd_role_switch", json=body) as r:
                 answer = await r.json(content_type=None)
             if answer.get("success"):
-                self.server.role = role  # a restarted SGLang comes back in the role it last had
                 return
             message = str(answer.get("message", answer))
             if "not idle" not in message or time.monotonic() > deadline:

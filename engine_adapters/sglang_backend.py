@@ -148,7 +148,24 @@ class _EveryAddress(dict):
         return True
 
 
-class TandemKVSender(BaseKVSender):
+class _Transfer:
+    """What a sender and a receiver both report to SGLang: their state, and why they failed."""
+
+    room: int
+    state: int
+    reason: str
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def poll_pp_consensus(self) -> KVPoll:
+        return self.state
+
+    def failure_exception(self):
+        raise RuntimeError(f"Tandem transfer of room {self.room} failed: {self.reason or 'aborted'}")
+
+
+class TandemKVSender(_Transfer, BaseKVSender):
     """Prefill side: pages leave as SGLang hands them over."""
 
     def __init__(self, mgr: TandemKVManager, bootstrap_addr: str, bootstrap_room: int,
@@ -201,15 +218,6 @@ class TandemKVSender(BaseKVSender):
             self._close()
             self.state = KVPoll.Success
 
-    def poll(self) -> KVPoll:
-        return self.state
-
-    def poll_pp_consensus(self) -> KVPoll:
-        return self.state
-
-    def failure_exception(self):
-        raise RuntimeError(f"Tandem transfer of room {self.room} failed: {self.reason}")
-
     def mark_prefill_complete(self) -> None:
         pass
 
@@ -232,7 +240,7 @@ class TandemKVSender(BaseKVSender):
         self._close()
 
 
-class TandemKVReceiver(BaseKVReceiver):
+class TandemKVReceiver(_Transfer, BaseKVReceiver):
     """Decode side: a worker thread fills the slots SGLang allocated, page by page as they arrive."""
 
     def __init__(self, mgr: TandemKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None,
@@ -284,7 +292,7 @@ class TandemKVReceiver(BaseKVReceiver):
                                        f"(expected {pool.geometry.page_shape})")
                 pool.write(slot_page, item.kv)
             first = bridge.read_item(stream)
-            if not isinstance(first, int) or isinstance(first, bool):
+            if not isinstance(first, int):
                 raise RuntimeError("the Tandem agent sent no first token after the pages")
             if self._aborted.is_set():
                 raise RuntimeError("aborted by SGLang")
@@ -297,15 +305,6 @@ class TandemKVReceiver(BaseKVReceiver):
         finally:
             if self._conn is not None:
                 self._conn.close()
-
-    def poll(self) -> KVPoll:
-        return self.state
-
-    def poll_pp_consensus(self) -> KVPoll:
-        return self.state
-
-    def failure_exception(self):
-        raise RuntimeError(f"Tandem transfer of room {self.room} failed: {self.reason or 'aborted'}")
 
     def abort(self):
         """Stop the worker and wait until it has stopped writing: SGLang frees the slots next."""

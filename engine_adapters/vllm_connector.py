@@ -14,9 +14,9 @@ request ids):
     {"tandem_room": R, "tandem_load": N}   decoder: load prompt tokens [0, N) from pages
                                            (N = prompt length - 1: vLLM computes the last token)
 
-The agent side of the bridge is a unix socket (path in TANDEM_VLLM_BRIDGE). Per room, one
-connection: a JSON line `{"op": "export"|"import", "room": R, "tokens": N}`, then page frames in
-order (engine_adapters/pages.py framing, checksummed). An export connection ends after its last
+The agent side of the bridge (engine_adapters/bridge.py) is a unix socket (path in
+TANDEM_VLLM_BRIDGE). Per room, one connection: a JSON line `{"op": "export"|"import", "room": R,
+"tokens": N}`, then page frames in order (engine_adapters/pages.py framing, checksummed). An export connection ends after its last
 page; an import connection that ends early is a failed load: its blocks are reported to vLLM,
 whose `kv_load_failure_policy` ("fail", the default) fails the request — no silent recompute.
 
@@ -27,7 +27,6 @@ vLLM 0.32 (`StridedLayout`). Anything else is refused with a clear error.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -41,13 +40,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 KVConnectorRole)
 from vllm.logger import init_logger
 
-from engine_adapters.pages import (HEADER_SIZE, PageGeometry, decode_frame, encode_frame, make_page,
-                                   parse_header)
+from engine_adapters import bridge
+from engine_adapters.pages import KVPage, PageGeometry, make_page
 
 logger = init_logger("vllm.tandem_connector")  # a vllm.* logger, so worker processes' lines show
 
 BRIDGE_ENV = "TANDEM_VLLM_BRIDGE"
-ZERO16 = b"\0" * 16
 
 
 # ---- what the scheduler tells the workers each step ------------------------------------------
@@ -234,10 +232,7 @@ class TandemConnector(KVConnectorBase_V1):
         return PageGeometry(len(self._layers), self._layout.heads, self._layout.head_dim, self.block_size)
 
     def _connect(self, op: str, room: str, tokens: int) -> socket.socket:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self.bridge)
-        conn.sendall(json.dumps({"op": op, "room": room, "tokens": tokens}).encode() + b"\n")
-        return conn
+        return bridge.connect(self.bridge, op, room, tokens=tokens)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
@@ -253,7 +248,7 @@ class TandemConnector(KVConnectorBase_V1):
                 last = ready // P if ready < item.tokens else -(-item.tokens // P)
                 while sent < last:
                     valid = min(P, item.tokens - sent * P)
-                    conn.sendall(b"".join(self._page_frame(item.block_ids[sent], sent, valid)))
+                    conn.sendall(self._page_frame(item.block_ids[sent], sent, valid))
                     sent += 1
                 if sent * P >= item.tokens:
                     conn.close()
@@ -266,14 +261,13 @@ class TandemConnector(KVConnectorBase_V1):
                     conn.close()
                 self._exports.pop(item.room, None)
 
-    def _page_frame(self, block: int, index: int, valid: int) -> tuple[bytes, memoryview]:
+    def _page_frame(self, block: int, index: int, valid: int) -> bytes:
         kv = np.empty((len(self._layers), 2, valid, self._layout.heads, self._layout.head_dim), dtype="<f2")
         for i, cache in enumerate(self._layers):
             k, v = self._layout.read(cache, block)
             kv[i, 0] = k[:valid].numpy()
             kv[i, 1] = v[:valid].numpy()
-        page = make_page(self.geometry, index, kv)
-        return encode_frame(page, contract=ZERO16, room=ZERO16, tokens=ZERO16)
+        return bridge.page_frame(make_page(self.geometry, index, kv))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -289,16 +283,13 @@ class TandemConnector(KVConnectorBase_V1):
             with self._connect("import", item.room, item.tokens) as conn:
                 stream = conn.makefile("rb")
                 for index in range(pages):
-                    head = stream.read(HEADER_SIZE)
-                    header = parse_header(head) if len(head) == HEADER_SIZE else None
-                    if header is None:
+                    page = bridge.read_item(stream)
+                    if not isinstance(page, KVPage):
                         raise ConnectionError(f"the agent ended room {item.room}'s pages at {index} of {pages}")
-                    payload = stream.read(header.payload_size)
-                    header, page = decode_frame(head + payload)
                     if page.index != index or page.valid_tokens != min(P, item.tokens - index * P) \
-                            or header.geometry != self.geometry:
-                        raise ValueError(f"page {page.index} ({page.valid_tokens} tokens, {header.geometry}) does "
-                                         f"not fit slot {index} of a {item.tokens}-token load")
+                            or page.data.shape != self.geometry.page_shape:
+                        raise ValueError(f"page {page.index} ({page.valid_tokens} tokens, shape {page.data.shape}) "
+                                         f"does not fit slot {index} of a {item.tokens}-token load")
                     kv = torch.from_numpy(np.ascontiguousarray(page.kv))  # [layers, 2, valid, heads, dim]
                     slots = torch.tensor([item.block_ids[index] * P + t for t in range(page.valid_tokens)],
                                          dtype=torch.long)

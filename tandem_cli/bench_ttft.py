@@ -126,9 +126,8 @@ while (k := c.recv_into(buf)):
 print(n, time.perf_counter() - t0, flush=True)
 """
 _SOURCE = """
-import socket, sys, time
+import socket, sys
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-t0 = time.perf_counter(); c.send(b"x"); c.recv(1) if False else None
 chunk = bytes(1 << 20)
 for _ in range(int(sys.argv[3])): c.sendall(chunk)
 c.close()
@@ -161,13 +160,13 @@ def _in(place: Place, code: str, *args: str, cpus: str | None = None) -> list[st
 def raw_tcp(src: Place, dst: Place, megabytes: int, cpus: tuple[str | None, str | None]) -> dict:
     """Bytes per second of a plain TCP copy from `src` to `dst` (the link's raw throughput), and
     the median TCP round trip of one byte."""
-    sink = subprocess.Popen(_in(dst, _SINK, dst.addr if dst.netns else "127.0.0.1", cpus=cpus[1]),
+    sink = subprocess.Popen(_in(dst, _SINK, dst.addr, cpus=cpus[1]),
                             stdout=subprocess.PIPE, text=True)
     port = sink.stdout.readline().strip()
     subprocess.run(_in(src, _SOURCE, dst.addr, port, str(megabytes), cpus=cpus[0]), check=True)
     n, seconds = sink.stdout.readline().split()
     sink.wait()
-    echo = subprocess.Popen(_in(dst, _ECHO, dst.addr if dst.netns else "127.0.0.1"), stdout=subprocess.PIPE, text=True)
+    echo = subprocess.Popen(_in(dst, _ECHO, dst.addr), stdout=subprocess.PIPE, text=True)
     port = echo.stdout.readline().strip()
     rtt = float(subprocess.run(_in(src, _RTT, dst.addr, port), check=True, capture_output=True,
                                text=True).stdout.strip())
