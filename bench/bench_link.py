@@ -7,7 +7,9 @@ Starts a real agent (`tandem agent serve`, torch, embedded model), then in this 
   GET /v1/bench/pages through the decoder's own path (AgentClient.page_stream: pages received in
   place, every checksum and expectation checked);
 - raw TCP: a socket server in a thread sends the same frames with sendall, and a client
-  recv_into's them into one reused buffer — the floor any HTTP transport sits above.
+  recv_into's them into one reused buffer — the floor any HTTP transport sits above;
+- raw TCP + checksum: the same, with the receiver hashing each frame (xxh3, as every page
+  receiver must) in 512 KiB pieces as they land — what the check alone costs on this machine.
 Prints both throughputs and their ratio (goal >= 0.9x and >= 1 GB/s), and the RSS of the agent
 and of this reader during the transfer (sampled every 10 ms; baseline, peak and growth) against
 2x the staging budget. The reader runs on uvloop, as the agent's own decoder side does.
@@ -30,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import uvloop  # noqa: E402
+import xxhash  # noqa: E402
 
 from engine_adapters.embedded_model import is_fetched, model_dir  # noqa: E402
 from engine_adapters.pages import FrameExpectation, PageGeometry, frame_bytes, make_page  # noqa: E402
@@ -87,7 +90,7 @@ async def agent_stream(url: str, pages: int, expect: FrameExpectation) -> tuple[
         await client.aclose()
 
 
-def raw_tcp(frame: bytes, pages: int, final: bytes) -> tuple[float, int]:
+def raw_tcp(frame: bytes, pages: int, final: bytes, checksum: bool = False) -> tuple[float, int]:
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
 
@@ -99,12 +102,14 @@ def raw_tcp(frame: bytes, pages: int, final: bytes) -> tuple[float, int]:
             conn.sendall(final)
 
     threading.Thread(target=send, daemon=True).start()
-    buf = bytearray(1 << 20)
-    view, total = memoryview(buf), 0
+    buf = bytearray(512 * 1024)
+    view, total, h = memoryview(buf), 0, xxhash.xxh3_64()
     with socket.create_connection(("127.0.0.1", port)) as s:
         t0 = time.perf_counter()
         while n := s.recv_into(view):
             total += n
+            if checksum:
+                h.update(view[:n])
         seconds = time.perf_counter() - t0
     server.close()
     return seconds, total
@@ -129,23 +134,29 @@ def main() -> None:
         uvloop.run(agent_stream(f"http://127.0.0.1:{port}", 20, expect))  # warm-up
         page = make_page(SMOLLM2, 0, np.zeros(SMOLLM2.page_shape, dtype="<f2"))
         frame = frame_bytes(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16)
-        http_rates, tcp_rates = [], []
+        http_rates, tcp_rates, hashed_rates = [], [], []
         with RssSampler(agent.proc.pid, os.getpid()) as rss:
             for _ in range(args.rounds):  # interleaved, so both see the same machine weather
                 seconds, http_bytes = uvloop.run(agent_stream(f"http://127.0.0.1:{port}", args.pages, expect))
                 http_rates.append(http_bytes / seconds)
                 seconds, tcp_bytes = raw_tcp(frame, args.pages, b"\0" * 64)
                 tcp_rates.append(tcp_bytes / seconds)
+                seconds, tcp_bytes = raw_tcp(frame, args.pages, b"\0" * 64, checksum=True)
+                hashed_rates.append(tcp_bytes / seconds)
     finally:
         agent.stop()
     budget = parse_size(args.staging)
     http_rate, tcp_rate = statistics.median(http_rates), statistics.median(tcp_rates)
     print(f"{args.pages} pages of {SMOLLM2.page_bytes:,} bytes ({http_bytes / 1e9:.2f} GB) on loopback, "
           f"{args.rounds} interleaved rounds (median; each round's figure in brackets)")
+    hashed_rate = statistics.median(hashed_rates)
     print(f"raw TCP (reference)   {tcp_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in tcp_rates)}]")
+    print(f"raw TCP + checksum    {hashed_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in hashed_rates)}]"
+          f"   = {hashed_rate / tcp_rate:.2f}x raw TCP: the ceiling for any receiver that checks")
     print(f"agent page stream     {http_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in http_rates)}]")
     print(f"ratio {http_rate / tcp_rate:.2f}x raw TCP (goal >= 0.9x and >= 1 GB/s); "
-          f"per round [{' '.join(f'{h / t:.2f}' for h, t in zip(http_rates, tcp_rates))}]")
+          f"per round [{' '.join(f'{h / t:.2f}' for h, t in zip(http_rates, tcp_rates))}]; "
+          f"{http_rate / hashed_rate:.2f}x raw TCP + checksum")
     mib = 2**20
     growth = [peak - base for peak, base in zip(rss.peak, rss.baseline)]
     for who, base, peak, grew in zip(("agent", "reader"), rss.baseline, rss.peak, growth):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -54,7 +55,7 @@ class ModelContract:
     def geometry(self) -> PageGeometry:
         return PageGeometry(self.layers, self.kv_heads, self.head_dim)
 
-    @property
+    @cached_property  # frozen: computed once (the page path frames every page with it)
     def fingerprint(self) -> str:
         h = xxhash.xxh3_128()
         for value in (self.weights, self.tokenizer, self.config, str(self.context_length),
@@ -62,7 +63,7 @@ class ModelContract:
             h.update(value.encode() + b"\0")
         return h.hexdigest()
 
-    @property
+    @cached_property
     def fingerprint_bytes(self) -> bytes:
         return bytes.fromhex(self.fingerprint)
 

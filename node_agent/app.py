@@ -52,6 +52,7 @@ from .client import AgentClient, AgentHTTPError, TransportError
 from .engine_slot import EngineBusy, EngineLoading, EngineSlot, Loader
 from .model_roots import ModelPathError, check_model, list_models
 from .handoffs import HandoffError, HandoffManager
+from .http_server import PageStreamResponse
 from .identity import key_matches
 from .metrics import Metrics
 from .settings import hash_cache_path
@@ -356,7 +357,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
     @api.get("/v1/handoffs/{room}/pages")
     async def handoff_pages(room: str):
         frames = await handoffs.stream(room)
-        return StreamingResponse(frames, media_type="application/x-tandem-pages")
+        return PageStreamResponse(frames)
 
     @api.delete("/v1/handoffs/{room}")
     async def cancel_handoff(room: str):
@@ -444,18 +445,17 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         g = slot.adapter.geometry
         page = make_page(g, 0, np.random.default_rng(0).standard_normal(g.page_shape).astype("<f2"))
         hashed = xxhash.xxh3_64(page.data)  # one payload under many headers: hash it once
+        contract = slot.adapter.contract.fingerprint_bytes
 
         async def frames() -> AsyncIterator[bytes]:
             for i in range(count):
                 page.index = i
-                header, payload = encode_frame(page, contract=slot.adapter.contract.fingerprint_bytes,
-                                               room=b"\0" * 16, tokens=b"\0" * 16, payload_state=hashed)
-                yield header
-                yield payload
+                yield encode_frame(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16,
+                                   payload_state=hashed)
             yield done_frame(PrefillDone(first_token=0, kv_tokens=count * g.page_tokens, pages=count,
                                          prefill_seconds=0.0))
 
-        return StreamingResponse(frames(), media_type="application/x-tandem-pages")
+        return PageStreamResponse(frames())
 
     app.include_router(api)
     return app

@@ -142,8 +142,7 @@ class HandoffManager:
                     outcome = "done" if frame[:4] == DONE_MAGIC else "failed"
                     return
                 header, payload = frame
-                yield header
-                yield payload
+                yield frame
                 h.pages_sent += 1
                 h.bytes_sent += len(header) + len(payload)
                 self.metrics.pages_sent.inc()

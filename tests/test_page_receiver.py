@@ -166,3 +166,82 @@ def test_a_slow_decoder_pauses_the_socket():
             await client.aclose()
 
     asyncio.run(main())
+
+
+def _page_app(frames: list):
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from node_agent.http_server import PageStreamResponse
+
+    async def pages(request):
+        async def gen():
+            for f in frames:
+                yield f
+        return PageStreamResponse(gen())
+
+    return Starlette(routes=[Route("/pages", pages, methods=["GET", "HEAD"])])
+
+
+def _frames(pages: int = 3) -> tuple[list, bytes]:
+    from engine_adapters.pages import encode_frame
+
+    g, rng = GEOMETRY, np.random.default_rng(1)
+    out = [encode_frame(make_page(g, i, rng.standard_normal((g.layers, 2, 64, g.kv_heads, g.head_dim)).astype("<f2")),
+                        contract=CONTRACT, room=ROOM, tokens=TOKENS) for i in range(pages)]
+    out.append(done_frame(PrefillDone(7, 64 * pages, pages, 0.1)))
+    return out, b"".join(bytes(p) for f in out for p in (f if isinstance(f, tuple) else (f,)))
+
+
+def test_page_response_sends_one_chunk_per_frame_on_the_agent_server_and_joins_elsewhere():
+    """(header, payload) pairs: one vectored chunk each under PageStreamProtocol; any other
+    server (here Starlette's test client) gets the same bytes joined. HEAD sends no body."""
+    import socket
+
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    from node_agent.http_server import PageStreamProtocol
+
+    frames, whole = _frames()
+    with TestClient(_page_app(frames)) as tc:
+        assert tc.get("/pages").content == whole
+
+    async def main():
+        sock = socket.create_server(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(_page_app(frames), http=PageStreamProtocol, log_level="warning"))
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            port = sock.getsockname()[1]
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /pages HTTP/1.1\r\nHost: x\r\n\r\n")
+            await r.readuntil(b"\r\n\r\n")
+            sizes, data = [], bytearray()
+            while True:
+                size = int((await r.readuntil(b"\r\n")).split(b";")[0], 16)
+                sizes.append(size)
+                data += await r.readexactly(size + 2)
+                data = data[:-2]
+                if size == 0:
+                    break
+            assert bytes(data) == whole
+            assert sizes == [len(f[0]) + len(f[1]) if isinstance(f, tuple) else len(f) for f in frames] + [0]
+            w.write(b"HEAD /pages HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = await r.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            w.close()
+            # the client connections can use the agent's receiver too
+            client = AgentClient(f"http://127.0.0.1:{port}", "k")
+            try:
+                async with client.page_stream("", EXPECT, path="/pages") as stream:
+                    items = [item async for item in stream]
+                assert [i.index for i in items[:-1]] == [0, 1, 2] and items[-1].first_token == 7
+            finally:
+                await client.aclose()
+        finally:
+            server.should_exit = True
+            await task
+
+    asyncio.run(main())
