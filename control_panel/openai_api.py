@@ -22,6 +22,7 @@ from sqlmodel import Session, select
 
 from engine_adapters.sampling import SERVER_FIELDS
 
+from .db import cached_until_state_changes
 from .models import Node, Pair, RequestLog
 from .router import RouteError, Router, RouteStats, Target
 from .security import api_key_valid
@@ -104,6 +105,15 @@ class CompletionBody(_Common):
 
 def resolve_target(engine: Engine, model: str) -> Target:
     """A pair by its name, or a single node as `node/<name>`."""
+    target = _find_target(engine, model)
+    if target is None:
+        raise OpenAIError(404, f"the model `{model}` does not exist (see GET /v1/models)", code="model_not_found",
+                          param="model")
+    return target
+
+
+@cached_until_state_changes
+def _find_target(engine: Engine, model: str) -> Target | None:
     with Session(engine) as s:
         pair = s.exec(select(Pair).where(Pair.name == model)).first()
         if pair is not None:
@@ -113,8 +123,7 @@ def resolve_target(engine: Engine, model: str) -> Target:
             node = s.exec(select(Node).where(Node.name == model[5:], Node.paired == True)).first()  # noqa: E712
             if node is not None:
                 return Target(model, node.url)
-    raise OpenAIError(404, f"the model `{model}` does not exist (see GET /v1/models)", code="model_not_found",
-                      param="model")
+    return None
 
 
 class _StopScanner:

@@ -26,7 +26,7 @@ class RouteError(Exception):
         self.status, self.retry_after, self.kind = status, retry_after, kind
 
 
-@dataclass
+@dataclass(frozen=True)
 class Target:
     """Where a model name runs: a pair (prefill + decode) or one node."""
     name: str

@@ -11,7 +11,7 @@ from argon2.exceptions import VerificationError
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
-from .db import get_setting, set_setting
+from .db import cached_until_state_changes, get_setting, set_setting
 from .models import ApiKey
 
 _hasher = PasswordHasher()
@@ -51,9 +51,14 @@ def api_key_valid(engine: Engine, presented: str | None) -> bool:
     if not presented:
         return False
     digest = _digest(presented)
-    with Session(engine) as s:
-        found = s.exec(select(ApiKey.key_hash).where(ApiKey.key_hash == digest)).first()
+    found = _stored_digest(engine, digest)
     return found is not None and hmac.compare_digest(found, digest)
+
+
+@cached_until_state_changes
+def _stored_digest(engine: Engine, digest: str) -> str | None:
+    with Session(engine) as s:
+        return s.exec(select(ApiKey.key_hash).where(ApiKey.key_hash == digest)).first()
 
 
 def set_admin_password(engine: Engine, password: str) -> None:

@@ -113,6 +113,7 @@ class HandoffManager:
                     else:
                         h.state = "prefilled"
                         h.frames.put_nowait(done_frame(item))
+                        self.metrics.prefill_seconds.observe(item.prefill_seconds)
         except Cancelled as e:
             h.frames.put_nowait(error_frame("cancelled", str(e)))
         except TandemError as e:

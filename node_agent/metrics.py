@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class Metrics:
@@ -22,6 +22,9 @@ class Metrics:
                                          ["outcome"], registry=r)
         self.requests = Counter("tandem_requests", "Decode and generate requests, by outcome",
                                 ["kind", "outcome"], registry=r)
+        self.prefill_seconds = Histogram(
+            "tandem_handoff_prefill_seconds", "Prefill time of handoffs on this engine (its own clock)", registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.budget_capacity = Gauge("tandem_budget_capacity_bytes", "Staging budget capacity", registry=r)
         self.budget_reserved = Gauge("tandem_budget_reserved_bytes", "Staging bytes reserved", registry=r)
         self.budget_waiting = Gauge("tandem_budget_waiting_requests", "Requests waiting for budget", registry=r)

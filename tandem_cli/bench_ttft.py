@@ -239,6 +239,17 @@ def ttft(http: httpx.Client, model: str, ids: list[int], max_tokens: int) -> flo
     return first
 
 
+def handoff_prefill_total(agent: Agent, key: str) -> tuple[float, float]:
+    """(count, sum) of the agent's handoff prefill times so far (its Prometheus histogram)."""
+    text = httpx.get(agent.url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("tandem_handoff_prefill_seconds_count", "tandem_handoff_prefill_seconds_sum"):
+            found[name] = float(value)
+    return found["tandem_handoff_prefill_seconds_count"], found["tandem_handoff_prefill_seconds_sum"]
+
+
 def prefill_seconds(agent: Agent, key: str, ids: list[int]) -> float:
     """The agent's engine alone on the prompt, to its first token (its own clock: no HTTP in it)."""
     with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=600) as c:
@@ -359,15 +370,23 @@ def bench_ttft(
             task = bar.add_task("TTFT", total=len(sizes) * len(columns) * (samples + warmup))
             for n in sizes:
                 for model_name, p_agent, d_agent in columns:
-                    times = []
+                    times, overheads = [], []
                     for k in range(warmup + samples):
                         ids = prompt_ids(n, hash((n, model_name, k)) & 0xFFFFFFFF, vocab)
+                        before = handoff_prefill_total(p_agent, key) if p_agent is not None else None
                         t = ttft(http, model_name, ids, max_tokens)
                         if k >= warmup:
                             times.append(t)
+                            if before is not None:
+                                count, total = handoff_prefill_total(p_agent, key)
+                                if count == before[0] + 1:  # it went P->D (no fallback)
+                                    overheads.append(t - (total - before[1]))
                         bar.advance(task)
                     cell = {"tokens": n, "column": model_name, "ttft": summary(times)}
                     if p_agent is not None:
+                        # TTFT less P's prefill of that same request (its own clock): what the
+                        # product adds, free of the prefill's run-to-run spread on a busy machine
+                        cell["ttft_minus_own_prefill"] = summary(overheads) if overheads else None
                         cell["trace"] = trace_pd(p_agent, d_agent, key, prompt_ids(n, 30_000 + n, vocab), max_tokens)
                         if "parts" in cell["trace"]:  # what the panel adds on top of the agents' own path
                             cell["trace"]["parts"]["panel and client"] = \
@@ -404,18 +423,20 @@ def bound_terms(p: Agent, d: Agent, key: str, n: int, vocab: int, link: dict, st
 # ---- output ---------------------------------------------------------------------------------
 def markdown_table(result: dict) -> str:
     rows = ["| tokens | column | TTFT median ms (min–max) | bound ms | TTFT ÷ bound | TTFT − bound ms | "
-            "P prefill ms | KV MB | transfer ms | D step ms |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "P prefill ms | KV MB | transfer ms | D step ms | TTFT − P's prefill of the same request, median ms (min–max) |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in result["cells"]:
         t = c["ttft"]
         cell = f"| {c['tokens']} | {c['column']} | {t['median'] * 1000:.0f} ({t['min'] * 1000:.0f}–{t['max'] * 1000:.0f}) |"
         b = c.get("bound")
         if b:
+            o = c.get("ttft_minus_own_prefill")
             cell += (f" {b['seconds'] * 1000:.0f} | {c['ttft_over_bound']:.2f} | {c['ttft_minus_bound_ms']:+.0f} |"
                      f" {b['prefill_seconds'] * 1000:.0f} | {b['kv_bytes'] / 1e6:.1f} | {b['transfer_seconds'] * 1000:.0f} |"
-                     f" {b['decode_step_seconds'] * 1000:.0f} |")
+                     f" {b['decode_step_seconds'] * 1000:.0f} |"
+                     + (f" {o['median'] * 1000:+.1f} ({o['min'] * 1000:+.1f}–{o['max'] * 1000:+.1f}) |" if o else " |"))
         else:
-            cell += " | | | | | | |"
+            cell += " | | | | | | | |"
         rows.append(cell)
     link = ", ".join(f"{k}: {v['bytes_per_second'] / 1e6:.0f} MB/s raw TCP, RTT {v['rtt_seconds'] * 1e3:.2f} ms"
                      for k, v in result["link_measured"].items() if isinstance(v, dict))
