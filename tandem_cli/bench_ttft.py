@@ -141,6 +141,26 @@ for _ in range(50):
     t0 = time.perf_counter(); c.sendall(b"p"); c.recv(1); times.append(time.perf_counter() - t0)
 print(sorted(times)[len(times) // 2])
 """
+_PAGES = """
+import asyncio, sys, time
+import uvloop
+from engine_adapters.pages import FrameExpectation, PageGeometry
+from node_agent.client import AgentClient
+url, key, count, contract, layers, heads, dim = sys.argv[1:8]
+async def main():
+    client = AgentClient(url, key)
+    expect = FrameExpectation(bytes.fromhex(contract), bytes(16), bytes(16), PageGeometry(int(layers), int(heads), int(dim)))
+    t0 = b0 = None
+    try:
+        async with client.page_stream("", expect, path=f"/v1/bench/pages?count={count}") as stream:
+            async for _ in stream:
+                if t0 is None:  # timed from the first page, as the raw sink times from its first byte
+                    t0, b0 = time.perf_counter(), stream.bytes_read
+        print(stream.bytes_read - b0, time.perf_counter() - t0, flush=True)
+    finally:
+        await client.aclose()
+uvloop.run(main())
+"""
 _ECHO = """
 import socket, sys
 s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1); print(s.getsockname()[1], flush=True)
@@ -172,6 +192,18 @@ def raw_tcp(src: Place, dst: Place, megabytes: int, cpus: tuple[str | None, str 
                                text=True).stdout.strip())
     echo.kill()
     return {"bytes_per_second": int(n) / float(seconds), "bytes": int(n), "rtt_seconds": rtt}
+
+
+def page_stream(p: "Agent", d_place: Place, key: str, megabytes: int, cpus: str | None) -> dict:
+    """Bytes per second of the product's own page stream from P's agent to D's place: synthetic
+    pages (GET /v1/bench/pages) through the decoder's receiver, every frame checked."""
+    c = p.info["contract"]
+    count = -(-megabytes * 1_000_000 // int(p.info["page_bytes"])) + 1
+    out = subprocess.run(_in(d_place, _PAGES, p.url, key, str(count), c["fingerprint"], str(c["layers"]),
+                             str(c["kv_heads"]), str(c["head_dim"]), cpus=cpus),
+                         check=True, capture_output=True, text=True).stdout.split()
+    n, seconds = int(out[0]), float(out[1])
+    return {"bytes_per_second": n / seconds, "bytes": n}
 
 
 # ---- the cluster --------------------------------------------------------------------------------
@@ -358,6 +390,11 @@ def bench_ttft(
                 f"{agents[p].name}->{agents[d].name}": raw_tcp(net.places[p], net.places[d], mb,
                                                                (agents[p].cpus, agents[d].cpus))
                 for p, d in dirs}
+            for p, d in dirs:  # the page stream on the same link, same size, same pinning
+                measured = result["link_measured"][f"{agents[p].name}->{agents[d].name}"]
+                measured["page_stream"] = page_stream(agents[p], net.places[d], key, mb, agents[d].cpus)
+                measured["page_stream_over_raw_tcp"] = (measured["page_stream"]["bytes_per_second"]
+                                                        / measured["bytes_per_second"])
             if rate and link == "shaped":
                 result["link_measured"]["configured_rate_bytes_per_second"] = rate * 1e6
             steps = {a.name: decode_step_seconds(a, key, vocab) for a in agents}
@@ -439,6 +476,8 @@ def markdown_table(result: dict) -> str:
             cell += " | | | | | | | |"
         rows.append(cell)
     link = ", ".join(f"{k}: {v['bytes_per_second'] / 1e6:.0f} MB/s raw TCP, RTT {v['rtt_seconds'] * 1e3:.2f} ms"
+                     + (f", page stream {v['page_stream']['bytes_per_second'] / 1e6:.0f} MB/s = "
+                        f"{v['page_stream_over_raw_tcp']:.2f}x raw TCP" if "page_stream" in v else "")
                      for k, v in result["link_measured"].items() if isinstance(v, dict))
     traces = [c for c in result["cells"] if c.get("trace", {}).get("parts")]
     failed = [c for c in result["cells"] if c.get("trace", {}).get("error")]

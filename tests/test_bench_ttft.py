@@ -35,6 +35,8 @@ def check_cells(result: dict, lengths: list[int], columns: set[str]) -> None:
             assert b["seconds"] == pytest.approx(max(b["prefill_seconds"], b["transfer_seconds"])
                                                  + b["decode_step_seconds"])
             assert c["ttft_over_bound"] == pytest.approx(c["ttft"]["median"] / b["seconds"])
+            own = c["ttft_minus_own_prefill"]  # every measured request went P->D
+            assert len(own["samples"]) == result["samples"] and own["median"] < c["ttft"]["median"]
 
 
 def test_bench_ttft_on_loopback(tmp_path):
@@ -52,6 +54,10 @@ def test_bench_ttft_on_a_shaped_link(tmp_path):
     result = run_bench(tmp_path, "--lengths", "51", "--link", "shaped", "--rate", "40", "--direction", "a2b",
                        "--prefill", "torch", "--decode", "torch")
     check_cells(result, [51], {"node/a-torch", "node/b-torch", "a-torch->b-torch"})
-    rate = result["link_measured"]["a-torch->b-torch"]["bytes_per_second"]
-    assert 20e6 < rate < 44e6, rate
+    link = result["link_measured"]["a-torch->b-torch"]
+    assert 20e6 < link["bytes_per_second"] < 44e6, link
+    # the product's page stream over the same shaped link, checked frames and all
+    assert 20e6 < link["page_stream"]["bytes_per_second"] < 44e6, link
+    assert link["page_stream_over_raw_tcp"] == pytest.approx(link["page_stream"]["bytes_per_second"]
+                                                            / link["bytes_per_second"])
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
