@@ -43,6 +43,8 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
+from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
@@ -56,6 +58,8 @@ from .errors import Cancelled, FrameError, RequestError
 from .model_dir import inspect_model
 from .pages import KVPage, make_page
 from .sampling import OUTPUT_ONLY_FIELDS, SAMPLER_FIELDS, Sampler, SamplingParams
+
+IMPORT_AHEAD = 4  # pages a decoder may have received and checked but not yet imported
 
 # Tandem never downloads weights or tokenizers at run time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -271,16 +275,22 @@ class EngineAdapter(ABC):
         session = None
         try:
             session = await self.on_engine(self.new_session, len(req.token_ids) + req.sampling.max_tokens)
-            done = await self._import_stream(req, event, session, stream, expected_tokens)
+            commit_first, done = req.mode is FirstTokenMode.COMMIT_FIRST, None
+            async with aclosing(self._import_pages(req, event, session, stream, expected_tokens)) as complete:
+                async for done in complete:
+                    if commit_first:
+                        # Every page has arrived and passed its checks; P's token is final. Out it
+                        # goes while the engine thread is still importing the last pages.
+                        yield done.first_token
             await self.on_engine(self.set_length, session, expected_tokens)
             sampler = Sampler(req.sampling)
-            if req.mode is FirstTokenMode.COMMIT_FIRST:
+            if commit_first:
                 sampler.skip()
                 first = done.first_token
             else:
                 self._check(req, event)
                 first = await self.on_engine(self._next_token, session, req.token_ids[-1], sampler)
-            async for token in self._continue(req, event, session, sampler, first):
+            async for token in self._continue(req, event, session, sampler, first, emitted=commit_first):
                 yield token
         finally:
             self._cancels.pop(req.request_id, None)
@@ -289,36 +299,58 @@ class EngineAdapter(ABC):
 
     async def _import_stream(self, req: EngineRequest, event: threading.Event, session: Any,
                              stream: AsyncIterable[KVPage | PrefillDone], expected_tokens: int) -> PrefillDone:
-        """Write arriving pages into the session, checking order and counts; return the final item."""
+        """Write arriving pages into the session, checking order and counts; return the final item
+        once every page is imported."""
+        async with aclosing(self._import_pages(req, event, session, stream, expected_tokens)) as complete:
+            async for done in complete:
+                pass
+        return done
+
+    async def _import_pages(self, req: EngineRequest, event: threading.Event, session: Any,
+                            stream: AsyncIterable[KVPage | PrefillDone], expected_tokens: int
+                            ) -> AsyncIterator[PrefillDone]:
+        """Check arriving pages (order, counts, geometry) and hand each to the engine thread
+        without waiting for it, up to IMPORT_AHEAD pages behind the stream. Yields the final item
+        once, as soon as the whole stream has arrived and passed every check (imports may still
+        be running); when resumed, waits for the imports to finish."""
         P = self.geometry.page_tokens
         expected_pages = self.geometry.pages_for(expected_tokens)
-        index, done = 0, None
-        async for page in stream:
-            self._check(req, event)
-            if done is not None:
-                raise FrameError("the page stream continued after the prefiller's final frame")
-            if isinstance(page, PrefillDone):
-                done = page
-                continue
-            if index >= expected_pages:
-                raise FrameError(f"page stream carries more than the {expected_pages} pages a "
-                                 f"{expected_tokens}-token KV import needs")
-            want_valid = min(P, expected_tokens - index * P)
-            if page.index != index:
-                raise FrameError(f"page {page.index} arrived where page {index} was expected (out of order)")
-            if page.valid_tokens != want_valid:
-                raise FrameError(f"page {index} holds {page.valid_tokens} tokens, expected {want_valid}")
-            if page.data.shape != self.geometry.page_shape:
-                raise FrameError(f"page {index} has shape {page.data.shape}, this model needs {self.geometry.page_shape}")
-            await self.on_engine(self.import_kv, session, index * P, page.kv)
-            index += 1
-        if index != expected_pages:
-            raise FrameError(f"page stream ended after {index} of {expected_pages} pages: nothing was decoded")
-        if done is None:
-            raise FrameError("page stream ended without the prefiller's final frame: nothing was decoded")
-        if done.kv_tokens != expected_tokens:
-            raise FrameError(f"prefiller exported {done.kv_tokens} tokens of KV, this decoder needs {expected_tokens}")
-        return done
+        index, done, pending = 0, None, deque()
+        try:
+            async for page in stream:
+                self._check(req, event)
+                if done is not None:
+                    raise FrameError("the page stream continued after the prefiller's final frame")
+                if isinstance(page, PrefillDone):
+                    done = page
+                    continue
+                if index >= expected_pages:
+                    raise FrameError(f"page stream carries more than the {expected_pages} pages a "
+                                     f"{expected_tokens}-token KV import needs")
+                want_valid = min(P, expected_tokens - index * P)
+                if page.index != index:
+                    raise FrameError(f"page {page.index} arrived where page {index} was expected (out of order)")
+                if page.valid_tokens != want_valid:
+                    raise FrameError(f"page {index} holds {page.valid_tokens} tokens, expected {want_valid}")
+                if page.data.shape != self.geometry.page_shape:
+                    raise FrameError(f"page {index} has shape {page.data.shape}, this model needs {self.geometry.page_shape}")
+                pending.append(asyncio.get_running_loop().run_in_executor(
+                    self._executor, self.import_kv, session, index * P, page.kv))
+                index += 1
+                if len(pending) > IMPORT_AHEAD:
+                    await pending.popleft()  # an import error surfaces here, before any token
+            if index != expected_pages:
+                raise FrameError(f"page stream ended after {index} of {expected_pages} pages: nothing was decoded")
+            if done is None:
+                raise FrameError("page stream ended without the prefiller's final frame: nothing was decoded")
+            if done.kv_tokens != expected_tokens:
+                raise FrameError(f"prefiller exported {done.kv_tokens} tokens of KV, this decoder needs {expected_tokens}")
+            yield done
+            while pending:
+                await pending.popleft()
+        finally:
+            for f in pending:  # ended early: the engine thread runs them before the release anyway
+                f.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
         """Serve the whole request on this engine (local prefill, then decode)."""
@@ -341,12 +373,15 @@ class EngineAdapter(ABC):
                 await self._release(session)
 
     async def _continue(self, req: EngineRequest, event: threading.Event, session: Any,
-                        sampler: Sampler, token: int) -> AsyncIterator[int]:
+                        sampler: Sampler, token: int, emitted: bool = False) -> AsyncIterator[int]:
+        """Yield `token` (unless the caller already has), then decode until a stop or max_tokens."""
         params = req.sampling
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         produced = 0
         while True:
-            yield token
+            if not emitted:
+                yield token
+            emitted = False
             produced += 1
             if produced >= params.max_tokens or token in stops:
                 return
