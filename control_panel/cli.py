@@ -19,7 +19,8 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
           data_dir: Path = typer.Option(None, help="Where the panel keeps panel.db (default: $TANDEM_HOME/panel)."),
           cluster_key: str = typer.Option(None, envvar="TANDEM_CLUSTER_KEY", help="The cluster key of your agents."),
           node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
-          pair: list[str] = typer.Option(None, help="NAME=PREFILL_URL,DECODE_URL: expose a P/D pair (repeatable)."),
+          pair: list[str] = typer.Option(None, help="NAME=PREFILL_URL,DECODE_URL[,zstd]: expose a P/D pair "
+                                                    "(repeatable; zstd: pages travel compressed)."),
           api_key: str = typer.Option(None, help="Create an API key with this name and print it once."),
           reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once."),
           mdns: bool = typer.Option(True, help="Add agents that announce themselves on the LAN (unpaired)."),
@@ -55,8 +56,8 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
             console.print(f"node {n.name} at {n.url}: {n.engine}, {n.model}")
         for spec in pair or []:
             name, _, urls = spec.partition("=")
-            p_url, _, d_url = urls.partition(",")
-            created = await create_pair(engine, key, name, p_url, d_url)
+            p_url, d_url, *encoding = urls.split(",")
+            created = await create_pair(engine, key, name, p_url, d_url, page_encoding=(encoding or ["raw"])[0])
             console.print(f"pair [bold]{created.name}[/]: {created.prefill_engine} prefill -> "
                           f"{created.decode_engine} decode")
 

@@ -36,6 +36,7 @@ class Pair(SQLModel, table=True):
     staging_bytes: int = 512 << 20
     local_threshold: int = 0  # prompts shorter than this run on the decoder alone
     fallback: str = "decode_alone"  # or "fail"
+    page_encoding: str = "raw"  # or "zstd": pages compressed on the wire (lossless), for slow links
 
 
 class ApiKey(SQLModel, table=True):

@@ -118,7 +118,7 @@ def _find_target(engine: Engine, model: str) -> Target | None:
         pair = s.exec(select(Pair).where(Pair.name == model)).first()
         if pair is not None:
             p, d = s.get(Node, pair.prefill_node_id), s.get(Node, pair.decode_node_id)
-            return Target(pair.name, d.url, p.url, pair.local_threshold, pair.fallback)
+            return Target(pair.name, d.url, p.url, pair.local_threshold, pair.fallback, pair.page_encoding)
         if model.startswith("node/"):
             node = s.exec(select(Node).where(Node.name == model[5:], Node.paired == True)).first()  # noqa: E712
             if node is not None:

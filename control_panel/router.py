@@ -34,6 +34,7 @@ class Target:
     prefill_url: str | None = None
     local_threshold: int = 0
     fallback: str = "decode_alone"
+    page_encoding: str = "raw"
 
 
 @dataclass
@@ -121,9 +122,12 @@ class Router:
                     raise RouteError(f"the decode engine of {target.name} ({info['engine']}) cannot apply "
                                      f"{', '.join(cannot)}", 400, kind="invalid_request_error")
                 mode = info["decoder_modes"][0]
+                # compressed only where the decoder reads it (an older decoder: raw, as before)
+                encoding = target.page_encoding if target.page_encoding in info.get("page_encodings", ()) else "raw"
+                extra = {} if encoding == "raw" else {"page_encoding": encoding}
                 try:
                     await p.create_handoff(room=room, token_ids=token_ids, sampling=sampling, mode=mode,
-                                           contract=info["contract"]["fingerprint"])
+                                           contract=info["contract"]["fingerprint"], **extra)
                     break
                 except AgentHTTPError as e:
                     if e.status != 409 or fresh:  # 409: maybe the decoder changed since it was asked

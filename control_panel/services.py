@@ -75,7 +75,7 @@ async def configure_node(url: str, cluster_key: str, role: str, engine: str | No
 
 
 async def create_pair(engine: Engine, cluster_key: str, name: str, prefill_url: str, decode_url: str,
-                      local_threshold: int = 0, fallback: str = "decode_alone", *,
+                      local_threshold: int = 0, fallback: str = "decode_alone", page_encoding: str = "raw", *,
                       prefill_engine: str | None = None, prefill_model_path: str | None = None,
                       decode_engine: str | None = None, decode_model_path: str | None = None,
                       context_length: int | None = None, staging_bytes: int | None = None) -> Pair:
@@ -83,6 +83,8 @@ async def create_pair(engine: Engine, cluster_key: str, name: str, prefill_url: 
     if asked, then check that their contracts agree. Blank engine/path: what the node runs."""
     if not name or "/" in name:
         raise PanelError("a pair needs a name without '/' (it becomes the model name on the API)", ["name"])
+    if page_encoding not in ("raw", "zstd"):
+        raise PanelError(f"unknown page encoding {page_encoding!r} (raw or zstd)", ["page_encoding"])
     nodes = [("prefill", prefill_url, prefill_engine, prefill_model_path, staging_bytes),
              ("decode", decode_url, decode_engine, decode_model_path, None)]
     for dry_run in (True, False):  # check both nodes, and their contracts, before either loads anything
@@ -102,7 +104,7 @@ async def create_pair(engine: Engine, cluster_key: str, name: str, prefill_url: 
         pair.prefill_model_path, pair.decode_model_path = p_info["model_path"], d_info["model_path"]
         pair.context_length = d_info["context_length"]
         pair.staging_bytes = p_info["budget"]["capacity"]
-        pair.local_threshold, pair.fallback = local_threshold, fallback
+        pair.local_threshold, pair.fallback, pair.page_encoding = local_threshold, fallback, page_encoding
         s.add(pair)
         s.commit()
         s.refresh(pair)

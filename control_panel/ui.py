@@ -52,6 +52,7 @@ def N_(message: str) -> str:
 
 
 FALLBACKS = {"decode_alone": N_("Decode alone (run on the decoder)"), "fail": N_("Fail the request")}
+PAGE_ENCODINGS = {"raw": N_("Raw FP16"), "zstd": N_("Compressed (zstd, lossless)")}
 ROUTES = {"pd": N_("prefill → decode"), "decode_alone": N_("decoder alone"), "node": N_("single node")}
 OUTCOMES = {"ok": N_("ok"), "error": N_("error"), "cancelled": N_("cancelled")}
 CONTRACT_FIELDS = {"weights": N_("weights"), "tokenizer": N_("tokenizer"), "config": N_("model config"),
@@ -169,7 +170,7 @@ def make_ui_router(engine, router, watcher=None) -> APIRouter:
         html = _env.get_template(name).render(
             request=request, gettext=t.gettext, ngettext=t.ngettext, lang=t.lang, html_lang=t.html_lang,
             languages=LANGUAGES, csrf=token, logged_in=data is not None, path=request.url.path,
-            N={"fallbacks": FALLBACKS, "routes": ROUTES, "outcomes": OUTCOMES, "fields": CONTRACT_FIELDS,
+            N={"fallbacks": FALLBACKS, "encodings": PAGE_ENCODINGS, "routes": ROUTES, "outcomes": OUTCOMES, "fields": CONTRACT_FIELDS,
                "health": HEALTH}, **context)
         response = HTMLResponse(html, status_code=status_code)
         if new_anon:
@@ -379,12 +380,14 @@ def make_ui_router(engine, router, watcher=None) -> APIRouter:
                            prefill_engine: str = Form(""), prefill_model_path: str = Form(""),
                            decode_engine: str = Form(""), decode_model_path: str = Form(""),
                            context_length: str = Form(""), staging_mib: str = Form(""),
-                           threshold: str = Form("0"), fallback: str = Form("decode_alone"), csrf: str = Form("")):
+                           threshold: str = Form("0"), fallback: str = Form("decode_alone"),
+                           page_encoding: str = Form("raw"), csrf: str = Form("")):
         if (r := await guard(request)):
             return r
         check_csrf(request, csrf)
         _ = translator(request).gettext
         form = {"name": name.strip(), "prefill": prefill, "decode": decode, "threshold": threshold, "fallback": fallback,
+                "page_encoding": page_encoding,
                 "prefill_engine": prefill_engine, "prefill_model_path": prefill_model_path.strip(),
                 "decode_engine": decode_engine, "decode_model_path": decode_model_path.strip(),
                 "context_length": context_length.strip(), "staging_mib": staging_mib.strip()}
@@ -413,12 +416,14 @@ def make_ui_router(engine, router, watcher=None) -> APIRouter:
                 error, bad = _("The prefill node and the decode node must be different."), ["prefill", "decode"]
             elif fallback not in FALLBACKS:
                 error, bad = _("Unknown fallback policy."), ["fallback"]
+            elif page_encoding not in PAGE_ENCODINGS:
+                error, bad = _("Unknown page encoding."), ["page_encoding"]
         if error is None:
             try:
                 staging = numbers["staging_mib"] << 20 if numbers["staging_mib"] else None
                 try:
                     await create_pair(engine, router.cluster_key, form["name"], p_node.url, d_node.url, limit,
-                                      fallback, prefill_engine=prefill_engine or None,
+                                      fallback, page_encoding, prefill_engine=prefill_engine or None,
                                       prefill_model_path=form["prefill_model_path"] or None,
                                       decode_engine=decode_engine or None,
                                       decode_model_path=form["decode_model_path"] or None,

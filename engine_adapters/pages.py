@@ -126,6 +126,42 @@ def make_page(geometry: PageGeometry, index: int, kv: np.ndarray, out: np.ndarra
     return KVPage(index=index, valid_tokens=n, data=data)
 
 
+# ---- wire encodings of a payload ----------------------------------------------------------------
+# FP16 stays the canonical form: an encoding only changes how a page's bytes travel, and the
+# receiver restores the exact canonical bytes before any check of their content.
+RAW, ZSTD_PLANES = 0, 1
+ENCODINGS = {"raw": RAW, "zstd": ZSTD_PLANES}  # the name a pair asks for -> the header's code
+ZSTD_LEVEL = 1  # fastest: the point is to beat a slow link, not to save disk
+
+
+def compress_planes(data: np.ndarray) -> bytes:
+    """Lossless: split FP16 values into a plane of low bytes and a plane of high bytes (sign,
+    exponent, top of the mantissa: these repeat a lot), then zstd. The high plane is what
+    compresses; the low plane is close to noise."""
+    import zstandard  # only nodes that send or receive compressed pages need it
+
+    planes = np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8).reshape(-1, 2).T)
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(planes)
+
+
+def decompress_planes(payload: bytes | memoryview, page_bytes: int) -> np.ndarray:
+    import zstandard
+
+    try:
+        planes = zstandard.ZstdDecompressor().decompress(payload, max_output_size=page_bytes)
+    except zstandard.ZstdError as e:
+        raise FrameError(f"compressed page does not decompress: {e}") from e
+    if len(planes) != page_bytes:
+        raise FrameError(f"compressed page holds {len(planes)} bytes, its geometry needs {page_bytes}")
+    out = np.empty(page_bytes, dtype=np.uint8)
+    out.reshape(-1, 2)[:] = np.frombuffer(planes, dtype=np.uint8).reshape(2, -1).T
+    return out.view(KV_DTYPE)
+
+
+def max_compressed(page_bytes: int) -> int:
+    return page_bytes + page_bytes // 128 + 4096  # zstd's worst case for incompressible input, rounded up
+
+
 @dataclass(frozen=True)
 class FrameHeader:
     raw: bytes  # the header as received; the checksum covers it
@@ -138,6 +174,7 @@ class FrameHeader:
     payload_size: int
     checksum: int
     version: int = PROTOCOL_VERSION
+    encoding: int = RAW
 
 
 @dataclass(frozen=True)
@@ -157,18 +194,24 @@ def _id16(value: bytes, what: str) -> bytes:
 
 
 def encode_frame(page: KVPage, *, contract: bytes, room: bytes, tokens: bytes,
-                 payload_state: xxhash.xxh3_64 | None = None) -> tuple[bytes, memoryview]:
-    """Frame a page: returns (header, payload view). Write both; the payload is not copied.
+                 payload_state: xxhash.xxh3_64 | None = None, encoding: int = RAW) -> tuple[bytes, memoryview]:
+    """Frame a page: returns (header, payload view). Write both; a raw payload is not copied.
 
-    `payload_state`: `xxhash.xxh3_64(payload)` already computed, for a payload framed again."""
+    `payload_state`: `xxhash.xxh3_64(payload)` already computed, for a payload framed again.
+    `encoding`: ZSTD_PLANES sends the page compressed (the checksum covers the bytes sent)."""
     data = page.data
     if data.dtype != KV_DTYPE or not data.flags.c_contiguous:
         raise ValueError("page data must be C-contiguous little-endian FP16")
     layers, two, page_tokens, kv_heads, head_dim = data.shape
-    payload = memoryview(data).cast("B")
+    if encoding == ZSTD_PLANES:
+        payload, payload_state = memoryview(compress_planes(data)), None
+    elif encoding == RAW:
+        payload = memoryview(data).cast("B")
+    else:
+        raise ValueError(f"unknown page encoding {encoding}")
     fields = (MAGIC, PROTOCOL_VERSION, HEADER_SIZE,
               _id16(contract, "contract"), _id16(room, "room"), _id16(tokens, "tokens"),
-              page.index, page.valid_tokens, page_tokens, layers, kv_heads, head_dim, 0, payload.nbytes)
+              page.index, page.valid_tokens, page_tokens, layers, kv_heads, head_dim, encoding, payload.nbytes)
     unsigned = _HEADER.pack(*fields, 0)
     state = xxhash.xxh3_64(payload) if payload_state is None else payload_state
     return _HEADER.pack(*fields, checksum_finish(state, unsigned)), payload
@@ -201,20 +244,22 @@ def parse_header(buf: bytes | memoryview) -> FrameHeader:
     if len(buf) < HEADER_SIZE:
         raise FrameError(f"truncated frame header: {len(buf)} of {HEADER_SIZE} bytes")
     (magic, version, header_size, contract, room, tokens, index, valid, page_tokens,
-     layers, kv_heads, head_dim, _reserved, payload_size, checksum) = _HEADER.unpack_from(buf)
+     layers, kv_heads, head_dim, encoding, payload_size, checksum) = _HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a Tandem page stream")
     if version != PROTOCOL_VERSION:
         raise FrameError(f"page protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})")
-    if header_size != HEADER_SIZE or _reserved != 0:
-        raise FrameError(f"bad frame header (size {header_size}, reserved {_reserved})")
+    if header_size != HEADER_SIZE or encoding not in (RAW, ZSTD_PLANES):
+        raise FrameError(f"bad frame header (size {header_size}, encoding {encoding})")
     geometry = PageGeometry(layers, kv_heads, head_dim, page_tokens)
-    if min(layers, kv_heads, head_dim, page_tokens) == 0 or payload_size != geometry.page_bytes:
+    fits = (payload_size == geometry.page_bytes if encoding == RAW else
+            0 < payload_size <= max_compressed(geometry.page_bytes))
+    if min(layers, kv_heads, head_dim, page_tokens) == 0 or not fits:
         raise FrameError(f"frame payload size {payload_size} does not match its geometry {geometry}")
     if not 1 <= valid <= page_tokens:
         raise FrameError(f"frame claims {valid} valid tokens in a {page_tokens}-token page")
     return FrameHeader(bytes(buf[:HEADER_SIZE]), contract, room, tokens, index, valid, geometry,
-                       payload_size, checksum, version)
+                       payload_size, checksum, version, encoding)
 
 
 def decode_frame(buf: bytes | memoryview, expect: FrameExpectation | None = None,
@@ -240,7 +285,9 @@ def decode_payload(header: FrameHeader, payload: bytes | memoryview, expect: Fra
         raise FrameError(f"checksum mismatch on page {header.page_index}: the page was corrupted in transit")
     if expect is not None:
         check_expectation(header, expect)
-    data = np.frombuffer(payload, dtype=KV_DTYPE).reshape(header.geometry.page_shape)
+    g = header.geometry
+    data = (np.frombuffer(payload, dtype=KV_DTYPE) if header.encoding == RAW
+            else decompress_planes(payload, g.page_bytes)).reshape(g.page_shape)
     if data[:, :, header.valid_tokens:].view(np.uint16).any():
         raise FrameError(f"page {header.page_index} has non-zero bytes past its {header.valid_tokens} valid tokens")
     return KVPage(index=header.page_index, valid_tokens=header.valid_tokens, data=data)

@@ -30,7 +30,7 @@ import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Literal
 
 import numpy as np
 import xxhash
@@ -44,7 +44,7 @@ from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, P
 from engine_adapters.contract import HashCache, compute_contract, token_digest
 from engine_adapters.errors import (Cancelled, ContractMismatch, FrameError, RequestError, TandemError,
                                     UnsupportedModel)
-from engine_adapters.pages import PROTOCOL_VERSION, FrameExpectation, KVPage, encode_frame, make_page
+from engine_adapters.pages import ENCODINGS, PROTOCOL_VERSION, FrameExpectation, KVPage, encode_frame, make_page
 from engine_adapters.sampling import SamplingParams
 
 from .budget import BudgetExceeded, BudgetTimeout, StagingBudget
@@ -104,6 +104,8 @@ class HandoffBody(RoomBody):
     contract: str = Field(description="the decoder's contract fingerprint; must equal this node's")
     protocol_version: int = PROTOCOL_VERSION
     wait_timeout: float = Field(30.0, ge=0, le=3600)
+    page_encoding: Literal["raw", "zstd"] = Field(
+        "raw", description="how pages travel: raw FP16, or byte planes + zstd (lossless; see /v1/info page_encodings)")
 
 
 class DecodeBody(RoomBody):
@@ -261,7 +263,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
                 "contract": a.contract.to_dict(), "decoder_modes": [m.value for m in a.decoder_modes],
                 "first_token_sampling": sorted(a.first_token_sampling), "sampling": sorted(a.sampling),
                 "accelerator": a.accelerator(), "page_bytes": a.geometry.page_bytes,
-                "context_length": a.context_length}
+                "context_length": a.context_length, "page_encodings": sorted(ENCODINGS)}
 
     def idle() -> bool:
         return not handoffs.handoffs and not handoffs.waiting and budget.reserved == 0 and \
@@ -350,7 +352,8 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         if body.contract != slot.adapter.contract.fingerprint:
             raise ContractMismatch(["contract fingerprint"], f"decoder's {body.contract[:16]}… differs from this "
                                    f"prefiller's {slot.adapter.contract.fingerprint[:16]}…: compare /v1/info of both nodes")
-        h = await handoffs.create(body.room, body.token_ids, body.sampling.params(), body.mode, body.wait_timeout)
+        h = await handoffs.create(body.room, body.token_ids, body.sampling.params(), body.mode, body.wait_timeout,
+                                  encoding=ENCODINGS[body.page_encoding])
         pages, nbytes = handoffs.page_bytes_for(len(body.token_ids), body.mode)
         return {"room": h.room, "pages": pages, "reserved_bytes": nbytes}
 

@@ -24,7 +24,7 @@ from typing import AsyncIterator
 from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, kv_tokens
 from engine_adapters.contract import token_digest
 from engine_adapters.errors import Cancelled, TandemError
-from engine_adapters.pages import KVPage, encode_frame
+from engine_adapters.pages import RAW, KVPage, encode_frame
 from engine_adapters.sampling import SamplingParams
 
 from .budget import Reservation, StagingBudget
@@ -54,6 +54,7 @@ class Handoff:
     state: str = "prefilling"
     pages_sent: int = 0
     bytes_sent: int = 0
+    encoding: int = RAW  # how the pages travel (engine_adapters/pages.py)
 
 
 class HandoffManager:
@@ -75,7 +76,7 @@ class HandoffManager:
         return pages, pages * self.adapter.geometry.page_bytes
 
     async def create(self, room: str, token_ids: list[int], sampling: SamplingParams, mode: FirstTokenMode,
-                     wait_timeout: float) -> Handoff:
+                     wait_timeout: float, encoding: int = RAW) -> Handoff:
         if room in self.handoffs:
             raise HandoffError(f"room {room} already has a handoff on this node", 409)
         request = EngineRequest(f"handoff-{room}", list(token_ids), sampling, mode)
@@ -94,7 +95,7 @@ class HandoffManager:
             raise
         finally:
             self.waiting.pop(room, None)
-        handoff = Handoff(room, request, reservation)
+        handoff = Handoff(room, request, reservation, encoding=encoding)
         self.handoffs[room] = handoff
         handoff.task = asyncio.create_task(self._produce(handoff), name=f"prefill-{room}")
         handoff.lease = asyncio.get_running_loop().call_later(self.ttl, self._expire, room)
@@ -108,8 +109,11 @@ class HandoffManager:
         try:
             async with aclosing(self.adapter.prefill(h.request)) as items:
                 async for item in items:
-                    if isinstance(item, KVPage):  # header + a view of the page's own buffer: no copy
+                    if isinstance(item, KVPage) and h.encoding == RAW:  # header + a view of the page's buffer
                         h.frames.put_nowait(encode_frame(item, contract=contract, room=room_bytes, tokens=digest))
+                    elif isinstance(item, KVPage):  # compressed in a worker thread: the loop keeps serving
+                        h.frames.put_nowait(await asyncio.to_thread(
+                            encode_frame, item, contract=contract, room=room_bytes, tokens=digest, encoding=h.encoding))
                     else:
                         h.state = "prefilled"
                         h.frames.put_nowait(done_frame(item))

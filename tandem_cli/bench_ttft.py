@@ -39,6 +39,8 @@ import httpx
 import numpy as np
 import typer
 
+from engine_adapters.pages import HEADER_SIZE
+
 from .processes import ServiceProcess
 from .progress import console
 
@@ -218,7 +220,7 @@ class Agent:
 
 @contextmanager
 def cluster(model: Path, engines: tuple[str, str], link: Link, home: Path, key: str, pin: bool,
-            directions: list[tuple[int, int]], envs: tuple[dict, dict] = ({}, {})
+            directions: list[tuple[int, int]], envs: tuple[dict, dict] = ({}, {}), zstd: bool = False
             ) -> Iterator[tuple[str, str, list[Agent]]]:
     """Two agents (one per place) and a panel with a pair per direction. Yields (panel URL, API
     key, agents)."""
@@ -239,6 +241,8 @@ def cluster(model: Path, engines: tuple[str, str], link: Link, home: Path, key: 
             agents.append(Agent(name, engine, f"http://{place.addr}:{port}", cpus))
         pairs = [a for p, d in directions
                  for a in ("--pair", f"{agents[p].name}->{agents[d].name}={agents[p].url},{agents[d].url}")]
+        pairs += [a for p, d in (directions if zstd else [])  # the same pairs with compressed pages
+                  for a in ("--pair", f"{agents[p].name}->{agents[d].name}+zstd={agents[p].url},{agents[d].url},zstd")]
         panel = ServiceProcess(["panel", "--port", "0", "--no-mdns", "--api-key", "bench", *pairs],
                                env={"TANDEM_HOME": str(home / "panel"), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"})
         stack.callback(panel.stop)
@@ -305,7 +309,7 @@ def decode_step_seconds(agent: Agent, key: str, vocab: int) -> float:
     return statistics.median(gaps)
 
 
-def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int) -> dict:
+def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, encoding: str = "raw") -> dict:
     """One P/D request driven the way the panel's router drives it, straight to the agents, with
     the agents' own timestamps (same host, one clock): where each millisecond of it goes."""
     import uuid
@@ -317,7 +321,7 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int) -> d
         info = c.get(d.url + "/v1/info").json()
         mode, room = info["decoder_modes"][0], uuid.uuid4().hex
         r = c.post(p.url + "/v1/handoffs", json={"room": room, "token_ids": ids, "sampling": sampling, "mode": mode,
-                                                 "contract": info["contract"]["fingerprint"]})
+                                                 "contract": info["contract"]["fingerprint"], "page_encoding": encoding})
         r.raise_for_status()
         t_handoff = time.time()
         first, done, last = None, None, ""
@@ -360,6 +364,7 @@ def bench_ttft(
         out: Path = typer.Option(Path("bench/results"), help="Where the JSON, markdown and PNG go."),
         model_dir: Path = typer.Option(None, "--model", help="Model directory (default: the embedded model)."),
         b_cpu_only: bool = typer.Option(False, help="Hide GPUs from agent B (e.g. CUDA prefill -> CPU decode)."),
+        zstd: bool = typer.Option(False, help="Also run every P->D direction with compressed pages (byte planes + zstd)."),
 ) -> None:
     """Measure time to first token, engines alone and P->D, against the physical bound."""
     from engine_adapters.model_dir import inspect_model
@@ -380,7 +385,7 @@ def bench_ttft(
                     "cpu_count": os.cpu_count(), "lengths": sizes, "samples": samples, "warmup": warmup,
                     "max_tokens": max_tokens, "link": link, "pinned": pin, "cells": []}
     envs = ({}, {"CUDA_VISIBLE_DEVICES": ""} if b_cpu_only else {})
-    with link_cm as net, cluster(model, (prefill, decode), net, home, key, pin, dirs, envs) as (panel, api_key, agents):
+    with link_cm as net, cluster(model, (prefill, decode), net, home, key, pin, dirs, envs, zstd) as (panel, api_key, agents):
         result["agents"] = [{"name": a.name, "engine": a.engine, "url": a.url, "cpus": a.cpus,
                              "accelerator": a.info.get("accelerator")} for a in agents]
         vocab = inspect_model(model).vocab_size
@@ -399,14 +404,16 @@ def bench_ttft(
                 result["link_measured"]["configured_rate_bytes_per_second"] = rate * 1e6
             steps = {a.name: decode_step_seconds(a, key, vocab) for a in agents}
         http = httpx.Client(base_url=panel, headers={"Authorization": f"Bearer {api_key}"}, timeout=600)
-        columns = [(f"node/{a.name}", None, a) for a in agents] + \
-                  [(f"{agents[p].name}->{agents[d].name}", agents[p], agents[d]) for p, d in dirs]
+        columns = [(f"node/{a.name}", None, a, "raw") for a in agents] + \
+                  [(f"{agents[p].name}->{agents[d].name}{suffix}", agents[p], agents[d], encoding)
+                   for encoding, suffix in ([("raw", ""), ("zstd", "+zstd")] if zstd else [("raw", "")])
+                   for p, d in dirs]
         from rich.progress import Progress
 
         with Progress(console=console) as bar:
             task = bar.add_task("TTFT", total=len(sizes) * len(columns) * (samples + warmup))
             for n in sizes:
-                for model_name, p_agent, d_agent in columns:
+                for model_name, p_agent, d_agent, encoding in columns:
                     times, overheads = [], []
                     for k in range(warmup + samples):
                         ids = prompt_ids(n, hash((n, model_name, k)) & 0xFFFFFFFF, vocab)
@@ -424,7 +431,11 @@ def bench_ttft(
                         # TTFT less P's prefill of that same request (its own clock): what the
                         # product adds, free of the prefill's run-to-run spread on a busy machine
                         cell["ttft_minus_own_prefill"] = summary(overheads) if overheads else None
-                        cell["trace"] = trace_pd(p_agent, d_agent, key, prompt_ids(n, 30_000 + n, vocab), max_tokens)
+                        cell["trace"] = trace_pd(p_agent, d_agent, key, prompt_ids(n, 30_000 + n, vocab), max_tokens,
+                                                 encoding)
+                        if "wire_bytes" in cell["trace"]:  # what the pages took on the wire, framed
+                            raw = cell["trace"]["pages"] * (int(p_agent.info["page_bytes"]) + HEADER_SIZE)
+                            cell["trace"]["wire_ratio"] = raw / cell["trace"]["wire_bytes"]
                         if "parts" in cell["trace"]:  # what the panel adds on top of the agents' own path
                             cell["trace"]["parts"]["panel and client"] = \
                                 cell["ttft"]["median"] - cell["trace"]["total_seconds"]
@@ -484,10 +495,12 @@ def markdown_table(result: dict) -> str:
     if traces:
         names = list(traces[0]["trace"]["parts"])
         rows += ["", "Where the time of one P/D request goes (ms; one traced request per cell, agents' clocks)", "",
-                 "| tokens | column | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
+                 "| tokens | column | " + " | ".join(names) + " | raw FP16 bytes ÷ wire bytes |",
+                 "|---:|---|" + "---:|" * (len(names) + 1)]
         for c in traces:
             rows.append(f"| {c['tokens']} | {c['column']} | "
-                        + " | ".join(f"{c['trace']['parts'][k] * 1000:.1f}" for k in names) + " |")
+                        + " | ".join(f"{c['trace']['parts'][k] * 1000:.1f}" for k in names)
+                        + f" | {c['trace'].get('wire_ratio', 0):.2f} |")
     for c in failed:
         rows.append(f"\nThe traced request at {c['tokens']} tokens, {c['column']}, failed: {c['trace']['error']}")
     head = (f"TTFT through the panel ({result['link']} link; {link}; agents pinned: {result['pinned']}; "

@@ -85,7 +85,7 @@ class PanelProcess(ServiceProcess):
 
 async def pd_request(p_url: str, d_url: str, token_ids: list[int], sampling: dict, mode: str | None = None,
                      key: str = TEST_KEY, room: str | None = None, d_token_ids: list[int] | None = None,
-                     prefill_url: str | None = None) -> list[dict]:
+                     prefill_url: str | None = None, page_encoding: str = "raw") -> list[dict]:
     """Route one request P->D the way the panel does: create the handoff on P, then decode on D
     (which pulls P's pages itself). Returns D's NDJSON lines."""
     import uuid
@@ -98,7 +98,7 @@ async def pd_request(p_url: str, d_url: str, token_ids: list[int], sampling: dic
         mode = mode or info["decoder_modes"][0]
         room = room or uuid.uuid4().hex
         await p.create_handoff(room=room, token_ids=token_ids, sampling=sampling, mode=mode,
-                               contract=info["contract"]["fingerprint"])
+                               contract=info["contract"]["fingerprint"], page_encoding=page_encoding)
         return [line async for line in d.lines("/v1/decode", {
             "room": room, "token_ids": d_token_ids or token_ids, "sampling": sampling, "mode": mode,
             "prefill_url": prefill_url or p_url})]

@@ -211,3 +211,42 @@ def test_sampling_an_engine_cannot_honour_is_refused(engines, name):
     for mode in FirstTokenMode:
         engine.validate(EngineRequest("r", [1, 2, 3], hot, mode), generates=False)
     engine.validate(EngineRequest("r", [1, 2, 3], hot), generates=True)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_commit_first_token_leaves_before_the_last_imports(engines, long_ids, engine, monkeypatch):
+    """Commit-first: P's token is streamed once the whole page stream has arrived and been
+    checked, while D's engine thread is still importing; the second token waits for every import.
+    Recompute-last computes its first token, so it waits for the imports too. (P is the other
+    engine: one adapter in both roles would queue P's release behind D's imports.)"""
+    import time
+
+    d, p = engines[engine], engines["mlx" if engine == "torch" else "torch"]
+    real_import = d.import_kv
+    imported = []
+
+    def slow_import(session, start, kv):
+        time.sleep(0.15)
+        real_import(session, start, kv)
+        imported.append(time.perf_counter())
+
+    ids = prompt(long_ids, 200)  # 4 pages
+    sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+    for mode in FirstTokenMode:
+        reference = run(collect(run_pair(p, d, ids, sampling, mode)))
+        imported.clear()
+        monkeypatch.setattr(d, "import_kv", slow_import)
+        stamps = []
+
+        async def consume():
+            async for token in run_pair(p, d, ids, sampling, mode):
+                stamps.append((token, time.perf_counter()))
+
+        run(consume())
+        monkeypatch.setattr(d, "import_kv", real_import)
+        assert [t for t, _ in stamps] == reference and len(imported) == 4
+        if mode is FirstTokenMode.COMMIT_FIRST:
+            assert stamps[0][1] < imported[-1] < stamps[1][1]
+        else:
+            assert imported[-1] < stamps[0][1]
+        assert p.active_requests == d.active_requests == 0

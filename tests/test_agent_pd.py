@@ -47,6 +47,21 @@ def test_http_pd_equals_in_process_pd(agents, engines, long_ids, direction, mode
         assert s["budget"]["reserved"] == 0 and s["open_handoffs"] == 0 and s["active_requests"] == 0
 
 
+def test_compressed_pages_give_the_same_tokens_in_fewer_bytes(agents, long_ids):
+    """A pair that asks for compressed pages (byte planes + zstd) decodes exactly what raw FP16
+    pages give, both directions and modes, with fewer bytes on the wire."""
+    for p, d in (("torch", "mlx"), ("mlx", "torch")):
+        for mode in FirstTokenMode:
+            ids = prompt(long_ids, 193)
+            raw = run(pd_request(agents[p].url, agents[d].url, ids, SAMPLING, mode.value))
+            packed = run(pd_request(agents[p].url, agents[d].url, ids, SAMPLING, mode.value, page_encoding="zstd"))
+            assert tokens_of(packed) == tokens_of(raw), (p, d, mode)
+            assert packed[-1]["pages"] == raw[-1]["pages"] == (3 if mode is FirstTokenMode.RECOMPUTE_LAST else 4)
+            assert packed[-1]["wire_bytes"] < 0.95 * raw[-1]["wire_bytes"], (packed[-1], raw[-1])
+    with agents["torch"].client() as c:
+        assert "zstd" in c.get("/v1/info").json()["page_encodings"]
+
+
 def test_same_engine_http_pd_equals_local(agents, engines, long_ids):
     for name in ("torch", "mlx"):
         ids = prompt(long_ids, 129)

@@ -120,3 +120,39 @@ def test_make_page_checks_shape_and_rounds_to_fp16():
 def test_smollm2_page_is_1_47_mb():
     g = PageGeometry(layers=30, kv_heads=3, head_dim=64)
     assert g.token_bytes == 23_040 and g.page_bytes == 1_474_560 and g.pages_for(129) == 3
+
+
+def test_compressed_frames_round_trip_exactly_and_fail_clearly():
+    """Byte planes + zstd is lossless: the receiver gets the canonical FP16 bytes back, through
+    the streaming reader in any chunking; a flipped bit fails the checksum, and a frame whose
+    checksum is right but whose payload is not zstd fails with its own message."""
+    from engine_adapters.pages import _HEADER, HEADER_SIZE, ZSTD_PLANES, checksum_finish, encode_frame
+    from node_agent.wire import FrameReader
+
+    g = PageGeometry(layers=2, kv_heads=3, head_dim=8)
+    rng = np.random.default_rng(3)
+    kv = rng.standard_normal((g.layers, 2, 40, g.kv_heads, g.head_dim)).astype("<f2")
+    page = make_page(g, 0, kv)
+    ids = dict(contract=b"c" * 16, room=b"r" * 16, tokens=b"t" * 16)
+    header, payload = encode_frame(page, encoding=ZSTD_PLANES, **ids)
+    frame = header + bytes(payload)
+    _, back = decode_frame(frame)
+    assert back.data.tobytes() == page.data.tobytes() and back.valid_tokens == 40
+    for step in (1, 7, 100, len(frame)):
+        reader = FrameReader(FrameExpectation(b"c" * 16, b"r" * 16, b"t" * 16, g))
+        got = [item for i in range(0, len(frame), step) for item in reader.feed(frame[i:i + step])]
+        assert got[0].data.tobytes() == page.data.tobytes()
+    flipped = bytearray(frame)
+    flipped[-5] ^= 1
+    with pytest.raises(FrameError, match="checksum"):
+        decode_frame(bytes(flipped))
+    import xxhash
+
+    junk = b"not zstd at all" * 10
+    fields = list(_HEADER.unpack_from(header))
+    fields[-2], fields[-1] = len(junk), 0
+    unsigned = _HEADER.pack(*fields)
+    fields[-1] = checksum_finish(xxhash.xxh3_64(junk), unsigned)
+    with pytest.raises(FrameError, match="does not decompress"):
+        decode_frame(_HEADER.pack(*fields) + junk)
+    assert HEADER_SIZE == len(header)

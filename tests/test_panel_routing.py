@@ -26,7 +26,7 @@ def log_rows(home: Path) -> list[RequestLog]:
 def cluster(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("routing")
     with AgentProcess("torch", smol_dir, home / "p") as p, AgentProcess("torch", smol_dir, home / "d") as d:
-        with PanelProcess(home, "--pair", f"pd={p.url},{d.url}") as panel:
+        with PanelProcess(home, "--pair", f"pd={p.url},{d.url}", "--pair", f"pdz={p.url},{d.url},zstd") as panel:
             yield {"p": p, "d": d, "panel": panel, "home": home,
                    "client": openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)}
 
@@ -45,6 +45,16 @@ def test_client_disconnect_aborts_both_roles(cluster):
         time.sleep(0.1)
     row = log_rows(cluster["home"])[-1]
     assert row.route == "pd" and row.outcome == "cancelled" and row.output_tokens < 500
+
+
+def test_a_pair_with_compressed_pages_answers_the_same_with_fewer_bytes(cluster):
+    ask = dict(messages=[{"role": "user", "content": "Name three rivers in Europe and say where each starts."}],
+               max_tokens=12, temperature=0)
+    texts = [cluster["client"].chat.completions.create(model=m, **ask).choices[0].message.content for m in ("pd", "pdz")]
+    assert texts[0] == texts[1] and texts[0]
+    rows = {r.model: r for r in log_rows(cluster["home"])[-2:]}
+    assert rows["pd"].route == rows["pdz"].route == "pd"
+    assert 0 < rows["pdz"].bytes_moved < 0.95 * rows["pd"].bytes_moved, (rows["pdz"].bytes_moved, rows["pd"].bytes_moved)
 
 
 def test_router_remembers_the_decoder_and_notices_when_it_changed(cluster, smol_dir):
@@ -90,7 +100,7 @@ def test_first_migration_upgrades_and_data_survive_restart(tmp_path):
     engine = open_db(db)  # what a newer panel does on start
     with Session(engine) as s:
         pair = s.exec(select(Pair)).one()
-        assert (pair.name, pair.fallback, pair.local_threshold) == ("old", "decode_alone", 0)
+        assert (pair.name, pair.fallback, pair.local_threshold, pair.page_encoding) == ("old", "decode_alone", 0, "raw")
         s.add(RequestLog(model="old", route="pd"))
         s.commit()
     engine.dispose()
