@@ -12,7 +12,7 @@
 # The converted model (260 MB) does not fit a call, so the run builds a random-weight model with
 # SmolLM2-135M's exact config: timing is what is measured, not text. Agent A: torch on CUDA
 # (FP16); agent B: torch on the CPU (GPUs hidden); each pinned to one core.
-# Results of the last run: bench/results/gpu-h200-*.
+# Results of the last run: bench/results/gpu-h200-*. Extra bench options: EXTRA="--cores-per-agent 4".
 set -e
 REPO=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .devcarry/wheels312/*.whl
@@ -30,5 +30,5 @@ PYEOF
 python3 -c "import tandem_cli.main, node_agent.app, control_panel.ui; print('imports ok')"
 TANDEM_HOME=/tmp/th nohup "$(dirname "$PY")/tandem" bench ttft --model /tmp/smolrand --prefill torch --decode torch \
   --b-cpu-only --direction a2b --lengths "${LENGTHS:-51,184,744,2844,8160}" --samples "${SAMPLES:-3}" --warmup 1 \
-  --out "$OUT" > "$OUT/bench.log" 2>&1 &
+  --out "$OUT" ${EXTRA:-} > "$OUT/bench.log" 2>&1 &
 echo started

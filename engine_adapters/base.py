@@ -235,6 +235,22 @@ class EngineAdapter(ABC):
                 f"prompt of {len(ids)} tokens" + (f" plus max_tokens {req.sampling.max_tokens}" if generates else "")
                 + f" exceeds the context length {self.context_length}")
 
+    def prefill_chunks(self, n: int) -> list[tuple[int, int]]:
+        """The [start, end) spans a prompt of n tokens is computed in: prefill_chunk_tokens each,
+        except that the last page gets a chunk of its own. Pages leave after their chunk is
+        computed, so the pages of the chunk before it travel while the last page computes, and
+        what is left to send after prefill is one page, not a whole chunk (on an 85 MB/s link,
+        ~18 ms instead of ~70). Local generation uses the same spans, so its numbers are P/D's."""
+        last_page = (n - 1) // self.geometry.page_tokens * self.geometry.page_tokens
+        spans, start = [], 0
+        while start < n:
+            end = min(start + self.prefill_chunk_tokens, n)
+            if end == n and start < last_page:
+                end = last_page
+            spans.append((start, end))
+            start = end
+        return spans
+
     # ---- high-level operations -----------------------------------------------------------
     async def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
         """Run the prompt; yield its KV pages as they are produced, then one PrefillDone."""
@@ -247,9 +263,8 @@ class EngineAdapter(ABC):
             ids, n, P = req.token_ids, len(req.token_ids), self.geometry.page_tokens
             session = await self.on_engine(self.new_session, n)
             sent, logits = 0, None
-            for start in range(0, n, self.prefill_chunk_tokens):
+            for start, end in self.prefill_chunks(n):
                 self._check(req, event)
-                end = min(start + self.prefill_chunk_tokens, n)
                 logits = await self.on_engine(self.forward, session, ids[start:end])
                 ready = export if end == n else min(end, export) // P * P
                 if ready > sent:
@@ -361,9 +376,9 @@ class EngineAdapter(ABC):
             ids = req.token_ids
             session = await self.on_engine(self.new_session, len(ids) + req.sampling.max_tokens)
             logits = None
-            for start in range(0, len(ids), self.prefill_chunk_tokens):
+            for start, end in self.prefill_chunks(len(ids)):
                 self._check(req, event)
-                logits = await self.on_engine(self.forward, session, ids[start:start + self.prefill_chunk_tokens])
+                logits = await self.on_engine(self.forward, session, ids[start:end])
             sampler = Sampler(req.sampling)
             async for token in self._continue(req, event, session, sampler, sampler(logits)):
                 yield token

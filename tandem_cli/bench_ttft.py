@@ -220,7 +220,8 @@ class Agent:
 
 @contextmanager
 def cluster(model: Path, engines: tuple[str, str], link: Link, home: Path, key: str, pin: bool,
-            directions: list[tuple[int, int]], envs: tuple[dict, dict] = ({}, {}), zstd: bool = False
+            directions: list[tuple[int, int]], envs: tuple[dict, dict] = ({}, {}), zstd: bool = False,
+            cores_each: int = 1
             ) -> Iterator[tuple[str, str, list[Agent]]]:
     """Two agents (one per place) and a panel with a pair per direction. Yields (panel URL, API
     key, agents)."""
@@ -229,7 +230,8 @@ def cluster(model: Path, engines: tuple[str, str], link: Link, home: Path, key: 
         procs, agents = [], []
         for i, (engine, place) in enumerate(zip(engines, link.places)):
             name = f"{'ab'[i]}-{engine}"
-            cpus = str(i % cores) if pin else None
+            first = (i * cores_each) % cores
+            cpus = (str(first) if cores_each == 1 else f"{first}-{min(first + cores_each, cores) - 1}") if pin else None
             proc = ServiceProcess(["agent", "serve", "--engine", engine, "--model", str(model), "--host", place.host,
                                    "--port", "0", "--no-mdns", "--name", name],
                                   env={"TANDEM_HOME": str(home / name), "TANDEM_CLUSTER_KEY": key, **envs[i]},
@@ -361,6 +363,8 @@ def bench_ttft(
         link: str = typer.Option("loopback", help="loopback, or shaped (namespaces + tc tbf; needs root)."),
         rate: float = typer.Option(85.0, help="Shaped link rate in MB/s."),
         pin: bool = typer.Option(True, help="Pin each agent to its own CPU."),
+        cores_per_agent: int = typer.Option(1, min=1, help="CPUs each pinned agent gets (1 on a 2-core machine; "
+                                                                "more on a GPU host)."),
         out: Path = typer.Option(Path("bench/results"), help="Where the JSON, markdown and PNG go."),
         model_dir: Path = typer.Option(None, "--model", help="Model directory (default: the embedded model)."),
         b_cpu_only: bool = typer.Option(False, help="Hide GPUs from agent B (e.g. CUDA prefill -> CPU decode)."),
@@ -385,7 +389,7 @@ def bench_ttft(
                     "cpu_count": os.cpu_count(), "lengths": sizes, "samples": samples, "warmup": warmup,
                     "max_tokens": max_tokens, "link": link, "pinned": pin, "cells": []}
     envs = ({}, {"CUDA_VISIBLE_DEVICES": ""} if b_cpu_only else {})
-    with link_cm as net, cluster(model, (prefill, decode), net, home, key, pin, dirs, envs, zstd) as (panel, api_key, agents):
+    with link_cm as net, cluster(model, (prefill, decode), net, home, key, pin, dirs, envs, zstd, cores_per_agent) as (panel, api_key, agents):
         result["agents"] = [{"name": a.name, "engine": a.engine, "url": a.url, "cpus": a.cpus,
                              "accelerator": a.info.get("accelerator")} for a in agents]
         vocab = inspect_model(model).vocab_size

@@ -32,7 +32,7 @@ def test_pages_leave_before_prefill_finishes(engines, long_ids, engine, monkeypa
         return real_forward(session, ids)
 
     monkeypatch.setattr(adapter, "forward", forward)
-    ids = long_prompt(long_ids, 600)  # chunks of 256, 256, 88 tokens
+    ids = long_prompt(long_ids, 600)  # chunks of 256, 256, then 64, and the last page (24) on its own
     req = EngineRequest("overlap", ids, SamplingParams(max_tokens=1))
 
     async def consume():
@@ -41,7 +41,11 @@ def test_pages_leave_before_prefill_finishes(engines, long_ids, engine, monkeypa
 
     run(consume())
     assert events == [("chunk", 256), *[("page", i) for i in range(4)], ("chunk", 256),
-                      *[("page", i) for i in range(4, 8)], ("chunk", 88), ("page", 8), ("page", 9), ("done", 600)]
+                      *[("page", i) for i in range(4, 8)], ("chunk", 64), ("page", 8), ("chunk", 24), ("page", 9),
+                      ("done", 600)]
+    assert adapter.prefill_chunks(1) == [(0, 1)] and adapter.prefill_chunks(64) == [(0, 64)]
+    assert adapter.prefill_chunks(65) == [(0, 64), (64, 65)] and adapter.prefill_chunks(256) == [(0, 192), (192, 256)]
+    assert adapter.prefill_chunks(513) == [(0, 256), (256, 512), (512, 513)]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
