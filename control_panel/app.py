@@ -55,6 +55,6 @@ def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool 
         return {"ok": True}
 
     app.include_router(make_openai_router(engine, router, lambda row: log_request(engine, row)))
-    app.include_router(make_ui_router(engine, router, watcher))
+    app.include_router(make_ui_router(engine, router, watcher, data_dir))
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -28,6 +28,7 @@ from engine_adapters.pages import PROTOCOL_VERSION
 from node_agent.client import AgentClient, AgentHTTPError, TransportError
 from node_agent.identity import key_matches
 
+from .bench_results import latest_ttft
 from .db import set_setting
 from .i18n import COOKIE as LANG_COOKIE
 from .i18n import LANGUAGES, Translator, load_all, pick_language
@@ -111,7 +112,7 @@ async def probe(url: str, key: str | None) -> dict:
     return {"health": "ok", "status": status, "detail": ""}
 
 
-def make_ui_router(engine, router, watcher=None) -> APIRouter:
+def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None) -> APIRouter:
     load_all()
     ui = APIRouter(include_in_schema=False)
     secret = ui_session_secret(engine)
@@ -529,7 +530,8 @@ def make_ui_router(engine, router, watcher=None) -> APIRouter:
             return r
         with Session(engine) as s:
             rows = list(s.exec(select(RequestLog).order_by(col(RequestLog.created).desc()).limit(200)))
-        return render(request, "requests.html", rows=rows, chart=ttft_chart(list(reversed(rows[:60]))))
+        bench = latest_ttft(data_dir) if data_dir is not None else None
+        return render(request, "requests.html", rows=rows, chart=ttft_chart(list(reversed(rows[:60]))), bench=bench)
 
     # ---- help, settings ------------------------------------------------------------------------
 

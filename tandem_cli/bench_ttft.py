@@ -39,6 +39,7 @@ import httpx
 import numpy as np
 import typer
 
+from control_panel.bench_results import LATEST_TTFT
 from engine_adapters.pages import HEADER_SIZE
 
 from .processes import ServiceProcess
@@ -368,6 +369,8 @@ def bench_ttft(
         out: Path = typer.Option(Path("bench/results"), help="Where the JSON, markdown and PNG go."),
         model_dir: Path = typer.Option(None, "--model", help="Model directory (default: the embedded model)."),
         b_cpu_only: bool = typer.Option(False, help="Hide GPUs from agent B (e.g. CUDA prefill -> CPU decode)."),
+        panel_dir: Path = typer.Option(None, help="Data dir of the panel that shows the result (default: "
+                                                       "$TANDEM_HOME/panel, the panel on this machine)."),
         zstd: bool = typer.Option(False, help="Also run every P->D direction with compressed pages (byte planes + zstd)."),
 ) -> None:
     """Measure time to first token, engines alone and P->D, against the physical bound."""
@@ -450,7 +453,7 @@ def bench_ttft(
                     result["cells"].append(cell)
         http.close()
     result["decode_step_seconds"] = steps
-    paths = write_outputs(result, out)
+    paths = write_outputs(result, out, panel_dir)
     console.print(markdown_table(result))
     console.print("written: " + ", ".join(str(p) for p in paths))
 
@@ -512,13 +515,17 @@ def markdown_table(result: dict) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-def write_outputs(result: dict, out: Path) -> list[Path]:
+def write_outputs(result: dict, out: Path, panel_dir: Path | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"ttft-{result['link']}-{time.strftime('%Y%m%d-%H%M%S')}"
     paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
     paths[0].write_text(json.dumps(result, indent=2))
     paths[1].write_text(markdown_table(result))
     plot(result, paths[2])
+    # the panel on this machine shows the latest run on its Requests page
+    panel_dir = panel_dir or Path(os.environ.get("TANDEM_HOME") or Path.home() / ".local/share/tandem") / "panel"
+    (panel_dir / LATEST_TTFT).parent.mkdir(parents=True, exist_ok=True)
+    (panel_dir / LATEST_TTFT).write_text(json.dumps(result))
     return paths
 
 

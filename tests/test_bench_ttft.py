@@ -15,10 +15,12 @@ from .netns import needs_netns
 
 def run_bench(tmp_path, *args: str) -> dict:
     out = subprocess.run([TANDEM, "bench", "ttft", "--samples", "1", "--warmup", "0", "--max-tokens", "4",
-                          "--out", str(tmp_path), *args], capture_output=True, text=True, timeout=900,
+                          "--out", str(tmp_path), "--panel-dir", str(tmp_path / "panel"), *args],
+                         capture_output=True, text=True, timeout=900,
                          env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [result] = [json.loads(p.read_text()) for p in tmp_path.glob("ttft-*.json")]
+    assert json.loads((tmp_path / "panel" / "bench" / "ttft-latest.json").read_text()) == result  # for the panel
     stem = next(tmp_path.glob("ttft-*.json")).with_suffix("")
     assert stem.with_suffix(".md").read_text().startswith("TTFT through the panel")
     assert stem.with_suffix(".png").stat().st_size > 10_000

@@ -350,3 +350,23 @@ def test_language_comes_from_cookie_then_accept_language(local_panel):
     assert r.status_code == 200 and str(r.url).endswith("/nodes")  # no open redirect
     assert '<html lang="ko">' in local_panel.get("/help", headers={"Accept-Language": "fr"}).text
     assert "노드" in local_panel.get("/nodes").text
+
+
+def test_requests_page_shows_the_last_ttft_benchmark(local_panel, tmp_path):
+    """The benchmark keeps its latest result in the panel's data dir; the Requests page shows it
+    (here: a result the benchmark wrote, kept in bench/results)."""
+    import json
+
+    from control_panel.bench_results import LATEST_TTFT
+
+    assert "tandem bench ttft" in local_panel.get("/requests").text  # how to get one
+    result = json.loads((Path(__file__).parent.parent / "bench/results/ttft-shaped-zstd-20261130-082556.json").read_text())
+    (tmp_path / LATEST_TTFT).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / LATEST_TTFT).write_text(json.dumps(result))
+    page = local_panel.get("/requests").text
+    section = page[page.index('id="bench-ttft"'):]
+    cell = next(c for c in result["cells"] if c["column"] == "a-torch->b-mlx+zstd" and c["tokens"] == 744)
+    assert "a-torch-&gt;b-mlx+zstd" in section and f"{cell['ttft']['median'] * 1000:.0f} ms" in section
+    assert f"{cell['ttft_over_bound']:.2f}" in section and f"{cell['ttft_minus_own_prefill']['median'] * 1000:+.1f} ms" in section
+    (tmp_path / LATEST_TTFT).write_text("{not json")
+    assert "tandem bench ttft" in local_panel.get("/requests").text  # a broken file is not an error
