@@ -24,7 +24,6 @@ def latest_ttft(data_dir: Path) -> dict | None:
                          "overhead_ms": own["median"] * 1000 if own else None})
         link = ", ".join(f"{k}: {v['bytes_per_second'] / 1e6:,.0f} MB/s" for k, v in result["link_measured"].items()
                          if isinstance(v, dict))
-        return {"started": result["started"], "link": result["link"], "link_measured": link,
-                "pinned": result["pinned"], "samples": result["samples"], "rows": rows}
+        return {"started": result["started"], "link": result["link"], "link_measured": link, "rows": rows}
     except (OSError, ValueError, KeyError, TypeError):
         return None

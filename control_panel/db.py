@@ -99,5 +99,4 @@ def cached_until_state_changes(fn: Callable[..., T | None]) -> Callable[..., T |
             cache[key] = value
         return value
 
-    wrapper.cache_clear = cache.clear  # type: ignore[attr-defined]
     return wrapper

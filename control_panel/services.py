@@ -8,6 +8,7 @@ from sqlalchemy import Engine
 from sqlmodel import Session, select
 
 from engine_adapters.contract import ModelContract
+from engine_adapters.pages import ENCODINGS
 from node_agent.client import AgentClient, AgentHTTPError, TransportError
 from node_agent.discovery import Peer
 
@@ -83,8 +84,8 @@ async def create_pair(engine: Engine, cluster_key: str, name: str, prefill_url: 
     if asked, then check that their contracts agree. Blank engine/path: what the node runs."""
     if not name or "/" in name:
         raise PanelError("a pair needs a name without '/' (it becomes the model name on the API)", ["name"])
-    if page_encoding not in ("raw", "zstd"):
-        raise PanelError(f"unknown page encoding {page_encoding!r} (raw or zstd)", ["page_encoding"])
+    if page_encoding not in ENCODINGS:
+        raise PanelError(f"unknown page encoding {page_encoding!r} ({' or '.join(ENCODINGS)})", ["page_encoding"])
     nodes = [("prefill", prefill_url, prefill_engine, prefill_model_path, staging_bytes),
              ("decode", decode_url, decode_engine, decode_model_path, None)]
     for dry_run in (True, False):  # check both nodes, and their contracts, before either loads anything

@@ -349,8 +349,7 @@ class EngineAdapter(ABC):
                     raise FrameError(f"page {index} holds {page.valid_tokens} tokens, expected {want_valid}")
                 if page.data.shape != self.geometry.page_shape:
                     raise FrameError(f"page {index} has shape {page.data.shape}, this model needs {self.geometry.page_shape}")
-                pending.append(asyncio.get_running_loop().run_in_executor(
-                    self._executor, self.import_kv, session, index * P, page.kv))
+                pending.append(asyncio.ensure_future(self.on_engine(self.import_kv, session, index * P, page.kv)))
                 index += 1
                 if len(pending) > IMPORT_AHEAD:
                     await pending.popleft()  # an import error surfaces here, before any token

@@ -41,6 +41,7 @@ import typer
 
 from control_panel.bench_results import LATEST_TTFT
 from engine_adapters.pages import HEADER_SIZE
+from node_agent.settings import data_dir
 
 from .processes import ServiceProcess
 from .progress import console
@@ -386,7 +387,7 @@ def bench_ttft(
         raise typer.BadParameter("--link must be loopback or shaped")
     model = model_dir.resolve() if model_dir else ensure_embedded_model()
     key = "tdm_bench-" + secrets.token_hex(16)
-    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".local/share/tandem")) / "bench" / secrets.token_hex(3)
+    home = data_dir() / "bench" / secrets.token_hex(3)
     link_cm = shaped_link(rate) if link == "shaped" else loopback_link()
     result: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(), "model": str(model),
                     "cpu_count": os.cpu_count(), "lengths": sizes, "samples": samples, "warmup": warmup,
@@ -523,7 +524,7 @@ def write_outputs(result: dict, out: Path, panel_dir: Path | None = None) -> lis
     paths[1].write_text(markdown_table(result))
     plot(result, paths[2])
     # the panel on this machine shows the latest run on its Requests page
-    panel_dir = panel_dir or Path(os.environ.get("TANDEM_HOME") or Path.home() / ".local/share/tandem") / "panel"
+    panel_dir = panel_dir or data_dir() / "panel"
     (panel_dir / LATEST_TTFT).parent.mkdir(parents=True, exist_ok=True)
     (panel_dir / LATEST_TTFT).write_text(json.dumps(result))
     return paths
