@@ -14,7 +14,8 @@ from node_agent.discovery import Watcher
 from .db import get_setting, open_db, set_setting
 from .openai_api import OpenAIError, make_openai_router
 from .router import Router
-from .services import log_request, note_discovered
+from .request_log import RequestLogWriter, mark_interrupted
+from .services import note_discovered
 from .ui import STATIC_DIR, make_ui_router
 
 
@@ -25,6 +26,8 @@ def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool 
     if cluster_key:
         set_setting(engine, "cluster_key", cluster_key)
     router = Router(get_setting(engine, "cluster_key") or "")
+    mark_interrupted(engine)  # requests that were running when the panel last stopped
+    request_log = RequestLogWriter(engine)
     watcher = Watcher(mdns_interfaces, lambda peer, present: note_discovered(engine, peer, present)) if mdns else None
 
     @asynccontextmanager
@@ -37,6 +40,7 @@ def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool 
             if watcher is not None:
                 await watcher.stop()
             await router.aclose()
+            request_log.close()
 
     app = FastAPI(title="Tandem panel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.db, app.state.router, app.state.watcher = engine, router, watcher
@@ -54,7 +58,7 @@ def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool 
     async def healthz():
         return {"ok": True}
 
-    app.include_router(make_openai_router(engine, router, lambda row: log_request(engine, row)))
+    app.include_router(make_openai_router(engine, router, request_log))
     app.include_router(make_ui_router(engine, router, watcher, data_dir))
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

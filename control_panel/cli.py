@@ -66,4 +66,6 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
         console.print(f"[bold]API key[/] {api_key}: {create_api_key(engine, api_key)}")
     console.print(f"Tandem panel on http://{host}:{port} · OpenAI API at http://{host}:{port}/v1")
     logging.getLogger("tandem.panel").info("tandem panel ready on http://%s:%d", host, port)
-    uvicorn.Server(uvicorn.Config(web, log_level="warning")).run(sockets=[sock])
+    # Streams still open 5 s after Ctrl-C or SIGTERM are cancelled, not waited for (a token stream
+    # can run for minutes); each is logged as cancelled and its agents let go of the request.
+    uvicorn.Server(uvicorn.Config(web, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])

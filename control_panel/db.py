@@ -31,7 +31,19 @@ def open_db(path: Path, revision: str = "head") -> Engine:
     path.parent.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{path}"
     command.upgrade(alembic_config(url), revision)
-    return create_engine(url, connect_args={"check_same_thread": False})
+    engine = create_engine(url, connect_args={"check_same_thread": False})
+    event.listen(engine, "connect", _fast_commits)
+    return engine
+
+
+def _fast_commits(dbapi_connection, _record) -> None:
+    # Write-ahead log, synced at checkpoints: a commit took ~16 ms here in SQLite's default mode
+    # (an fsync per commit) and ~0.8 ms in this one, and every API request writes its log row.
+    # A power cut may lose the last commits; an application crash loses nothing.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
 
 
 def get_setting(engine: Engine, key: str, default: str | None = None) -> str | None:

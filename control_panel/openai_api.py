@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, ClassVar
+from typing import Any, AsyncIterator, ClassVar
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,6 +24,7 @@ from engine_adapters.sampling import SERVER_FIELDS
 
 from .db import cached_until_state_changes
 from .models import Node, Pair, RequestLog
+from .request_log import RequestLogWriter
 from .router import RouteError, Router, RouteStats, Target
 from .security import api_key_valid
 from .services import model_names
@@ -150,7 +151,7 @@ class _StopScanner:
         return out
 
 
-def make_openai_router(engine: Engine, router: Router, log_request: Callable[[RequestLog], None]) -> APIRouter:
+def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWriter) -> APIRouter:
     async def authorize(authorization: str | None = Header(None)) -> None:
         # A dependency: it runs before the body is validated, so a bad key is always a 401.
         token = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
@@ -181,13 +182,14 @@ def make_openai_router(engine: Engine, router: Router, log_request: Callable[[Re
         stats = RouteStats()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        logged = request_log.start(RequestLog(model=body.model, route="", prompt_tokens=len(ids)))
         events = router.run(target, ids, sampling, stats)
         scanner = _StopScanner(body.stops)
 
         def log(outcome: str, error: str = "") -> None:
-            log_request(RequestLog(model=body.model, route=stats.route, reason=stats.reason,
-                                   prompt_tokens=len(ids), ttft_ms=stats.ttft_ms, output_tokens=stats.output_tokens,
-                                   bytes_moved=stats.bytes_moved, outcome=outcome, error=error))
+            request_log.finish(logged, route=stats.route, reason=stats.reason, ttft_ms=stats.ttft_ms,
+                               output_tokens=stats.output_tokens, bytes_moved=stats.bytes_moved, outcome=outcome,
+                               error=error)
 
         async def texts() -> AsyncIterator[str]:
             """Text deltas until the end, a stop string or an error (raised as RouteError)."""
@@ -265,8 +267,10 @@ def make_openai_router(engine: Engine, router: Router, log_request: Callable[[Re
                 yield _sse({"error": {"message": str(e), "type": e.kind, "param": None, "code": None}})
                 yield b"data: [DONE]\n\n"
             finally:
-                await gen.aclose()
-                log(outcome, error)
+                try:
+                    await gen.aclose()
+                finally:  # logged even when closing fails (the panel shutting down under it)
+                    log(outcome, error)
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

@@ -2,9 +2,11 @@
 
 For a pair the router allocates a room, asks P to reserve budget and start prefill, and at once
 asks D to decode that room — D pulls P's pages as they stream. D's tokens come back as they are
-made. Prompts under the pair's threshold run on D alone, and so do requests whose P is down or
-fails before its first page (when the pair's fallback policy allows); each event says the route
-taken and why. Leaving the iterator early (the client went away) aborts both roles.
+made. Prompts under the pair's threshold run on D alone, and so do requests whose P is down, or
+whose transfer fails before D's first token (P crashed or was killed, the link broke or stalled, a
+page arrived damaged), when the pair's fallback policy allows: nothing has reached the client yet
+and D has released whatever it imported. Each event says the route taken and why. Leaving the
+iterator early (the client went away) aborts both roles.
 """
 
 from __future__ import annotations
@@ -152,10 +154,10 @@ class Router:
             async for event in self._stream(target.decode_url, "/v1/decode",
                                             {"room": room, "token_ids": token_ids, "sampling": sampling,
                                              "mode": mode, "prefill_url": target.prefill_url}, stats):
-                if first and "error" in event and event.get("pages", 0) == 0 and target.fallback == "decode_alone":
-                    # P failed before its first page reached D: serve the request on D alone
-                    async for alt in self._fallback(target, token_ids, sampling, stats,
-                                                    f"prefill failed before its first page: {event['error']['message']}"):
+                if first and "error" in event and target.fallback == "decode_alone":
+                    # the P/D path failed before any token left: serve the request on D alone
+                    reason = f"P/D transfer failed before the first token: {event['error']['message']}"
+                    async for alt in self._fallback(target, token_ids, sampling, stats, reason):
                         yield alt
                     finished = True
                     return

@@ -1,4 +1,4 @@
-"""What the panel does to its state: add nodes, pair them, log requests."""
+"""What the panel does to its state: add nodes, pair them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from engine_adapters.pages import ENCODINGS
 from node_agent.client import AgentClient, AgentHTTPError, TransportError
 from node_agent.discovery import Peer
 
-from .models import Node, Pair, RequestLog
+from .models import Node, Pair
 
 
 class PanelError(Exception):
@@ -154,7 +154,3 @@ def delete_row(engine: Engine, table: type, row_id: int) -> None:
             s.commit()
 
 
-def log_request(engine: Engine, row: RequestLog) -> None:
-    with Session(engine) as s:
-        s.add(row)
-        s.commit()

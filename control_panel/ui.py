@@ -38,7 +38,8 @@ from .router import RouteError, RouteStats
 from .security import (admin_password_version, check_admin_password, create_api_key, set_admin_password,
                        ui_session_secret)
 from . import services
-from .services import delete_row, PanelError, add_node, create_pair, log_request
+from .request_log import save as log_request
+from .services import delete_row, PanelError, add_node, create_pair
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"  # a symlink to the top-level templates/
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -55,7 +56,8 @@ def N_(message: str) -> str:
 FALLBACKS = {"decode_alone": N_("Decode alone (run on the decoder)"), "fail": N_("Fail the request")}
 PAGE_ENCODINGS = {"raw": N_("Raw FP16"), "zstd": N_("Compressed (zstd, lossless)")}
 ROUTES = {"pd": N_("prefill → decode"), "decode_alone": N_("decoder alone"), "node": N_("single node")}
-OUTCOMES = {"ok": N_("ok"), "error": N_("error"), "cancelled": N_("cancelled")}
+OUTCOMES = {"ok": N_("ok"), "error": N_("error"), "cancelled": N_("cancelled"), "running": N_("running"),
+            "interrupted": N_("interrupted")}
 CONTRACT_FIELDS = {"weights": N_("weights"), "tokenizer": N_("tokenizer"), "config": N_("model config"),
                    "context_length": N_("context length")}
 HEALTH = {"ok": N_("healthy"), "unpaired": N_("not paired"), "timeout": N_("timeout"), "key_rejected": N_("key rejected (401)"),

@@ -53,6 +53,7 @@ from typing import Any, AsyncIterable, AsyncIterator, Callable, ClassVar, TypeVa
 
 import numpy as np
 
+from . import failpoints
 from .contract import HashCache, Progress, compute_contract
 from .errors import Cancelled, FrameError, RequestError
 from .model_dir import inspect_model
@@ -265,6 +266,7 @@ class EngineAdapter(ABC):
             sent, logits = 0, None
             for start, end in self.prefill_chunks(n):
                 self._check(req, event)
+                failpoints.reach("prefill_chunk")
                 logits = await self.on_engine(self.forward, session, ids[start:end])
                 ready = export if end == n else min(end, export) // P * P
                 if ready > sent:

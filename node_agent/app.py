@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal
 
 import numpy as np
+import psutil
 import xxhash
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,6 +72,10 @@ class AgentConfig:
     model_name: str = ""
     url: str = ""  # where this agent listens (for logs)
     model_roots: list = field(default_factory=list)  # directories POST /v1/config may load models from
+    # A page stream that moves no byte for this long is broken (a cable pulled, a peer frozen):
+    # the decoder gives up reading it and the prefiller gives up writing it, and both let go of
+    # what they hold. It must exceed the longest gap between two pages (one prefill chunk).
+    stall_timeout: float = 60.0
 
 
 # ---- request bodies --------------------------------------------------------------------------
@@ -286,6 +291,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
                 "open_handoffs": len(handoffs.handoffs), "handoffs": handoffs.describe(),
                 "active_requests": slot.adapter.active_requests,
                 "engine_stats": await slot.adapter.engine_stats(),
+                "process": {"rss_bytes": psutil.Process().memory_info().rss},
                 "totals": {"prefills_started": handoffs.prefill_calls,
                            "handoffs_created": v(metrics.handoffs_created),"pages_sent": v(metrics.pages_sent), "bytes_sent": v(metrics.bytes_sent),
                            "pages_received": v(metrics.pages_received), "bytes_received": v(metrics.bytes_received),
@@ -399,7 +405,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
     def peer(url: str) -> AgentClient:
         url = url.rstrip("/")
         if url not in peers:
-            peers[url] = AgentClient(url, config.cluster_key)
+            peers[url] = AgentClient(url, config.cluster_key, stall_timeout=config.stall_timeout)
         return peers[url]
 
     @api.post("/v1/decode")

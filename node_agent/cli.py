@@ -21,6 +21,10 @@ from engine_adapters.pages import PROTOCOL_VERSION
 from .identity import cluster_key, key_path, node_id, set_cluster_key
 from .settings import data_dir, hash_cache_path
 
+# On Ctrl-C or SIGTERM, requests still streaming after this long are cancelled (each releases what
+# it holds on the way out) instead of being waited for: a token stream can run for minutes.
+GRACEFUL_SHUTDOWN_SECONDS = 5.0
+
 app = typer.Typer(help="Run and diagnose a node agent.", no_args_is_help=True)
 console = Console()
 DEFAULT_PORT = 7411
@@ -67,6 +71,8 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
           mdns: bool = typer.Option(True, help="Announce this agent on the LAN with mDNS."),
           mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all)."),
           handoff_ttl: float = typer.Option(60.0, help="Seconds before unread pages expire."),
+          stall_timeout: float = typer.Option(60.0, help="Seconds a page stream may move no byte before "
+                                              "both ends give it up (a pulled cable, a frozen peer)."),
           device: str = typer.Option(None, help="torch only: cuda, cuda:N or cpu."),
           tls_cert: Path = typer.Option(None, help="TLS certificate (PEM) to serve HTTPS."),
           tls_key: Path = typer.Option(None, help="TLS private key (PEM)."),
@@ -102,6 +108,7 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
         adapter = loader(engine, path, context_length)
     config = AgentConfig(node_id=node_id(), name=name or socket.gethostname(), cluster_key=cluster_key(),
                          staging_bytes=parse_size(staging_bytes), handoff_ttl=handoff_ttl, model_name=path.name,
+                         stall_timeout=stall_timeout,
                          url=f"{'https' if tls_cert else 'http'}://{host}:{port}",
                          model_roots=default_roots(path) + [p.expanduser().resolve() for p in model_root or []])
     announcer = None
@@ -120,7 +127,8 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
     agent = create_app(adapter, config, announcer, loader)
     try:
         server = uvicorn.Server(uvicorn.Config(
-            agent, log_level="warning", http=PageStreamProtocol, timeout_keep_alive=75,
+            agent, log_level="warning", http=PageStreamProtocol.with_stall_timeout(stall_timeout),
+            timeout_keep_alive=75, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
             ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None))
         server.run(sockets=[sock])
     finally:

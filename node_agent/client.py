@@ -48,7 +48,8 @@ def _http_error(status: int, where: str, body: bytes) -> AgentHTTPError:
 
 
 class AgentClient:
-    def __init__(self, base_url: str, key: str, verify: bool | str | None = None, timeout: float = 30.0):
+    def __init__(self, base_url: str, key: str, verify: bool | str | None = None, timeout: float = 30.0,
+                 stall_timeout: float | None = None):
         """`verify`: True (system CAs), False (no check), a CA bundle path, or None for the
         TANDEM_CA_FILE environment variable when set (how a cluster with self-signed agent
         certificates is trusted) and the system CAs otherwise."""
@@ -61,6 +62,7 @@ class AgentClient:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._pages: ReceiverPool | None = None  # page streams bypass aiohttp (page_receiver.py)
+        self._stall_timeout = stall_timeout  # a page stream silent this long is broken (None: wait)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -118,7 +120,8 @@ class AgentClient:
         prefiller its reader is gone.
         """
         if self._pages is None:
-            self._pages = ReceiverPool(self.base_url, self._headers, self._ssl, self._timeout.connect)
+            self._pages = ReceiverPool(self.base_url, self._headers, self._ssl, self._timeout.connect,
+                                       stall_timeout=self._stall_timeout)
         try:
             async with self._pages.stream(path or f"/v1/handoffs/{room}/pages", expect) as stream:
                 yield stream

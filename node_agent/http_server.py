@@ -13,6 +13,9 @@ header, then the page's own buffer), so a plain ASGI response would pay for two 
   protocol with that extension: large chunks (and header + payload pairs) are handed to the
   transport as one vector (`transport.writelines`), one chunk per frame, so the page buffer goes
   to the socket as it is. Everything else (parsing, keep-alive, flow control) is uvicorn's.
+- A reader that takes no byte for `stall_timeout` seconds (a pulled cable, a frozen peer: TCP
+  alone would wait for many minutes) gets its connection closed; the app sees a disconnect and
+  releases what the response held. `PageStreamProtocol.with_stall_timeout(s)` sets it.
 
 The cost of the trick is one line that swaps the class of the request cycle uvicorn has just
 built; uvicorn is pinned in pyproject.toml and tests/test_agent_pd.py exercises this path.
@@ -20,6 +23,8 @@ built; uvicorn is pinned in pyproject.toml and tests/test_agent_pd.py exercises 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import AsyncIterable
 
 from starlette.responses import StreamingResponse
@@ -30,6 +35,7 @@ EXTENSION = "tandem.vectored"
 PAYLOAD_KEY = "tandem.payload"
 
 Frame = bytes | tuple[bytes, memoryview]
+log = logging.getLogger("tandem.http")
 
 
 class PageStreamResponse(StreamingResponse):
@@ -58,7 +64,18 @@ class PageStreamResponse(StreamingResponse):
 
 
 class _VectoredCycle(RequestResponseCycle):
+    stall_timeout: float | None = None
+
     async def send(self, message) -> None:
+        if message["type"] == "http.response.body" and self.flow.write_paused and not self.disconnected:
+            try:
+                await asyncio.wait_for(self.flow.drain(), self.stall_timeout)
+            except TimeoutError:
+                log.warning("%s %s: the reader took no data for %g s; closing its connection",
+                            self.scope["method"], self.scope["path"], self.stall_timeout)
+                self.transport.close()  # the app sees a disconnect and lets go of what it holds
+                self.disconnected = True
+                return
         body = message.get("body", b"")
         payload = message.get(PAYLOAD_KEY)
         if (message["type"] == "http.response.body" and message.get("more_body", False)
@@ -82,8 +99,15 @@ class _VectoredCycle(RequestResponseCycle):
 
 
 class PageStreamProtocol(HttpToolsProtocol):
+    stall_timeout: float | None = None  # None: wait for a slow reader as long as TCP does
+
+    @classmethod
+    def with_stall_timeout(cls, seconds: float | None) -> type["PageStreamProtocol"]:
+        return type(cls.__name__, (cls,), {"stall_timeout": seconds})
+
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         if type(self.cycle) is RequestResponseCycle:
             self.cycle.__class__ = _VectoredCycle  # before its task first runs: nothing is sent yet
+            self.cycle.stall_timeout = self.stall_timeout
             self.cycle.scope.setdefault("extensions", {})[EXTENSION] = {}

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
         self.pages_sent = Counter("tandem_pages_sent", "KV pages sent to decoders", registry=r)
         self.bytes_sent = Counter("tandem_page_bytes_sent", "Framed page bytes sent to decoders", registry=r)
         self.pages_received = Counter("tandem_pages_received", "KV pages received from prefillers", registry=r)

@@ -49,7 +49,8 @@ class HTTPStatusError(Exception):
 class _Receiver(asyncio.BufferedProtocol):
     """One connection; parses one response at a time (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall_timeout: float | None = None) -> None:
+        self.stall_timeout = stall_timeout
         self.transport: asyncio.Transport | None = None
         self._small = bytearray(MAX_HEAD)
         self._lost: BaseException | None = None
@@ -224,7 +225,11 @@ class _Receiver(asyncio.BufferedProtocol):
             if self._lost is not None:
                 raise StreamBroken(f"the connection closed before the page stream ended ({self._lost})")
             self._wake.clear()
-            await self._wake.wait()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.stall_timeout)
+            except TimeoutError:
+                raise StreamBroken(f"the page stream stalled: no data for {self.stall_timeout:g} s after "
+                                   f"{self.reader.bytes_read:,} bytes (link down or peer frozen)") from None
         item = self.items.pop(0)
         if len(self.items) < QUEUE_PAGES // 2 and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
@@ -257,7 +262,7 @@ class ReceiverPool:
     """Keep-alive connections to one peer for page streams."""
 
     def __init__(self, base_url: str, headers: dict[str, str], ssl_context: ssl.SSLContext | bool | None,
-                 connect_timeout: float, max_idle: int = 4):
+                 connect_timeout: float, max_idle: int = 4, stall_timeout: float | None = None):
         u = urlsplit(base_url)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)
         self._ssl = (ssl_context if isinstance(ssl_context, ssl.SSLContext) else
@@ -267,11 +272,12 @@ class ReceiverPool:
         self._timeout = connect_timeout
         self._idle: list[_Receiver] = []
         self._max_idle = max_idle
+        self._stall_timeout = stall_timeout
 
     async def _connect(self) -> _Receiver:
         loop = asyncio.get_running_loop()
         _, receiver = await asyncio.wait_for(loop.create_connection(
-            _Receiver, self.host, self.port, ssl=self._ssl,
+            lambda: _Receiver(self._stall_timeout), self.host, self.port, ssl=self._ssl,
             server_hostname=self.host if self._ssl else None), self._timeout)
         return receiver
 

@@ -63,6 +63,7 @@ class Link:
     places: tuple[Place, Place]
     rate_mbytes: float | None = None
     namespaces: list[str] = field(default_factory=list)
+    ends: list[tuple[str, str]] = field(default_factory=list)  # (namespace, device) of each end of the P<->D link
 
 
 def _sh(*args: str) -> None:
@@ -111,7 +112,7 @@ def shaped_link(rate_mbytes: float) -> Iterator[Link]:
         for i, addr in ((1, "10.241.3.1"), (2, "10.241.3.2")):
             _sh("ip", "route", "replace", f"{addr}/32", "via", f"10.241.{i}.2")
         yield Link("shaped", (Place(a, "0.0.0.0", "10.241.3.1"), Place(b, "0.0.0.0", "10.241.3.2")),
-                   rate_mbytes, created)
+                   rate_mbytes, created, [(a, la), (b, lb)])
     finally:
         for addr in ("10.241.3.1", "10.241.3.2"):
             subprocess.run(["ip", "route", "del", f"{addr}/32"], capture_output=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -18,13 +20,13 @@ class AgentProcess(ServiceProcess):
     """One agent in its own process and data dir, on a free port. Use as a context manager."""
 
     def __init__(self, engine: str, model: Path, home: Path, *args: str, host: str = "127.0.0.1",
-                 netns: str | None = None, key: str = TEST_KEY, env: dict[str, str] | None = None):
+                 netns: str | None = None, key: str = TEST_KEY, env: dict[str, str] | None = None, port: int = 0):
         home.mkdir(parents=True, exist_ok=True)
         self.engine, self.host, self.key = engine, host, key
         ca = (env or {}).get("TANDEM_CA_FILE")
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca) if ca else True
         extra = [] if "--mdns" in args else ["--no-mdns"]
-        super().__init__(["agent", "serve", "--engine", engine, "--model", str(model), "--host", host, "--port", "0",
+        super().__init__(["agent", "serve", "--engine", engine, "--model", str(model), "--host", host, "--port", str(port),
                           "--name", f"{engine}-{home.name}", *args, *extra],
                          env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, **(env or {})}, netns=netns)
 
@@ -67,9 +69,9 @@ def settle(*agents: AgentProcess, timeout: float = 15.0) -> None:
 class PanelProcess(ServiceProcess):
     """`tandem panel` on a free port; `api_key` and `admin_password` hold what it printed once."""
 
-    def __init__(self, home: Path, *args: str, key: str = TEST_KEY, netns: str | None = None):
+    def __init__(self, home: Path, *args: str, key: str = TEST_KEY, netns: str | None = None, port: int = 0):
         extra = [] if "--mdns" in args else ["--no-mdns"]  # tests multicast only inside their namespaces
-        super().__init__(["panel", "--port", "0", "--api-key", "tests", *args, *extra],
+        super().__init__(["panel", "--port", str(port), "--api-key", "tests", *args, *extra],
                          env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"}, netns=netns)
         self.wait_ready()
         keys, passwords = self.lines_matching("API key"), self.lines_matching("admin password")
@@ -173,3 +175,63 @@ def complete(client, model: str, ids: list[int], stream: bool) -> str:
     if not stream:
         return client.completions.create(**args).choices[0].text
     return "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
+
+
+class TamperProxy:
+    """A TCP proxy that damages what the upstream sends back: flip one bit at byte `flip_at`,
+    or cut the connection after `cut_at` bytes (both counted per connection, read when a
+    connection opens, so a test may change them between requests). Runs its own event loop in
+    a thread."""
+
+    def __init__(self, upstream_port: int, flip_at: int | None = None, cut_at: int | None = None,
+                 upstream_host: str = "127.0.0.1", host: str = "127.0.0.1", port: int = 0):
+        self.upstream_port, self.flip_at, self.cut_at = upstream_port, flip_at, cut_at
+        self.upstream_host, self.host, self.port = upstream_host, host, port
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+        self._ready.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, self.host, self.port))
+        self.port = self.server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self.loop.run_forever()
+
+    async def _handle(self, client_r, client_w) -> None:
+        flip_at, cut_at = self.flip_at, self.cut_at
+        up_r, up_w = await asyncio.open_connection(self.upstream_host, self.upstream_port)
+
+        async def upstream() -> None:
+            while data := await client_r.read(65536):
+                up_w.write(data)
+                await up_w.drain()
+
+        async def downstream() -> None:
+            sent = 0
+            while data := await up_r.read(65536):
+                data = bytearray(data)
+                if flip_at is not None and sent <= flip_at < sent + len(data):
+                    data[flip_at - sent] ^= 0x04
+                if cut_at is not None and sent + len(data) >= cut_at:
+                    client_w.write(bytes(data[: cut_at - sent]))
+                    return
+                client_w.write(bytes(data))
+                sent += len(data)
+                await client_w.drain()
+
+        tasks = [asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            t.cancel()
+        for w in (client_w, up_w):
+            w.close()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)

@@ -3,71 +3,12 @@ afterwards neither agent holds a reservation, a handoff or a request."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
 
 from node_agent.client import AgentHTTPError
 
-from .agents import AgentProcess, decode_foreign_pages, pd_request, settle
+from .agents import AgentProcess, TamperProxy, decode_foreign_pages, pd_request, settle
 from .conftest import prompt, run
-
-
-class TamperProxy:
-    """A TCP proxy that damages what the upstream sends back: flip one bit at byte `flip_at`,
-    or cut the connection after `cut_at` bytes. Runs its own event loop in a thread."""
-
-    def __init__(self, upstream_port: int, flip_at: int | None = None, cut_at: int | None = None):
-        self.upstream_port, self.flip_at, self.cut_at = upstream_port, flip_at, cut_at
-        self.port = 0
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-        self._ready.wait(10)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = self.server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self.loop.run_forever()
-
-    async def _handle(self, client_r, client_w) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-
-        async def upstream() -> None:
-            while data := await client_r.read(65536):
-                up_w.write(data)
-                await up_w.drain()
-
-        async def downstream() -> None:
-            sent = 0
-            while data := await up_r.read(65536):
-                data = bytearray(data)
-                if self.flip_at is not None and sent <= self.flip_at < sent + len(data):
-                    data[self.flip_at - sent] ^= 0x04
-                if self.cut_at is not None and sent + len(data) >= self.cut_at:
-                    client_w.write(bytes(data[: self.cut_at - sent]))
-                    return
-                client_w.write(bytes(data))
-                sent += len(data)
-                await client_w.drain()
-
-        tasks = [asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream())]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for t in tasks:
-            t.cancel()
-        for w in (client_w, up_w):
-            w.close()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture(scope="module")

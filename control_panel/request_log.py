@@ -1,0 +1,71 @@
+"""The request log: every API request is a row from the moment it is routed.
+
+A request is written as "running" when routing starts and updated with its outcome when it ends,
+so a request cut off by the panel stopping (a crash, a kill, a power cut) is not lost: the next
+start marks such rows "interrupted". Writes go through one thread of their own, in order: the
+"running" row is written beside the request's first steps instead of on its path to the first
+token, and the final update (waited for, so a client that has its answer finds it logged)
+always lands after it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from sqlalchemy import Engine
+from sqlmodel import Session, select
+
+from .models import RequestLog
+
+INTERRUPTED = "the panel stopped while this request ran"
+
+
+def save(engine: Engine, row: RequestLog) -> RequestLog:
+    """Insert the row, or update it when it has an id; returns it detached, id filled in."""
+    with Session(engine) as s:
+        row = s.merge(row)
+        s.commit()
+        s.refresh(row)
+        s.expunge(row)
+    return row
+
+
+def mark_interrupted(engine: Engine) -> int:
+    """Rows still "running" when the panel starts were cut off when it last stopped."""
+    with Session(engine) as s:
+        rows = s.exec(select(RequestLog).where(RequestLog.outcome == "running")).all()
+        for row in rows:
+            row.outcome, row.error = "interrupted", INTERRUPTED
+            s.add(row)
+        s.commit()
+        return len(rows)
+
+
+class RequestLogWriter:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="request-log")
+
+    def start(self, row: RequestLog) -> Future:
+        """Log a request as running (not waited for)."""
+        row.outcome = "running"
+        return self._writer.submit(save, self.engine, row)
+
+    def finish(self, started: Future, **fields) -> None:
+        """Record how the request ended; returns once it is written."""
+        try:
+            self._writer.submit(self._finish, started, fields).result()
+        except RuntimeError:  # the writer has shut down (a request ending as the panel stops)
+            self._finish(started, fields)
+
+    def _finish(self, started: Future, fields: dict) -> None:
+        try:
+            row = started.result()  # done already: this thread wrote it first
+        except Exception:  # the first write failed: write the whole row now
+            row = RequestLog(model=fields.get("model", ""), route="")
+        for name, value in fields.items():
+            setattr(row, name, value)
+        save(self.engine, row)
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
