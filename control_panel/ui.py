@@ -3,7 +3,8 @@
 Sessions are itsdangerous-signed cookies (HttpOnly, SameSite=Lax) that carry a CSRF token; every
 POST checks that token (a form field, or the X-CSRF-Token header that htmx and the playground's
 fetch() send). Before login the token lives in its own signed cookie. A page asked for without a
-session redirects to /login; an htmx or fetch() call gets 401 (with HX-Redirect for htmx).
+session redirects to /login; an htmx or fetch() call gets 401 (with HX-Redirect for htmx). Failed
+logins are limited per client address (`login_limit.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .bench_results import latest_ttft
 from .db import set_setting
 from .i18n import COOKIE as LANG_COOKIE
 from .i18n import LANGUAGES, Translator, load_all, pick_language
+from .login_limit import LoginLimiter
 from .models import ApiKey, Node, Pair, RequestLog
 from .openai_api import OpenAIError, resolve_target
 from .router import RouteError, RouteStats
@@ -112,8 +114,10 @@ async def probe(url: str, key: str | None) -> dict:
     return {"health": "ok", "status": status, "detail": ""}
 
 
-def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None) -> APIRouter:
+def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
+                   login_limiter: LoginLimiter | None = None) -> APIRouter:
     load_all()
+    limiter = login_limiter or LoginLimiter()
     ui = APIRouter(include_in_schema=False)
     secret = ui_session_secret(engine)
     sessions = URLSafeTimedSerializer(secret, salt="tandem-ui-session")
@@ -202,11 +206,19 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None) -
 
     @ui.post("/login")
     async def login(request: Request, password: str = Form(""), csrf: str = Form(""), next: str = Form("/nodes")):
-        check_csrf(request, csrf)
         _ = translator(request).gettext
+        address = request.client.host if request.client else ""
+        wait = limiter.retry_after(address)
+        if wait is not None:  # the password is not even looked at
+            response = render(request, "login.html", status_code=429, next=safe_next(next),
+                              error=_("Too many failed attempts: wait %(seconds)s s, then try again.", seconds=wait))
+            response.headers["Retry-After"] = str(wait)
+            return response
+        check_csrf(request, csrf)
         if not check_admin_password(engine, password):
-            await asyncio.sleep(0.5)  # slow down guessing a little
+            limiter.failed(address)
             return render(request, "login.html", status_code=401, error=_("Wrong password."), next=safe_next(next))
+        limiter.succeeded(address)
         response = RedirectResponse(safe_next(next), status_code=303)
         token = sessions.dumps({"u": "admin", "csrf": secrets.token_urlsafe(24), "pv": admin_password_version(engine)})
         response.set_cookie(SESSION_COOKIE, token, max_age=SESSION_MAX_AGE, **cookie_args(request))
