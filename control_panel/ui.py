@@ -165,9 +165,11 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
     def cookie_args(request: Request) -> dict:
         return {"httponly": True, "samesite": "lax", "secure": request.url.scheme == "https", "path": "/"}
 
-    def render(request: Request, name: str, status_code: int = 200, **context) -> HTMLResponse:
+    def render(request: Request, name: str, status_code: int = 200, session: dict | None = None,
+               **context) -> HTMLResponse:
+        """A page; `session`: one signed in this very response (the request's is no longer valid)."""
         t = translator(request)
-        data = session_of(request)
+        data = session or session_of(request)
         new_anon = None
         token = data["csrf"] if data else anon_token(request)
         if token is None:
@@ -189,11 +191,13 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
         return value if value and value.startswith("/") and not value.startswith("//") and "\\" not in value else "/nodes"
 
     async def guard(request: Request):
-        """Every UI route but /login: a page redirects to /login, htmx and fetch() get 401."""
+        """Every UI route but /login and /lang: a page redirects to /login, htmx and fetch() get 401.
+        Only a GET comes back after login (`next`): a form's POST cannot be replayed as a GET."""
         if session_of(request) is None:
             if wants_fragment(request):
                 return Response("login required", status_code=401, headers={"HX-Redirect": "/login"})
-            return RedirectResponse(f"/login?next={request.url.path}", status_code=303)
+            back = f"?next={request.url.path}" if request.method == "GET" else ""
+            return RedirectResponse(f"/login{back}", status_code=303)
         return None
 
     # ---- login ---------------------------------------------------------------------------------
@@ -226,6 +230,8 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
 
     @ui.post("/logout")
     async def logout(request: Request, csrf: str = Form("")):
+        if (r := await guard(request)):
+            return r
         check_csrf(request, csrf)
         response = RedirectResponse("/login", status_code=303)
         response.delete_cookie(SESSION_COOKIE, path="/")
@@ -603,9 +609,10 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
         if error:
             return render(request, "settings.html", status_code=400, **settings_context(pw_error=error))
         set_admin_password(engine, new)
-        # the old session is now invalid: sign a new one for this browser
-        response = render(request, "settings.html", **settings_context(pw_ok=True))
+        # the old session is now invalid: sign a new one for this browser, and render the page with
+        # its CSRF token (the forms on it must work without a reload)
         data = {"u": "admin", "csrf": secrets.token_urlsafe(24), "pv": admin_password_version(engine)}
+        response = render(request, "settings.html", session=data, **settings_context(pw_ok=True))
         response.set_cookie(SESSION_COOKIE, sessions.dumps(data), max_age=SESSION_MAX_AGE, **cookie_args(request))
         return response
 
