@@ -12,6 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from node_agent.discovery import Watcher
 
 from .db import get_setting, open_db, set_setting
+from .login_limit import LoginLimiter
 from .openai_api import OpenAIError, make_openai_router
 from .router import Router
 from .request_log import RequestLogWriter, mark_interrupted
@@ -20,8 +21,9 @@ from .ui import STATIC_DIR, make_ui_router
 
 
 def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool = False,
-                     mdns_interfaces: list[str] | None = None) -> FastAPI:
-    """The panel. With `mdns`, agents announcing on the LAN are added (unpaired) as they appear."""
+                     mdns_interfaces: list[str] | None = None, login_limiter: LoginLimiter | None = None) -> FastAPI:
+    """The panel. With `mdns`, agents announcing on the LAN are added (unpaired) as they appear.
+    `login_limiter` (default: 5 failed logins per address per minute) is a parameter for tests."""
     engine = open_db(data_dir / "panel.db")
     if cluster_key:
         set_setting(engine, "cluster_key", cluster_key)
@@ -59,6 +61,6 @@ def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool 
         return {"ok": True}
 
     app.include_router(make_openai_router(engine, router, request_log))
-    app.include_router(make_ui_router(engine, router, watcher, data_dir))
+    app.include_router(make_ui_router(engine, router, watcher, data_dir, login_limiter))
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -3,7 +3,8 @@
 Sessions are itsdangerous-signed cookies (HttpOnly, SameSite=Lax) that carry a CSRF token; every
 POST checks that token (a form field, or the X-CSRF-Token header that htmx and the playground's
 fetch() send). Before login the token lives in its own signed cookie. A page asked for without a
-session redirects to /login; an htmx or fetch() call gets 401 (with HX-Redirect for htmx).
+session redirects to /login; an htmx or fetch() call gets 401 (with HX-Redirect for htmx). Failed
+logins are limited per client address (`login_limit.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .bench_results import latest_ttft
 from .db import set_setting
 from .i18n import COOKIE as LANG_COOKIE
 from .i18n import LANGUAGES, Translator, load_all, pick_language
+from .login_limit import LoginLimiter
 from .models import ApiKey, Node, Pair, RequestLog
 from .openai_api import OpenAIError, resolve_target
 from .router import RouteError, RouteStats
@@ -114,8 +116,10 @@ async def probe(url: str, key: str | None) -> dict:
     return {"health": "ok", "status": status, "detail": ""}
 
 
-def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None) -> APIRouter:
+def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
+                   login_limiter: LoginLimiter | None = None) -> APIRouter:
     load_all()
+    limiter = login_limiter or LoginLimiter()
     ui = APIRouter(include_in_schema=False)
     secret = ui_session_secret(engine)
     sessions = URLSafeTimedSerializer(secret, salt="tandem-ui-session")
@@ -163,9 +167,11 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None) -
     def cookie_args(request: Request) -> dict:
         return {"httponly": True, "samesite": "lax", "secure": request.url.scheme == "https", "path": "/"}
 
-    def render(request: Request, name: str, status_code: int = 200, **context) -> HTMLResponse:
+    def render(request: Request, name: str, status_code: int = 200, session: dict | None = None,
+               **context) -> HTMLResponse:
+        """A page; `session`: one signed in this very response (the request's is no longer valid)."""
         t = translator(request)
-        data = session_of(request)
+        data = session or session_of(request)
         new_anon = None
         token = data["csrf"] if data else anon_token(request)
         if token is None:
@@ -187,11 +193,13 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None) -
         return value if value and value.startswith("/") and not value.startswith("//") and "\\" not in value else "/nodes"
 
     async def guard(request: Request):
-        """Every UI route but /login: a page redirects to /login, htmx and fetch() get 401."""
+        """Every UI route but /login and /lang: a page redirects to /login, htmx and fetch() get 401.
+        Only a GET comes back after login (`next`): a form's POST cannot be replayed as a GET."""
         if session_of(request) is None:
             if wants_fragment(request):
                 return Response("login required", status_code=401, headers={"HX-Redirect": "/login"})
-            return RedirectResponse(f"/login?next={request.url.path}", status_code=303)
+            back = f"?next={request.url.path}" if request.method == "GET" else ""
+            return RedirectResponse(f"/login{back}", status_code=303)
         return None
 
     # ---- login ---------------------------------------------------------------------------------
@@ -204,11 +212,19 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None) -
 
     @ui.post("/login")
     async def login(request: Request, password: str = Form(""), csrf: str = Form(""), next: str = Form("/nodes")):
-        check_csrf(request, csrf)
         _ = translator(request).gettext
+        address = request.client.host if request.client else ""
+        wait = limiter.retry_after(address)
+        if wait is not None:  # the password is not even looked at
+            response = render(request, "login.html", status_code=429, next=safe_next(next),
+                              error=_("Too many failed attempts: wait %(seconds)s s, then try again.", seconds=wait))
+            response.headers["Retry-After"] = str(wait)
+            return response
+        check_csrf(request, csrf)
         if not check_admin_password(engine, password):
-            await asyncio.sleep(0.5)  # slow down guessing a little
+            limiter.failed(address)
             return render(request, "login.html", status_code=401, error=_("Wrong password."), next=safe_next(next))
+        limiter.succeeded(address)
         response = RedirectResponse(safe_next(next), status_code=303)
         token = sessions.dumps({"u": "admin", "csrf": secrets.token_urlsafe(24), "pv": admin_password_version(engine)})
         response.set_cookie(SESSION_COOKIE, token, max_age=SESSION_MAX_AGE, **cookie_args(request))
@@ -216,6 +232,8 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None) -
 
     @ui.post("/logout")
     async def logout(request: Request, csrf: str = Form("")):
+        if (r := await guard(request)):
+            return r
         check_csrf(request, csrf)
         response = RedirectResponse("/login", status_code=303)
         response.delete_cookie(SESSION_COOKIE, path="/")
@@ -593,9 +611,10 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None) -
         if error:
             return render(request, "settings.html", status_code=400, **settings_context(pw_error=error))
         set_admin_password(engine, new)
-        # the old session is now invalid: sign a new one for this browser
-        response = render(request, "settings.html", **settings_context(pw_ok=True))
+        # the old session is now invalid: sign a new one for this browser, and render the page with
+        # its CSRF token (the forms on it must work without a reload)
         data = {"u": "admin", "csrf": secrets.token_urlsafe(24), "pv": admin_password_version(engine)}
+        response = render(request, "settings.html", session=data, **settings_context(pw_ok=True))
         response.set_cookie(SESSION_COOKIE, sessions.dumps(data), max_age=SESSION_MAX_AGE, **cookie_args(request))
         return response
 

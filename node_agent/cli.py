@@ -85,7 +85,7 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
     from engine_adapters.contract import HashCache
 
     from .app import AgentConfig, create_app
-    from .discovery import Announcer, lan_addresses
+    from .discovery import Announcer, announced_properties, lan_addresses
     from .http_server import PageStreamProtocol
     from .model_roots import default_roots
 
@@ -113,13 +113,9 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
                          model_roots=default_roots(path) + [p.expanduser().resolve() for p in model_root or []])
     announcer = None
     if mdns:
-        accel = adapter.accelerator()
         addresses = [host] if host not in ("0.0.0.0", "") else lan_addresses()
-        announcer = Announcer({"node_id": config.node_id, "name": config.name, "engine": adapter.name,
-                               "model": path.name, "contract": adapter.contract.fingerprint,
-                               "proto": str(PROTOCOL_VERSION), "accel": accel["kind"],
-                               "accel_name": accel.get("name", ""), "tls": "1" if tls_cert else "0"},
-                              port, addresses, mdns_interface or None)
+        announcer = Announcer(announced_properties(config, adapter, tls_cert is not None), port, addresses,
+                              mdns_interface or None)
     scheme = "https" if tls_cert else "http"
     console.print(f"[bold]Tandem agent[/] {config.name} ({config.node_id[:8]}) · {adapter.name} · {path.name} · "
                   f"contract {adapter.contract.fingerprint[:16]} · {scheme}://{host}:{port} · "

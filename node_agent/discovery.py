@@ -21,6 +21,8 @@ import ifaddr
 from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
+from engine_adapters.pages import PROTOCOL_VERSION
+
 SERVICE_TYPE = "_tandem._tcp.local."
 ANNOUNCED_KEYS = ("node_id", "name", "engine", "model", "contract", "proto", "accel", "accel_name", "tls")
 
@@ -40,12 +42,26 @@ def service_name(name: str, node_id: str) -> str:
     return f"{safe}-{node_id[:8]}.{SERVICE_TYPE}"
 
 
+def announced_properties(config, adapter, tls: bool) -> dict[str, str]:
+    """What an agent announces, from its config (which also holds the cluster key: only the public
+    fields are read) and the engine it serves."""
+    accel = adapter.accelerator()
+    return {"node_id": config.node_id, "name": config.name, "engine": adapter.name,
+            "model": config.model_name or adapter.model_dir.name, "contract": adapter.contract.fingerprint,
+            "proto": str(PROTOCOL_VERSION), "accel": accel["kind"], "accel_name": accel.get("name", ""),
+            "tls": "1" if tls else "0"}
+
+
+def _only_announced(properties: dict[str, str]) -> None:
+    unknown = set(properties) - set(ANNOUNCED_KEYS)
+    if unknown:
+        raise ValueError(f"refusing to announce unexpected properties {sorted(unknown)}")
+
+
 class Announcer:
     def __init__(self, properties: dict[str, str], port: int, addresses: list[str],
                  interfaces: list[str] | None = None):
-        unknown = set(properties) - set(ANNOUNCED_KEYS)
-        if unknown:
-            raise ValueError(f"refusing to announce unexpected properties {sorted(unknown)}")
+        _only_announced(properties)
         self.properties = dict(properties)
         self.port = port
         self.addresses = addresses
@@ -65,6 +81,7 @@ class Announcer:
         await self._zc.async_register_service(self._info, allow_name_change=True)
 
     async def update(self, **changes: str) -> None:
+        _only_announced(changes)  # a switch of engine or model may change what is known, never add to it
         self.properties.update(changes)
         if self._zc is not None:
             self._info = self._service_info()

@@ -43,12 +43,16 @@ def confine(path: str, roots: list[Path]) -> Path:
     if not p.is_absolute():
         raise ModelPathError(f"model path {path!r} must be absolute (a directory on this node)")
     real = p.resolve()  # follows symlinks and removes `..` before the check
-    if not any(real == r or real.is_relative_to(r) for r in _unique(roots)):
+    if not _inside(real, roots):
         raise ModelPathError(f"{path} is outside this node's model roots ({', '.join(map(str, roots))}); "
                              "start the agent with --model-root to allow another directory")
     if not real.is_dir():
         raise ModelPathError(f"{path} does not exist on this node")
     return real
+
+
+def _inside(real: Path, roots: list[Path]) -> bool:
+    return any(real == r or real.is_relative_to(r) for r in _unique(roots))
 
 
 def check_model(path: str, roots: list[Path]) -> ModelInfo:
@@ -61,11 +65,12 @@ def check_model(path: str, roots: list[Path]) -> ModelInfo:
 
 
 def list_models(roots: list[Path]) -> list[dict]:
-    """Checkpoints found in the roots (the root itself or its direct subdirectories)."""
+    """Checkpoints found in the roots (the root itself or its direct subdirectories). A link in a
+    root to a directory outside every root is not offered: POST /v1/config would refuse it."""
     found = []
     for root in _unique(roots):
         for d in [root] + (sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []):
-            if (d / "config.json").is_file():
+            if _inside(d.resolve(), roots) and (d / "config.json").is_file():
                 try:
                     info = inspect_model(d)
                     found.append({"path": str(d), "model_type": info.model_type, "supported": True, "reason": ""})

@@ -1,0 +1,430 @@
+"""Security review (issue 8, item 5): what a stranger on the LAN or a wrong credential gets.
+
+1. Every route of the panel needs its credential (enumerated from the app object); the agent's
+   routes are checked the same way, with the same enumerator, in tests/test_agent_auth.py.
+2. No secret in mDNS announcements, process logs, the request log or error bodies.
+3. Model paths stay inside an agent's model roots, on the agent and through the panel's form.
+4. Failed logins are rate-limited per client address.
+5. Cookies are HttpOnly and SameSite (and Secure over HTTPS).
+6. Passwords and API keys are stored hashed; the cluster key is stored as is (it must be recovered).
+
+In-process tests use the real panel app through Starlette's TestClient; the leak and path tests
+run one real agent and one real panel process, because logs and files are what they check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import sqlite3
+from http.cookies import SimpleCookie
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from sqlmodel import select
+
+from control_panel.app import create_panel_app
+from control_panel.login_limit import LoginLimiter
+from control_panel.security import create_api_key, ensure_admin_password
+
+from .agents import AgentProcess, PanelProcess
+from .test_agent_auth import http_routes
+
+CLUSTER_KEY = "tdm_security-review-cluster-key-4e8a1f"
+
+# Routes that answer without a credential, and why each may.
+OPEN = {
+    ("GET", "/healthz"): "liveness for supervisors and `tandem up`; says only that the panel runs",
+    ("GET", "/login"): "the page where one logs in",
+    ("POST", "/login"): "logging in itself (CSRF-checked and rate-limited)",
+    ("POST", "/lang"): "the language switcher on the login page (CSRF-checked; sets only the lang cookie)",
+}
+OPEN_MOUNTS = {"/static": "htmx and the stylesheet: public files, no data"}
+
+
+class Clock:
+    """A clock the test moves, for the login limiter."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def clock():
+    return Clock()
+
+
+@pytest.fixture(scope="module")
+def panel(tmp_path_factory, clock):
+    """The real panel app in-process, with an admin password, an API key and a login limiter on a
+    clock the test moves."""
+    app = create_panel_app(tmp_path_factory.mktemp("panel-security"), CLUSTER_KEY,
+                           login_limiter=LoginLimiter(clock=clock))
+    app.state.password = ensure_admin_password(app.state.db)
+    app.state.api_key = create_api_key(app.state.db, "security")
+    return app
+
+
+def csrf_of(html: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
+
+
+def log_in(client: TestClient | httpx.Client, password: str):
+    return client.post("/login", data={"password": password, "csrf": csrf_of(client.get("/login").text)})
+
+
+# ---- 1. every panel route needs its credential ---------------------------------------------------
+
+def test_every_panel_route_needs_its_credential(panel):
+    """The OpenAI API answers 401 in OpenAI's error shape; a UI page redirects to /login (a GET
+    comes back there after login), an htmx or fetch() call gets 401. A UI session does not open
+    the API, an API key or the cluster key does not open the UI."""
+    routes, mounts = http_routes(panel)
+    assert mounts == list(OPEN_MOUNTS)
+    assert len(routes) >= 20, routes
+    assert set(OPEN) <= set(routes), "the allow-list names a route that no longer exists"
+    with TestClient(panel, follow_redirects=False) as c:
+        assert log_in(c, panel.state.password).status_code == 303
+        session = c.cookies.get("tandem_session")
+        c.cookies.clear()
+        api_creds = [{}, {"Authorization": "Bearer tsk_wrong"}, {"Authorization": f"Bearer {CLUSTER_KEY}"},
+                     {"Authorization": panel.state.api_key}, {"Cookie": f"tandem_session={session}"}]
+        ui_creds = [{}, {"Cookie": "tandem_session=forged.value.sig"},
+                    {"Authorization": f"Bearer {panel.state.api_key}"}, {"Authorization": f"Bearer {CLUSTER_KEY}"}]
+        for method, path in routes:
+            url = re.sub(r"\{[^}]+\}", "1", path)
+            if (method, path) in OPEN:  # answered without any credential (a POST needs only its CSRF token)
+                c.cookies.clear()
+                if method == "GET":
+                    assert c.get(url).status_code == 200, path
+                else:
+                    form = {"csrf": csrf_of(c.get("/login").text), "password": panel.state.password,
+                            "lang": "de", "next": "/help"}
+                    r = c.post(url, data=form)
+                    assert r.status_code == 303 and r.headers["location"] == "/help", (path, r.status_code)
+                continue
+            if path.startswith("/v1/"):
+                for headers in api_creds:
+                    c.cookies.clear()
+                    r = c.request(method, url, headers=headers, json={})
+                    assert r.status_code == 401, (method, path, headers, r.status_code)
+                    assert r.json()["error"]["code"] == "invalid_api_key", r.text
+                    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+                continue
+            for headers in ui_creds:
+                for fragment in (False, True):  # a page or form, then an htmx request
+                    hx = {"HX-Request": "true"} if fragment else {}
+                    c.cookies.clear()
+                    r = c.request(method, url, headers={"Accept": "text/html", **hx, **headers}, json={})
+                    if fragment or path.startswith("/ui/"):
+                        assert r.status_code == 401 and r.headers["HX-Redirect"] == "/login", (method, path, headers)
+                    else:
+                        back = f"?next={url}" if method == "GET" else ""
+                        assert r.status_code == 303 and r.headers["location"] == f"/login{back}", \
+                            (method, path, headers, r.status_code, r.headers.get("location"))
+                    assert CLUSTER_KEY not in r.text and panel.state.api_key not in r.text
+        assert c.get("/static/htmx.min.js").status_code == 200
+        c.cookies.clear()  # and the credentials refused above open their own side
+        assert c.get("/v1/models", headers={"Authorization": f"Bearer {panel.state.api_key}"}).status_code == 200
+        assert c.get("/help", headers={"Cookie": f"tandem_session={session}"}).status_code == 200
+
+
+def test_a_deleted_key_is_refused_from_the_next_request(tmp_path):
+    """The API's key check and model lookup are kept in memory between requests; a key deleted or
+    a pair changed in the panel counts from the very next request."""
+    from sqlmodel import Session
+
+    from control_panel.db import open_db
+    from control_panel.models import ApiKey, Node, Pair
+    from control_panel.openai_api import OpenAIError, resolve_target
+    from control_panel.security import api_key_valid
+    from control_panel.services import delete_row
+
+    engine = open_db(tmp_path / "panel.db")
+    key = create_api_key(engine, "t")
+    assert api_key_valid(engine, key) and api_key_valid(engine, key)
+    assert not api_key_valid(engine, key + "x")
+    with Session(engine) as s:
+        a, b = Node(name="a", url="http://a:1", paired=True), Node(name="b", url="http://b:1", paired=True)
+        s.add(a), s.add(b)
+        s.commit()
+        pair = Pair(name="p", prefill_node_id=a.id, decode_node_id=b.id, prefill_engine="torch",
+                    decode_engine="mlx", prefill_model_path="m", decode_model_path="m", context_length=64)
+        s.add(pair)
+        s.commit()
+        pair_id, key_id = pair.id, s.exec(select(ApiKey.id)).first()
+    assert resolve_target(engine, "p").prefill_url == "http://a:1"
+    assert resolve_target(engine, "p") is resolve_target(engine, "p")  # served from memory
+    with Session(engine) as s:
+        row = s.get(Pair, pair_id)
+        row.prefill_node_id, row.decode_node_id = row.decode_node_id, row.prefill_node_id
+        s.add(row)
+        s.commit()
+    assert resolve_target(engine, "p").prefill_url == "http://b:1"
+    delete_row(engine, ApiKey, key_id)
+    assert not api_key_valid(engine, key)
+    delete_row(engine, Pair, pair_id)
+    with pytest.raises(OpenAIError):
+        resolve_target(engine, "p")
+
+
+# ---- 4. login rate limit -------------------------------------------------------------------------
+
+def test_failed_logins_are_limited_per_address(panel, clock):
+    """5 failures within 60 s: the next attempts get 429 + Retry-After and a translated message,
+    even with the right password; other addresses are not affected; a success starts over."""
+    password = panel.state.password
+    guesser = TestClient(panel, follow_redirects=False, client=("198.51.100.7", 40000))
+    other = TestClient(panel, follow_redirects=False, client=("198.51.100.8", 40000))
+    start = clock.now
+    for i in range(5):
+        clock.now = start + i
+        assert log_in(guesser, f"guess-{i}").status_code == 401
+    clock.now = start + 10
+    r = log_in(guesser, password)  # right, but not even looked at
+    assert r.status_code == 429 and r.headers["Retry-After"] == "50"  # when the first failure leaves the window
+    assert "Too many failed attempts: wait 50 s, then try again." in r.text and "tandem_session" not in r.cookies
+    r = guesser.post("/login", data={"password": password, "csrf": csrf_of(guesser.get("/login").text)},
+                     headers={"Accept-Language": "de"})
+    assert r.status_code == 429 and "Zu viele Fehlversuche: Warten Sie 50 s" in r.text
+    assert log_in(other, password).status_code == 303  # another address logs in
+    clock.now = start + 59.5
+    assert log_in(guesser, password).headers["Retry-After"] == "1"
+    clock.now = start + 60.5  # the first failure has left the window: one more try
+    assert log_in(guesser, "guess-5").status_code == 401
+    assert log_in(guesser, password).status_code == 429
+    clock.now = start + 200
+    assert log_in(guesser, "guess-6").status_code == 401
+    assert log_in(guesser, password).status_code == 303  # a success clears the count: 5 more failures pass
+    guesser.cookies.clear()  # logged out again
+    for i in range(5):
+        assert log_in(guesser, f"again-{i}").status_code == 401
+    assert log_in(guesser, password).status_code == 429
+
+
+# ---- 5. cookies ----------------------------------------------------------------------------------
+
+def _cookies(response) -> dict:
+    jar = SimpleCookie()
+    for header in response.headers.get_list("set-cookie"):
+        jar.load(header)
+    return dict(jar)
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_cookies_are_httponly_and_samesite(panel, scheme):
+    c = TestClient(panel, base_url=f"{scheme}://testserver", follow_redirects=False,
+                   client=(f"203.0.113.{1 if scheme == 'http' else 2}", 1))
+    page = c.get("/login")
+    r = log_in(c, panel.state.password)
+    lang = c.post("/lang", data={"lang": "fr", "csrf": csrf_of(c.get("/nodes").text), "next": "/nodes"})
+    set_cookies = {**_cookies(page), **_cookies(r), **_cookies(lang)}
+    assert set(set_cookies) == {"tandem_csrf", "tandem_session", "lang"}, set_cookies
+    for name, morsel in set_cookies.items():
+        assert morsel["httponly"] is True, name
+        assert morsel["samesite"].lower() == "lax", name
+        assert morsel["path"] == "/", name
+        assert bool(morsel["secure"]) == (scheme == "https"), name  # Secure wherever the panel is served over TLS
+
+
+# ---- 2. no secret in mDNS ------------------------------------------------------------------------
+
+def test_mdns_announces_no_secret(engines):
+    """The TXT record an agent would send, built by the code the agent runs, from a config that
+    holds the cluster key; then after an engine switch. A property outside the list is refused."""
+    from node_agent.app import AgentConfig
+    from node_agent.discovery import ANNOUNCED_KEYS, Announcer, announced_properties
+
+    config = AgentConfig(node_id="a" * 32, name="desk-pc", cluster_key=CLUSTER_KEY, model_name="smollm2")
+    announcer = Announcer(announced_properties(config, engines["torch"], tls=False), 7411, ["127.0.0.1"])
+    txt = announcer._service_info().text  # the record's bytes as zeroconf sends them
+    assert set(announcer.properties) == set(ANNOUNCED_KEYS)
+    assert b"engine=torch" in txt and b"node_id=" + b"a" * 32 in txt
+    asyncio.run(announcer.update(engine="mlx", model="other"))
+    txt += announcer._service_info().text
+    assert b"engine=mlx" in txt
+    for secret in (CLUSTER_KEY, CLUSTER_KEY[4:], "cluster_key"):
+        assert secret.encode() not in txt, secret
+    for bad in (lambda: Announcer({**announcer.properties, "cluster_key": CLUSTER_KEY}, 1, ["127.0.0.1"]),
+                lambda: asyncio.run(announcer.update(cluster_key=CLUSTER_KEY))):
+        with pytest.raises(ValueError, match="cluster_key"):
+            bad()
+
+
+# ---- real processes: an agent and a panel --------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def paths(tmp_path_factory, smol_dir):
+    """A model root `models/` with a link in it to a loadable checkpoint outside every root; and
+    the agent on it, started first so that it loads while the in-process tests run."""
+    home = tmp_path_factory.mktemp("security")
+    root, outside = home / "models", home / "elsewhere" / "model"
+    root.mkdir()
+    outside.mkdir(parents=True)
+    for f in smol_dir.iterdir():
+        (outside / f.name).symlink_to(f)
+    (root / "escape").symlink_to(outside, target_is_directory=True)
+    agent = AgentProcess("torch", smol_dir, home / "agent", "--model-root", str(root), key=CLUSTER_KEY)
+    try:
+        yield {"home": home, "root": root, "outside": outside, "agent": agent}
+    finally:
+        agent.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(paths):
+    """The agent, ready, and a panel that knows it under two addresses, so that the pair form has
+    two nodes to pair."""
+    agent = paths["agent"]
+    agent.wait_ready()
+    with PanelProcess(paths["home"] / "panel", "--node", agent.url, "--node", f"http://localhost:{agent.port}",
+                      key=CLUSTER_KEY) as panel:
+        yield {**paths, "panel": panel, "db": paths["home"] / "panel" / "panel" / "panel.db",  # $TANDEM_HOME/panel/
+               "password": panel.admin_password, "api_keys": [panel.api_key]}
+
+
+@pytest.fixture(scope="module")
+def traffic(cluster):
+    """Drive both processes: good and bad API keys, the cluster key where an API key belongs, a
+    wrong and a right password, a new API key and a new password made in the UI, a wrong cluster
+    key when pairing, every page. Returns what each request answered, and the wrong values sent."""
+    agent, panel = cluster["agent"], cluster["panel"]
+    wrong = {"api_key": "tsk_presented-wrong-api-key-91d2", "password": "presented-wrong-password-77b1",
+             "cluster_key": "tdm_presented-wrong-cluster-key-3c55"}
+    answers = {}
+    api = httpx.Client(base_url=panel.url, timeout=120)
+    auth = {"Authorization": f"Bearer {panel.api_key}"}
+    chat = {"model": "node/torch-agent", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    answers["api wrong key"] = api.get("/v1/models", headers={"Authorization": f"Bearer {wrong['api_key']}"})
+    answers["api cluster key"] = api.post("/v1/chat/completions", json=chat,
+                                          headers={"Authorization": f"Bearer {CLUSTER_KEY}"})
+    answers["api ok"] = api.post("/v1/chat/completions", json=chat, headers=auth)
+    answers["api refused sampling"] = api.post("/v1/chat/completions", json={**chat, "min_p": 0.5}, headers=auth)
+    with httpx.Client(base_url=agent.url, timeout=30) as a:
+        answers["agent wrong key"] = a.get("/v1/status", headers={"Authorization": f"Bearer {wrong['cluster_key']}"})
+        answers["agent no key"] = a.post("/v1/generate", json={"token_ids": [1]})
+    ui = httpx.Client(base_url=panel.url, timeout=120)
+    answers["login wrong"] = log_in(ui, wrong["password"])
+    answers["login"] = log_in(ui, cluster["password"])
+    csrf = csrf_of(ui.get("/settings").text)
+    answers["new key"] = ui.post("/settings/keys", data={"name": "made-in-ui", "csrf": csrf})
+    cluster["api_keys"].append(re.search(r'id="new-key"[^>]*>(tsk_[^<]+)<', answers["new key"].text).group(1))
+    answers["password wrong"] = ui.post("/settings/password", data={"current": wrong["password"], "new": "x" * 12,
+                                                                    "confirm": "x" * 12, "csrf": csrf})
+    new_password = "new-admin-password-5a0f"
+    answers["password"] = ui.post("/settings/password", data={"current": cluster["password"], "new": new_password,
+                                                              "confirm": new_password, "csrf": csrf})
+    cluster["old_password"], cluster["password"] = cluster["password"], new_password
+    csrf = csrf_of(answers["password"].text)  # the session was signed anew, with a new token
+    answers["pair wrong key"] = ui.post("/nodes/1/pair", data={"key": wrong["cluster_key"], "csrf": csrf})
+    for page in ("/nodes", "/nodes/table", "/nodes/1/pair", "/pairs", "/playground", "/requests", "/help", "/settings"):
+        answers[page] = ui.get(page)
+    api.close()
+    yield {"answers": answers, "wrong": wrong, "ui": ui}
+    ui.close()
+
+
+def _secrets(cluster) -> dict[str, str]:
+    return {"cluster key": CLUSTER_KEY, "admin password": cluster["old_password"],
+            "new admin password": cluster["password"],
+            **{f"API key {i}": k for i, k in enumerate(cluster["api_keys"])}}
+
+
+def test_error_bodies_echo_no_key(cluster, traffic):
+    """A refused credential's answer names neither the credential sent nor the real one; nor
+    does any page (but the one that shows a new API key once)."""
+    a = traffic["answers"]
+    expected = {"api wrong key": 401, "api cluster key": 401, "api ok": 200, "api refused sampling": 400,
+                "agent wrong key": 401, "agent no key": 401, "login wrong": 401, "login": 303, "new key": 200,
+                "password wrong": 400, "password": 200, "pair wrong key": 400}
+    assert {k: a[k].status_code for k in expected} == expected, {k: a[k].text[:300] for k in expected}
+    assert all(a[page].status_code == 200 for page in a if page.startswith("/"))
+    assert "differs from the panel" in a["pair wrong key"].text and "wrong" in a["password wrong"].text
+    assert a["api wrong key"].json()["error"]["code"] == "invalid_api_key"
+    secrets = {**_secrets(cluster), **traffic["wrong"]}
+    for name, r in a.items():
+        for what, secret in secrets.items():
+            if name == "new key" and secret == cluster["api_keys"][1]:
+                continue  # shown once, by design
+            assert secret not in r.text, f"{name} answer contains the {what}"
+
+
+def test_no_secret_in_logs_or_the_request_log(cluster, traffic):
+    """The processes' output and the request log table hold no key or password, sent right or
+    wrong — but the panel's one-time reveal of its first admin password and API key."""
+    agent, panel = cluster["agent"], cluster["panel"]
+    reveal = panel.lines_matching("admin password") + panel.lines_matching("API key")
+    assert len(reveal) == 2 and cluster["old_password"] in reveal[0] and panel.api_key in reveal[1]
+    logs = {"agent": "".join(agent.log), "panel": "".join(line for line in panel.log if line not in reveal)}
+    with sqlite3.connect(f"file:{cluster['db']}?mode=ro", uri=True) as db:
+        rows = db.execute("SELECT * FROM requestlog").fetchall()
+        outcomes = {r[0] for r in db.execute("SELECT outcome FROM requestlog")}
+    assert outcomes == {"ok", "error"}, rows  # the chat that answered and the one refused
+    logs["request log"] = repr(rows)
+    for where, text in logs.items():
+        for what, secret in {**_secrets(cluster), **traffic["wrong"]}.items():
+            assert secret not in text, f"the {where} contains the {what}"
+
+
+def test_model_paths_stay_in_the_roots(cluster, traffic):
+    """`..`, an absolute path elsewhere and a link in a root to a directory outside: refused by the
+    agent (400, field model_path) and on the panel's pair form, before anything loads; the link is
+    not offered either. The checkpoint outside is loadable, so only the confinement refuses it."""
+    from engine_adapters.model_dir import inspect_model
+
+    agent, root, outside = cluster["agent"], cluster["root"], cluster["outside"]
+    inspect_model(outside)  # a supported checkpoint: nothing else would refuse it
+    paths = [f"{root}/../elsewhere/model", str(outside), str(root / "escape"), f"{root}/escape/../escape"]
+    before = agent.status()
+    with agent.client() as c:
+        for path in paths:
+            for dry_run in (True, False):
+                r = c.post("/v1/config", json={"engine": "torch", "model_path": path, "dry_run": dry_run})
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["field"] == "model_path", (path, r.text)
+                assert "outside this node's model roots" in error["message"], error
+        listed = c.get("/v1/models/local").json()["models"]
+    assert listed and not [m for m in listed if "escape" in m["path"] or "elsewhere" in m["path"]], listed
+    ui = traffic["ui"]
+    page = ui.get("/pairs")
+    assert "escape" not in page.text and str(outside) not in page.text  # not among the path suggestions
+    node_ids = re.findall(r'<option value="(\d+)" [^>]*>torch-agent \(', page.text)[:2]
+    form = {"name": "escape", "prefill": node_ids[0], "decode": node_ids[1], "threshold": "0",
+            "fallback": "fail", "csrf": csrf_of(page.text)}
+    for path in paths:
+        for role in ("prefill", "decode"):
+            r = ui.post("/pairs", data={**form, f"{role}_model_path": path})
+            assert r.status_code == 400 and f"{role} node:" in r.text, r.text[-1500:]
+            assert "outside this node&#39;s model roots" in r.text
+            assert re.search(rf'name="{role}_model_path"[^>]*aria-invalid="true"', r.text)
+    after = agent.status()
+    assert (after["model_path"], after["contract"]) == (before["model_path"], before["contract"])  # nothing loaded
+    with httpx.Client(base_url=cluster["panel"].url) as api:
+        models = api.get("/v1/models", headers={"Authorization": f"Bearer {cluster['panel'].api_key}"}).json()
+    assert "escape" not in [m["id"] for m in models["data"]]  # no pair was made
+
+
+# ---- 6. stored hashed ----------------------------------------------------------------------------
+
+def test_secrets_are_stored_hashed(cluster, traffic):
+    """The panel's database holds the admin password only as argon2 and API keys only as SHA-256.
+    The cluster key is the exception, by design: the panel presents it to every agent (a Bearer
+    token), so it must be recoverable; it is stored as is."""
+    files = sorted(cluster["db"].parent.glob("panel.db*"))  # with any journal beside it
+    stored = b"".join(f.read_bytes() for f in files)
+    for what, secret in _secrets(cluster).items():
+        if what != "cluster key":
+            assert secret.encode() not in stored, f"the {what} is stored in plain text"
+    for key in cluster["api_keys"]:
+        assert hashlib.sha256(key.encode()).hexdigest().encode() in stored
+    assert stored.count(b"$argon2id$") >= 1
+    assert CLUSTER_KEY.encode() in stored  # recoverable, see above
+    # and the old admin password no longer opens the panel, the new one does
+    with httpx.Client(base_url=cluster["panel"].url) as c:
+        assert log_in(c, cluster["old_password"]).status_code == 401
+        assert log_in(c, cluster["password"]).status_code == 303
