@@ -247,6 +247,8 @@ def test_a_slow_link_holds_memory_flat(cluster):
     # P stages every page it reserved (1x KV) on top of MLX's own working memory for the prompt;
     # D holds the prompt's KV in its cache plus a few pages in flight. Without back-pressure the
     # wire would buffer the whole stream again on either side.
+    print(f"\nRSS growth over a 16-page stream at {RATE_MBYTES:g} MB/s: "
+          + ", ".join(f"{r.upper()} {(peak[r] - base[r]) / 2**20:.0f} MiB ({g:.2f}x the prompt's KV)" for r, g in grew.items()))
     assert grew["p"] < 4 and grew["d"] < 3, {r: f"{g:.2f}x KV" for r, g in grew.items()}
     c.idle()
 

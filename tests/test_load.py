@@ -1,0 +1,102 @@
+"""64 concurrent streaming requests through one pair whose staging budget fits only a few prompts.
+
+Every request either completes with exactly the text the decoder alone gives for its prompt (so
+none is lost, cut short or mixed up with another), or is refused with 429 and a Retry-After,
+the router's policy when the prefiller's budget stays busy past its wait. Afterwards both agents
+are idle and the request log has one final row per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from sqlmodel import Session, create_engine, select
+
+from control_panel.models import RequestLog
+
+from .agents import AgentProcess, PanelProcess, generate_request, settle, tokens_of
+from .conftest import LONG_TEXT
+from .test_cross_engine import PROMPTS
+
+CONCURRENT = 64
+PAGE_BYTES = 1_474_560
+BUDGET_PAGES = 6  # the prompts below take 1 to 5 pages each
+
+
+@pytest.fixture(scope="module")
+def cluster(smol_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("load")
+    with AgentProcess("torch", smol_dir, home / "p", "--staging-bytes", str(BUDGET_PAGES * PAGE_BYTES)) as p, \
+            AgentProcess("torch", smol_dir, home / "d") as d, \
+            PanelProcess(home, "--pair", f"pd={p.url},{d.url}") as panel:
+        yield p, d, panel, home
+
+
+def prompts(d: AgentProcess) -> list[list[int]]:
+    """16 chat prompts of 1 to 5 pages (every fourth carries a long text before its question)."""
+    out = []
+    with d.client() as c:
+        for i, question in enumerate(PROMPTS[:16]):
+            content = (LONG_TEXT[: 300 * (i % 4)] + "\n\n" + question) if i % 4 else question
+            r = c.post("/v1/tokenize", json={"messages": [{"role": "user", "content": content}]})
+            r.raise_for_status()
+            out.append(r.json()["token_ids"])
+    return out
+
+
+async def one(client: httpx.AsyncClient, ids: list[int]) -> dict:
+    body = {"model": "pd", "prompt": ids, "max_tokens": 8, "temperature": 0, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"status": r.status_code, "retry_after": r.headers.get("retry-after"),
+                    "error": json.loads(await r.aread())["error"]}
+        text, finish = "", None
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text += event["choices"][0]["text"]
+                finish = event["choices"][0]["finish_reason"] or finish
+        return {"status": 200, "text": text, "finish": finish}
+
+
+def test_64_concurrent_streams_complete_or_get_429_and_none_is_mixed_up(cluster):
+    p, d, panel, home = cluster
+    ids = prompts(d)
+    assert max(len(x) for x in ids) <= BUDGET_PAGES * 64 - 64 and min(len(x) for x in ids) < 64
+    expected = [alone(d, x) for x in ids]
+    order = [i % len(ids) for i in range(CONCURRENT)]
+
+    async def main():
+        limits = httpx.Limits(max_connections=CONCURRENT)
+        async with httpx.AsyncClient(base_url=panel.url, headers={"Authorization": f"Bearer {panel.api_key}"},
+                                     timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(one(client, ids[i]) for i in order))
+
+    results = asyncio.run(main())
+    completed = [r for r in results if r["status"] == 200]
+    refused = [r for r in results if r["status"] == 429]
+    assert len(completed) + len(refused) == CONCURRENT, [r for r in results if r["status"] not in (200, 429)]
+    for i, r in zip(order, results):
+        if r["status"] == 200:
+            assert (r["text"], r["finish"]) == expected[i], (i, r, expected[i])
+    for r in refused:
+        assert float(r["retry_after"]) > 0 and r["error"]["type"] == "rate_limit_exceeded", r
+    assert len(completed) >= CONCURRENT // 2, f"only {len(completed)} of {CONCURRENT} completed"
+    print(f"\n{len(completed)} of {CONCURRENT} completed with the decoder-alone text, {len(refused)} got 429")
+    settle(p, d)
+    assert p.status()["totals"]["handoffs_created"] >= len(completed)
+    with Session(create_engine(f"sqlite:///{home / 'panel' / 'panel.db'}")) as s:
+        rows = list(s.exec(select(RequestLog)))
+    assert len(rows) == CONCURRENT and not [r for r in rows if r.outcome == "running"]
+    assert sum(r.outcome == "ok" and r.route == "pd" for r in rows) == len(completed)
+
+
+def alone(d: AgentProcess, ids: list[int]) -> tuple[str, str]:
+    """The decoder's own answer to a prompt, alone: (text, finish reason)."""
+    lines = asyncio.run(generate_request(d.url, ids, {"max_tokens": 8}))
+    tokens_of(lines)
+    return "".join(line["text"] for line in lines if "token" in line), lines[-1]["finish_reason"]
