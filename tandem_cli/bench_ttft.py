@@ -219,15 +219,25 @@ class Agent:
     url: str
     cpus: str | None
     info: dict = field(default_factory=dict)
+    pid: int = 0  # of the agent's process, for whoever measures it
+
+
+@dataclass
+class Cluster:
+    url: str  # the panel's
+    api_key: str
+    agents: list[Agent]
+    panel_pid: int
+    panel_home: Path  # where the panel keeps panel.db
 
 
 @contextmanager
 def cluster(model: Path, engines: tuple[str, str], link: Link, home: Path, key: str, pin: bool,
             directions: list[tuple[int, int]], envs: tuple[dict, dict] = ({}, {}), zstd: bool = False,
             cores_each: int = 1
-            ) -> Iterator[tuple[str, str, list[Agent]]]:
-    """Two agents (one per place) and a panel with a pair per direction. Yields (panel URL, API
-    key, agents)."""
+            ) -> Iterator[Cluster]:
+    """Two agents (one per place) and a panel with a pair per direction, named "P->D" after the
+    agents (a-ENGINE, b-ENGINE)."""
     cores = os.cpu_count() or 1
     with ExitStack() as stack:
         procs, agents = [], []
@@ -243,7 +253,7 @@ def cluster(model: Path, engines: tuple[str, str], link: Link, home: Path, key: 
             procs.append((proc, place, name, engine, cpus))
         for proc, place, name, engine, cpus in procs:
             port = proc.wait_ready(600).rsplit(":", 1)[1]
-            agents.append(Agent(name, engine, f"http://{place.addr}:{port}", cpus))
+            agents.append(Agent(name, engine, f"http://{place.addr}:{port}", cpus, pid=proc.proc.pid))
         pairs = [a for p, d in directions
                  for a in ("--pair", f"{agents[p].name}->{agents[d].name}={agents[p].url},{agents[d].url}")]
         pairs += [a for p, d in (directions if zstd else [])  # the same pairs with compressed pages
@@ -255,7 +265,7 @@ def cluster(model: Path, engines: tuple[str, str], link: Link, home: Path, key: 
         api_key = panel.lines_matching("API key")[-1].rsplit(": ", 1)[1].strip()
         for a in agents:
             a.info = httpx.get(a.url + "/v1/info", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
-        yield url, api_key, agents
+        yield Cluster(url, api_key, agents, panel.proc.pid, home / "panel" / "panel")
 
 
 # ---- measuring -------------------------------------------------------------------------------
@@ -394,7 +404,8 @@ def bench_ttft(
                     "cpu_count": os.cpu_count(), "lengths": sizes, "samples": samples, "warmup": warmup,
                     "max_tokens": max_tokens, "link": link, "pinned": pin, "cells": []}
     envs = ({}, {"CUDA_VISIBLE_DEVICES": ""} if b_cpu_only else {})
-    with link_cm as net, cluster(model, (prefill, decode), net, home, key, pin, dirs, envs, zstd, cores_per_agent) as (panel, api_key, agents):
+    with link_cm as net, cluster(model, (prefill, decode), net, home, key, pin, dirs, envs, zstd, cores_per_agent) as c:
+        panel, api_key, agents = c.url, c.api_key, c.agents
         result["agents"] = [{"name": a.name, "engine": a.engine, "url": a.url, "cpus": a.cpus,
                              "accelerator": a.info.get("accelerator")} for a in agents]
         vocab = inspect_model(model).vocab_size
