@@ -6,16 +6,66 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.staticfiles import StaticFiles
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.responses import PlainTextResponse, Response
 
 from node_agent.discovery import Watcher
 
 from .db import get_setting, open_db, set_setting
 from .openai_api import OpenAIError, make_openai_router
-from .router import Router
+from .router import RouteError, Router
 from .services import log_request, note_discovered
 from .ui import STATIC_DIR, make_ui_router
+
+
+# A request body over this is refused with 413. An OpenAI request is text or token ids: 4 MiB holds
+# a prompt far longer than any context a desk machine serves.
+MAX_BODY_BYTES = 4 << 20
+
+
+class _BodyTooLarge(HTTPException):
+    def __init__(self) -> None:
+        super().__init__(413, "Content Too Large")
+
+
+class BodyLimit:
+    """Refuses a body over `limit` bytes: from its Content-Length, before any of it is read, or as
+    soon as a chunked body grows past it (an HTTPException from `receive`, which FastAPI passes on
+    to the handlers). Starlette's own limit answers an announced length in plain text, whatever
+    the app's handlers say, so the panel has this one."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.limit:
+            return await too_large(scope["path"])(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge()
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def too_large(path: str) -> Response:
+    if not path.startswith("/v1/"):
+        return PlainTextResponse("Content Too Large", status_code=413)
+    return OpenAIError(413, f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes",
+                       code="request_too_large").response()
 
 
 def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool = False,
@@ -39,16 +89,47 @@ def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool 
             await router.aclose()
 
     app = FastAPI(title="Tandem panel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     app.state.db, app.state.router, app.state.watcher = engine, router, watcher
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError):
         return e.response()
 
+    @app.exception_handler(RouteError)
+    async def route_error(request: Request, e: RouteError):
+        return OpenAIError(e.status, str(e), kind=e.kind, retry_after=e.retry_after).response()
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'][1:])}: {err['msg']}" for err in e.errors())
-        return OpenAIError(400, f"invalid request: {problems}").response()
+        errors = e.errors()
+        if errors and errors[0]["type"] == "json_invalid":
+            return OpenAIError(400, f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')} "
+                                    f"(at character {errors[0]['loc'][-1]})").response()
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'][1:]) or 'the body'}: {err['msg']}"
+                             for err in errors)
+        where = errors[0]["loc"][1:] if errors else ()
+        return OpenAIError(400, f"invalid request: {problems}", param=str(where[0]) if where else None).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        """Errors the framework raises itself (unknown path or method, a body too large or not
+        decodable) in OpenAI's shape on the API; the web UI keeps FastAPI's."""
+        if not request.url.path.startswith("/v1/"):
+            return await http_exception_handler(request, e)
+        if isinstance(e, _BodyTooLarge):
+            return too_large(request.url.path)
+        if isinstance(e.__cause__, UnicodeDecodeError):  # FastAPI: "There was an error parsing the body"
+            message = f"the body is not valid JSON: it is not UTF-8 ({e.__cause__.reason} at byte {e.__cause__.start})"
+        elif e.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif e.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(e.detail)
+        response = OpenAIError(e.status_code, message).response()
+        response.headers.update(e.headers or {})  # e.g. Allow on a 405
+        return response
 
     @app.get("/healthz")
     async def healthz():
