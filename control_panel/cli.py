@@ -24,9 +24,13 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
           api_key: str = typer.Option(None, help="Create an API key with this name and print it once."),
           reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once."),
           mdns: bool = typer.Option(True, help="Add agents that announce themselves on the LAN (unpaired)."),
-          mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all).")) -> None:
+          mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all)."),
+          stall_timeout: float = typer.Option(60.0, help="Seconds a client may take no data of its answer "
+                                              "before the panel hangs up and frees the request.")) -> None:
     """Serve the panel: add agents, pair them, and answer OpenAI API requests."""
     import uvicorn
+
+    from node_agent.http_server import PageStreamProtocol
 
     from node_agent.settings import data_dir as tandem_home
 
@@ -68,4 +72,7 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     logging.getLogger("tandem.panel").info("tandem panel ready on http://%s:%d", host, port)
     # Streams still open 5 s after Ctrl-C or SIGTERM are cancelled, not waited for (a token stream
     # can run for minutes); each is logged as cancelled and its agents let go of the request.
-    uvicorn.Server(uvicorn.Config(web, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
+    # The agent's HTTP protocol (uvicorn's, plus a stall timeout): a client that stops reading its
+    # answer without hanging up would otherwise hold a decode on the agents for as long as TCP waits.
+    http = PageStreamProtocol.with_stall_timeout(stall_timeout)
+    uvicorn.Server(uvicorn.Config(web, log_level="warning", timeout_graceful_shutdown=5, http=http)).run(sockets=[sock])

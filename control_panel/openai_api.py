@@ -1,15 +1,18 @@
-"""The OpenAI-compatible API: /v1/models, /v1/chat/completions, /v1/completions.
+"""The OpenAI-compatible API: /v1/models, /v1/chat/completions, /v1/completions (and its OpenAPI
+document at /v1/openapi.json).
 
 Streaming answers are SSE (`data: {...}` chunks, then `data: [DONE]`); a final usage chunk comes
 when `stream_options.include_usage` is set. Errors use OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`: 400 for parameters Tandem cannot honour,
-401 for a missing or wrong API key, 404 for an unknown model, 429 with Retry-After when the
+`{"error": {"message", "type", "param", "code"}}`: 400 for parameters Tandem cannot honour (or a
+body that is not JSON), 401 for a missing or wrong API key, 404 for an unknown model, 413 for a
+body over the panel's limit, 415 for a body not sent as JSON, 429 with Retry-After when the
 prefiller's budget is busy past the deadline, 503 when no route is up.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Any, AsyncIterator, ClassVar
@@ -49,11 +52,15 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # extension (vLLM and others accept it too)
-    seed: int | None = None
+    # Bounds are checked here, at the API's edge, so a bad value is a 400 naming its parameter
+    # before anything is scheduled (the agents check them again). No NaN or infinity: Python's
+    # json accepts `NaN` and `Infinity`, and no sampler can use them.
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0)  # extension (vLLM and others accept it too)
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)  # OpenAI's range: a signed 64-bit integer
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -75,20 +82,20 @@ class _Common(BaseModel):
                 raise OpenAIError(400, f"the parameter `{name}` is not supported by Tandem", param=name)
         for name in SERVER_FIELDS:
             value = extra.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise OpenAIError(400, f"`{name}` must be a number", param=name)
-        unknown = set(extra) - set(self.UNSUPPORTED) - set(SERVER_FIELDS) - {"max_completion_tokens", "metadata",
-                                                                                    "store"}
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or isinstance(value, float) and not math.isfinite(value)):
+                raise OpenAIError(400, f"`{name}` must be a finite number", param=name)
+        unknown = set(extra) - set(self.UNSUPPORTED) - set(SERVER_FIELDS) - {"metadata", "store"}
         if unknown:
             raise OpenAIError(400, f"unknown parameter(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
 
     def sampling(self) -> dict:
         extra = self.model_extra or {}
-        max_tokens = self.max_tokens or extra.get("max_completion_tokens") or 256
+        max_tokens = self.max_tokens or self.max_completion_tokens or 256
         # OpenAI's presence/frequency penalties and vLLM's/SGLang's min_p and repetition_penalty:
         # applied by engines that can (the agents refuse them where an engine cannot)
         server = {name: extra[name] for name in SERVER_FIELDS if extra.get(name) is not None}
-        return {"max_tokens": int(max_tokens), "temperature": self.temperature, "top_p": self.top_p,
+        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": self.seed, **server}
 
     @property
@@ -153,13 +160,30 @@ class _StopScanner:
 
 def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWriter) -> APIRouter:
     async def authorize(authorization: str | None = Header(None)) -> None:
-        # A dependency: it runs before the body is validated, so a bad key is always a 401.
+        # A dependency: it runs before the body is validated, so a bad key is a 401 whatever the
+        # body holds (only a body too large, or not JSON at all, is refused before the key is read).
         token = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
         if not api_key_valid(engine, token):
             raise OpenAIError(401, "missing or wrong API key (create one in the panel's Settings)",
                               kind="invalid_request_error", code="invalid_api_key")
 
-    api = APIRouter(dependencies=[Depends(authorize)])
+    async def json_only(request: Request) -> None:
+        # FastAPI parses a body as JSON only under a JSON media type, and validates anything else
+        # as one opaque value ("Input should be a valid dictionary"): say what is wrong instead.
+        if request.method != "POST":
+            return
+        given = request.headers.get("content-type", "")
+        media = given.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise OpenAIError(415, f"the body must be JSON sent with Content-Type: application/json "
+                                   f"(got {given or 'no Content-Type'})", code="unsupported_media_type")
+
+    api = APIRouter(dependencies=[Depends(authorize), Depends(json_only)])
+
+    @api.get("/v1/openapi.json", include_in_schema=False)
+    async def openapi(request: Request):
+        """This API's OpenAPI document (behind the key, like the agent's /v1/openapi.json)."""
+        return request.app.openapi()
 
     @api.get("/v1/models")
     async def models():

@@ -95,7 +95,9 @@ class Router:
         try:
             return await self.client(target.decode_url).tokenize(messages=messages, prompt=prompt)
         except AgentHTTPError as e:
-            raise RouteError(str(e), 400 if e.status == 400 else 503) from e
+            if e.status == 400:  # e.g. messages the chat template cannot render
+                raise RouteError(str(e), 400, kind="invalid_request_error") from e
+            raise RouteError(str(e), 503) from e
         except TransportError as e:
             raise RouteError(f"the decoder of {target.name} is not reachable: {e}", 503) from e
 
@@ -119,6 +121,12 @@ class Router:
         try:
             for fresh in (False, True):
                 info = await self.decoder_info(target.decode_url, fresh)
+                context = info.get("context_length") or 0
+                if context and token_ids and len(token_ids) + sampling["max_tokens"] > context:
+                    # D would refuse it (400) after P had prefilled: refuse it before either starts
+                    raise RouteError(f"prompt of {len(token_ids)} tokens plus max_tokens {sampling['max_tokens']} "
+                                     f"exceeds the context length {context} of {target.name}", 400,
+                                     kind="invalid_request_error")
                 cannot = sorted(non_default_fields(sampling) - set(info.get("sampling", ())))
                 if cannot:  # refused before either role is scheduled
                     raise RouteError(f"the decode engine of {target.name} ({info['engine']}) cannot apply "

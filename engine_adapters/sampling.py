@@ -46,6 +46,9 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             problems.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        # OpenAI documents seed as a signed 64-bit integer; engines get it as such (vLLM, SGLang)
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+            problems.append(f"seed must be an integer in -2**63..2**63-1, got {self.seed!r}")
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
@@ -69,7 +72,8 @@ def _finite(x: object) -> bool:
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
-        self._rng = np.random.default_rng(params.seed)
+        # numpy seeds are non-negative: a negative seed (OpenAI allows them) is taken modulo 2**64
+        self._rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
 
     def skip(self) -> None:
         """Consume the draw of a token that another engine sampled."""

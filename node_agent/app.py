@@ -39,6 +39,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from engine_adapters import ADAPTERS
 from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone
@@ -81,17 +82,19 @@ class AgentConfig:
 # ---- request bodies --------------------------------------------------------------------------
 class SamplingBody(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a sampling field this agent does not know is refused, never dropped
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    # SamplingParams checks these bounds (and finiteness); they are declared here too so that the
+    # OpenAPI document says what is valid
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
 
     def params(self) -> SamplingParams:
         return SamplingParams(**{**self.model_dump(), "stop_token_ids": tuple(self.stop_token_ids)})
@@ -230,6 +233,14 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
 
     class _Unauthorized(Exception):
         pass
+
+    @app.exception_handler(HTTPException)
+    async def framework_error(request: Request, e: HTTPException):
+        # What FastAPI raises itself (a body that is not UTF-8, an unknown path or method): the
+        # agent's error shape, like every other refusal, instead of FastAPI's {"detail": ...}
+        kind = "RequestError" if e.status_code == 400 else "HTTPError"
+        return JSONResponse({"error": {"type": kind, "message": str(e.detail)}}, status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError):

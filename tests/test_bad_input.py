@@ -1,0 +1,462 @@
+"""Bad input, against real processes (two torch agents on the embedded model and a panel pairing
+them): schemathesis over the panel's OpenAI API and the agent's API, then targeted bad requests
+through the panel. Whatever comes in: no 5xx, no crash (the processes stay up and answer), no
+hang (every call has a timeout), no leak (the agents end idle), each refusal a clear JSON error,
+and the next good request works.
+
+Cost is kept bounded on two cores: the agents serve a 64-token context, so the product's own
+check (prompt + max_tokens within the context, a 400 otherwise) caps what any request can make
+the model generate; the fuzzed schemas ask for at most 4 tokens and short prompts in valid cases,
+and cases that would still run the model for longer are skipped (`runs_long`). The schemathesis
+counts (cases, statuses, 5xx per operation) go to reports/bad_input.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections import Counter
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.errors import FailureGroup
+
+from .agents import TEST_KEY, AgentProcess, PanelProcess, settle
+from .conftest import write_report
+
+CONTEXT = 64  # tokens: the agents' context length (see the module docstring)
+MAX_EXAMPLES = 25  # per operation and generation mode (valid, then invalid input)
+CALL_TIMEOUT = 30  # seconds: a call that takes longer is a hang
+VOCAB = 49152  # the embedded model's (SmolLM2)
+COUNTS: dict[str, dict] = {}  # schemathesis cases and 5xx per API, written to reports/bad_input.json
+
+
+@pytest.fixture(scope="module")
+def cluster(smol_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("bad-input")
+    args = ("--context-length", str(CONTEXT), "--handoff-ttl", "3")  # fuzzed rooms nobody reads expire soon
+    # one compute thread each: two agents, the panel and the test share two cores, and OpenMP
+    # threads that spin-wait on a busy core made every forward pass several times slower
+    env = {"OMP_NUM_THREADS": "1"}
+    with contextlib.ExitStack() as stack:
+        p = AgentProcess("torch", smol_dir, home / "p", *args, env=env)
+        stack.callback(p.stop)
+        d = AgentProcess("torch", smol_dir, home / "d", *args, env=env)
+        stack.callback(d.stop)
+        p.wait_ready(), d.wait_ready()  # both load at once
+        panel = stack.enter_context(PanelProcess(home / "panel", "--pair", f"pd={p.url},{d.url}"))
+        api = stack.enter_context(httpx.Client(base_url=panel.url, timeout=CALL_TIMEOUT,
+                                               headers={"Authorization": f"Bearer {panel.api_key}"}))
+        yield {"p": p, "d": d, "panel": panel, "api": api, "node": f"node/{d.status()['name']}"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    if COUNTS:
+        print(f"\nschemathesis: {COUNTS}")
+        write_report("bad_input", COUNTS)
+
+
+def alive_and_idle(cluster) -> None:
+    """No process died, each answers, a good request works, and the agents hold nothing."""
+    for name in ("p", "d", "panel"):
+        assert cluster[name].proc.poll() is None, f"{name} exited:\n{''.join(cluster[name].log[-40:])}"
+    for a in (cluster["p"], cluster["d"]):
+        assert httpx.get(a.url + "/healthz", timeout=CALL_TIMEOUT).json() == {"ok": True}
+    good(cluster)
+    settle(cluster["p"], cluster["d"])
+
+
+def good(cluster, model: str = "pd") -> None:
+    r = cluster["api"].post("/v1/completions", json={"model": model, "prompt": [1, 2, 3], "max_tokens": 2,
+                                                      "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+# ---- schemathesis --------------------------------------------------------------------------
+def without_headers(doc: dict, *names: str) -> dict:
+    """Drop header parameters the test sends right on every call itself."""
+    for path in doc["paths"].values():
+        for op in path.values():
+            op["parameters"] = [p for p in op.get("parameters", []) if p["name"].lower() not in names]
+    return doc
+
+
+def narrowed(doc: dict, changes: dict[tuple[str, str], dict | bool]) -> dict:
+    """Narrow parts of the published schema so that valid cases reach deep (a real model name, a
+    real prefiller, sampling the engine applies); invalid cases are generated against the
+    narrowed schema, so everything outside it is still sent. (model, None) sets whether a body
+    may carry properties it does not declare."""
+    schemas = doc["components"]["schemas"]
+    for (model, prop), schema in changes.items():
+        if prop is None:
+            schemas[model]["additionalProperties"] = schema
+            continue
+        assert prop in schemas[model]["properties"], (model, prop)
+        schemas[model]["properties"][prop] = schema
+    return doc
+
+
+def runs_long(label: str, body) -> bool:
+    """A valid max_tokens above 4 that the context still admits: the model would run for up to
+    CONTEXT tokens (seconds each on a busy CPU) and show nothing a 4-token run does not. Such
+    cases are skipped; a max_tokens beyond the context is sent, and refused by the product."""
+    if not isinstance(body, dict):
+        return False
+    if label in ("POST /v1/chat/completions", "POST /v1/completions"):  # absent: 256, beyond the context
+        values = [body.get("max_tokens"), body.get("max_completion_tokens")]
+    elif label in ("POST /v1/generate", "POST /v1/decode"):  # the agent's routes that generate
+        sampling = body.get("sampling", {})
+        values = [sampling.get("max_tokens", 16) if isinstance(sampling, dict) else None]  # 16: the default
+    else:
+        return False
+    return any(4 < number(v) <= CONTEXT for v in values)
+
+
+def number(value) -> float:
+    """What pydantic's lax mode makes of a value sent for an int (5, 5.0 and "5" are all 5)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return float("nan")
+    try:
+        return float(value)
+    except (ValueError, OverflowError):
+        return float("nan")
+
+
+def fuzz(name: str, url: str, doc: dict, headers: dict, check, skip: set[str] = frozenset()) -> None:
+    """Every operation, MAX_EXAMPLES valid and MAX_EXAMPLES invalid cases each: an answer within
+    CALL_TIMEOUT, no 5xx (schemathesis' not_a_server_error) and `check(response)`. Failures are
+    collected (not shrunk: that would rerun the model) and asserted at the end."""
+    schema = schemathesis.openapi.from_dict(doc)
+    statuses: Counter = Counter()
+    by_operation: dict[str, Counter] = {}
+    failures: list[str] = []
+    seconds: dict[str, float] = {}
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.label in skip:
+            continue
+        t0 = time.monotonic()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode).filter(lambda case, label=op.label:
+                                                                     not runs_long(label, case.body)))
+            def one(case):
+                try:
+                    response = case.call(base_url=url, headers=headers, timeout=CALL_TIMEOUT)
+                except Exception as e:  # a timeout (a hang) or a broken connection (a crash)
+                    statuses["no answer"] += 1
+                    by_operation.setdefault(op.label, Counter())["no answer"] += 1
+                    failures.append(f"{op.label} [{mode}] {type(e).__name__}: {e}\n{case.as_curl_command(headers)}")
+                    return
+                statuses[response.status_code] += 1
+                by_operation.setdefault(op.label, Counter())[response.status_code] += 1
+                try:
+                    case.validate_response(response, checks=[not_a_server_error])
+                    check(response)
+                except (Exception, FailureGroup) as e:  # FailureGroup: a BaseExceptionGroup
+                    failures.append(f"{op.label} [{mode}] {response.status_code} {response.content[:300]!r}: "
+                                    f"{type(e).__name__} {e}\n{case.as_curl_command(headers)}")
+
+            try:
+                one()
+            except Unsatisfiable:  # nothing to make invalid: an operation without parameters
+                pass
+        seconds[op.label] = round(time.monotonic() - t0, 1)
+    server_errors = sum(n for status, n in statuses.items() if status == "no answer" or status >= 500)
+    COUNTS[name] = {"operations": len(seconds), "cases": sum(statuses.values()), "5xx": server_errors,
+                    "no_answer": statuses["no answer"], "statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
+                    "by_operation": {op: {"seconds": t, **{str(k): v for k, v in sorted(by_operation.get(op, {}).items(),
+                                                                                        key=str)}}
+                                     for op, t in seconds.items()}}
+    print(f"\n{name}: {COUNTS[name]}")
+    assert not failures, f"{len(failures)} failures:\n" + "\n\n".join(failures[:10])
+
+
+def media_type(response) -> str:
+    return response.headers.get("content-type", [""])[0].split(";")[0]  # schemathesis: lists of values
+
+
+def panel_answer(response) -> None:
+    """A refusal is OpenAI's error object; a stream ends with [DONE] and carries no error event
+    (schemathesis reads at most 20 events of a stream: a longer one is not checked)."""
+    if 400 <= response.status_code < 500:
+        error = response.json()["error"]
+        assert error["message"] and error["type"] and {"param", "code"} <= set(error), error
+    elif media_type(response) == "text/event-stream" and not response.stream_cut_short:
+        assert response.text.endswith("data: [DONE]\n\n") and '"error"' not in response.text, response.text[-500:]
+
+
+def agent_answer(response) -> None:
+    """A refusal is the agent's error object; a token stream ends with a done or an error line."""
+    if 400 <= response.status_code < 500:
+        error = response.json()["error"]
+        assert error["message"] and error["type"], error
+    elif media_type(response) == "application/x-ndjson":
+        last = json.loads(response.text.splitlines()[-1])
+        assert last.get("done") is True or last["error"]["message"], last
+
+
+def test_schemathesis_agent_api(cluster):
+    """The decoder's API, every route but the link benchmark (GET /v1/bench/pages streams `count`
+    synthetic 1.4 MB pages by design; its bound is checked below). POST /v1/config stays in: a
+    real switch needs an absolute model path inside the agent's model roots, which generated
+    text does not hit, and anything else is refused before the engine is touched."""
+    d, p = cluster["d"], cluster["p"]
+    headers = {"Authorization": f"Bearer {TEST_KEY}"}
+    with d.client() as c:
+        doc, info = c.get("/v1/openapi.json").json(), c.get("/v1/info").json()
+    # short prompts the engine takes (prefill costs seconds per long prompt on a busy CPU)
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1}, "maxItems": 8}
+    doc = narrowed(without_headers(doc, "authorization", "x-tandem-protocol"), {
+        ("HandoffBody", "contract"): {"enum": [info["contract"]["fingerprint"]]},  # else every handoff is a 409
+        ("DecodeBody", "prefill_url"): {"enum": [p.url]},  # a real prefiller, never a generated host name
+        ("HandoffBody", "token_ids"): ids, ("DecodeBody", "token_ids"): ids, ("GenerateBody", "token_ids"): ids,
+        ("SamplingBody", "max_tokens"): {"type": "integer", "minimum": 1, "maximum": 4},
+        # torch applies neither (it refuses them): valid cases leave them at their defaults
+        **{("SamplingBody", name): {"enum": [value]} for name, value in [
+            ("min_p", 0.0), ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)]},
+    })
+    fuzz("agent", d.url, doc, headers, agent_answer, skip={"GET /v1/bench/pages"})
+    with d.client() as c:
+        for count in ("0", "100001", "many"):
+            r = c.get("/v1/bench/pages", params={"count": count})
+            assert r.status_code == 400 and r.json()["error"]["message"], (count, r.status_code, r.text)
+    alive_and_idle(cluster)
+
+
+def test_schemathesis_panel_openai_api(cluster):
+    api = cluster["api"]
+    doc = api.get("/v1/openapi.json").json()
+    model = {"enum": ["pd", cluster["node"]]}
+    # messages the chat template renders, prompts the engine takes; short, as prefill costs seconds
+    # per long prompt on a busy CPU
+    message = {"type": "object", "required": ["role", "content"],
+               "properties": {"role": {"enum": ["system", "user", "assistant"]},
+                              "content": {"type": "string", "maxLength": 10}}}
+    prompt = {"anyOf": [{"type": "string", "maxLength": 20}, {"type": "array", "items": {"type": "string"},
+                                                                "minItems": 1, "maxItems": 1},
+                        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1},
+                         "minItems": 1, "maxItems": 8}]}
+    small = {"type": "integer", "minimum": 1, "maximum": 4}
+    doc = narrowed(without_headers(doc, "authorization"), {
+        ("ChatBody", "model"): model, ("CompletionBody", "model"): model,
+        ("ChatBody", "n"): {"enum": [1]}, ("CompletionBody", "n"): {"enum": [1]},
+        ("ChatBody", "messages"): {"type": "array", "minItems": 1, "maxItems": 2, "items": message},
+        ("CompletionBody", "prompt"): prompt,
+        ("ChatBody", "max_tokens"): small, ("CompletionBody", "max_tokens"): small,
+        ("ChatBody", "max_completion_tokens"): small, ("CompletionBody", "max_completion_tokens"): small,
+        # the API takes some parameters it does not declare (and refuses unknown ones): valid cases send none
+        ("ChatBody", None): False, ("CompletionBody", None): False,
+    })
+    for body in ("ChatBody", "CompletionBody"):  # without it: 256 tokens, more than this context holds
+        doc["components"]["schemas"][body]["required"].append("max_tokens")
+    fuzz("panel", cluster["panel"].url, doc, dict(api.headers), panel_answer)
+    alive_and_idle(cluster)
+
+
+# ---- targeted bad requests through the panel -----------------------------------------------
+ENDPOINTS = [("/v1/chat/completions", False), ("/v1/chat/completions", True),
+             ("/v1/completions", False), ("/v1/completions", True)]
+
+
+def request_body(path: str, stream: bool, model: str = "pd", **extra) -> dict:
+    what = ({"messages": [{"role": "user", "content": "Say hi."}]} if "chat" in path else {"prompt": "Say hi."})
+    return {"model": model, **what, "max_tokens": 2, "temperature": 0, "stream": stream, **extra}
+
+
+def refused(r: httpx.Response, status: int, *words: str) -> dict:
+    """A 4xx in OpenAI's shape, whose message says what is wrong."""
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    error = r.json()["error"]
+    assert error["message"] and error["type"], error
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    return error
+
+
+@pytest.mark.parametrize("path, stream", ENDPOINTS)
+def test_prompt_longer_than_the_context_and_huge_max_tokens(cluster, path, stream):
+    api = cluster["api"]
+    long = "Tell me everything about rivers, lakes, mountains and seas. " * 12
+    what = {"messages": [{"role": "user", "content": long}]} if "chat" in path else {"prompt": long}
+    refused(api.post(path, json={**request_body(path, stream), **what}), 400, "context length")
+    for max_tokens in (CONTEXT, 10**9, 10**30):
+        error = refused(api.post(path, json=request_body(path, stream, max_tokens=max_tokens)), 400, "context length")
+        assert str(max_tokens) in error["message"]
+    for model in ("pd", cluster["node"]):
+        refused(api.post(path, json=request_body(path, stream, model=model, max_tokens=0)), 400, "max_tokens")
+    good(cluster)
+    settle(cluster["p"], cluster["d"])
+
+
+@pytest.mark.parametrize("path, stream", ENDPOINTS)
+def test_bad_sampling_values(cluster, path, stream):
+    api = cluster["api"]
+    for name, value in [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", -1), ("max_tokens", -5),
+                        ("max_completion_tokens", "many"), ("max_completion_tokens", [1]), ("seed", 2**64),
+                        ("seed", "x"), ("presence_penalty", "x"), ("n", 2), ("stop", 3)]:
+        error = refused(api.post(path, json=request_body(path, stream, **{name: value})), 400, name)
+        assert error["param"] == name, error
+    # JSON has no NaN or Infinity, but Python's json (and so a lenient client) sends them
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        for value in ("NaN", "Infinity", "-Infinity"):
+            raw = httpx.Request("POST", "/", json=request_body(path, stream)).content.decode()
+            raw = raw[:-1] + f', "{name}": {value}}}'
+            r = api.post(path, content=raw.encode(), headers={"Content-Type": "application/json"})
+            error = refused(r, 400, name)
+            assert error["param"] == name, error
+    # a negative seed is valid (OpenAI's seed is a signed 64-bit integer)
+    r = api.post(path, json=request_body(path, False, seed=-1, temperature=0.7))
+    assert r.status_code == 200, r.text
+    settle(cluster["p"], cluster["d"])
+
+
+@pytest.mark.parametrize("path, stream", ENDPOINTS)
+def test_unknown_model(cluster, path, stream):
+    for model in ("nope", "node/nope", "", "pd/x"):
+        error = refused(cluster["api"].post(path, json=request_body(path, stream, model=model)), 404, "does not exist")
+        assert error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_bodies_that_are_not_json(cluster, path):
+    api, json_type = cluster["api"], {"Content-Type": "application/json"}
+    valid = httpx.Request("POST", "/", json=request_body(path, True)).content
+    refused(api.post(path, content=valid[:-7], headers=json_type), 400, "not valid JSON")
+    refused(api.post(path, content=b"", headers=json_type), 400)
+    refused(api.post(path, content=b"[1, 2", headers=json_type), 400, "not valid JSON")
+    # invalid UTF-8 inside a string and as a whole body
+    refused(api.post(path, content=valid.replace(b"Say hi.", b"Say \xff\xfe hi."), headers=json_type), 400, "UTF-8")
+    refused(api.post(path, content=b"\xc3\x28" * 100, headers=json_type), 400, "UTF-8")
+    refused(api.post(path, content=b"[]", headers=json_type), 400)
+    refused(api.post(path, content=b'"text"', headers=json_type), 400)
+    # the wrong content type, or none
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"Content-Type": content_type} if content_type else {}  # httpx sends none with raw content
+        refused(api.post(path, content=valid, headers=headers), 415, "application/json")
+    good(cluster)
+
+
+def test_unknown_endpoint_and_method(cluster):
+    api = cluster["api"]
+    refused(api.get("/v1/nothing-here"), 404, "/v1/nothing-here")
+    r = api.delete("/v1/completions")
+    refused(r, 405, "DELETE")
+    assert r.headers["allow"] == "POST"
+
+
+def raw_http(url: str, head: bytes, body: bytes = b"", rcvbuf: int | None = None) -> socket.socket:
+    """A plain socket that sends a request (its head, then whatever part of the body we choose)."""
+    u = urlsplit(url)
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(CALL_TIMEOUT)
+    s.connect((u.hostname, u.port))
+    s.sendall(head + body)
+    return s
+
+
+def read_all(s: socket.socket, pace: float = 0.0, size: int = 65536) -> bytes:
+    out = b""
+    while chunk := s.recv(size):
+        out += chunk
+        if pace:
+            time.sleep(pace)
+    return out
+
+
+def read_one(s: socket.socket) -> tuple[bytes, bytes]:
+    """One response with a Content-Length on a connection that stays open: (head, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head, body
+
+
+def head_for(cluster, path: str, length: int | None, close: bool = True) -> bytes:
+    u = urlsplit(cluster["panel"].url)
+    framing = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    connection = "Connection: close\r\n" if close else ""
+    return (f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {cluster['panel'].api_key}\r\n"
+            f"Content-Type: application/json\r\n{framing}\r\n{connection}\r\n").encode()
+
+
+def test_oversized_bodies_are_refused_without_being_read(cluster):
+    from control_panel.body_limit import MAX_BODY_BYTES
+
+    # announced as 1 GiB, of which 1 KiB is ever sent: the answer comes from the header alone
+    t0 = time.monotonic()
+    with contextlib.closing(raw_http(cluster["panel"].url, head_for(cluster, "/v1/completions", 1 << 30),
+                                     b'{"model": "pd", "prompt": "' + b"x" * 1024)) as s:
+        answer = read_all(s)
+    assert time.monotonic() - t0 < 5
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert b'"error"' in body and b"larger than the limit" in body, body
+    # a chunked body (no length announced) is refused once it passes the limit; the panel reads
+    # the rest of it to keep the connection, which then serves the next request
+    chunk = b"x" * 65536
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(MAX_BODY_BYTES // len(chunk) + 2))
+    with contextlib.closing(raw_http(cluster["panel"].url, head_for(cluster, "/v1/chat/completions", None, close=False),
+                                     framed + b"0\r\n\r\n")) as s:
+        head, body = read_one(s)
+        assert head.startswith(b"HTTP/1.1 413") and b"larger than the limit" in body, (head, body)
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n\r\n"
+                  % cluster["panel"].api_key.encode())
+        head, body = read_one(s)
+        assert head.startswith(b"HTTP/1.1 200") and b'"pd"' in body, (head, body)
+    # through an ordinary client, both endpoints
+    big = {"model": "pd", "prompt": "x" * (MAX_BODY_BYTES + 1), "max_tokens": 1}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        refused(cluster["api"].post(path, json=big), 413, "larger than the limit")
+    alive_and_idle(cluster)
+
+
+def sse_request(cluster, max_tokens: int, rcvbuf: int | None = None) -> socket.socket:
+    body = httpx.Request("POST", "/", json={"model": "pd", "prompt": "Once upon a time", "max_tokens": max_tokens,
+                                            "temperature": 0, "stream": True}).content
+    return raw_http(cluster["panel"].url, head_for(cluster, "/v1/completions", len(body)), body, rcvbuf=rcvbuf)
+
+
+def test_a_client_that_reads_sse_slowly(cluster):
+    with contextlib.closing(sse_request(cluster, 8, rcvbuf=1024)) as s:
+        answer = read_all(s, pace=0.01, size=97)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert answer.count(b"data: ") >= 3 and b"data: [DONE]" in answer
+    alive_and_idle(cluster)
+
+
+def test_a_client_that_never_reads(cluster):
+    """Holds a streaming request open without reading a byte, then hangs up: meanwhile the panel
+    serves others, and afterwards nothing is held anywhere. (Outputs of this context are smaller
+    than the socket buffers, so the panel is not held up by backpressure here.)"""
+    s = sse_request(cluster, 8, rcvbuf=1024)
+    try:
+        good(cluster)  # served while the other client is stuck
+        time.sleep(1)
+        good(cluster, cluster["node"])
+    finally:
+        s.close()
+    alive_and_idle(cluster)
+    # hanging up at once, before the first token
+    for _ in range(3):
+        sse_request(cluster, 8).close()
+    alive_and_idle(cluster)
