@@ -62,6 +62,22 @@ def long_ids(engines) -> list[int]:
     return ids
 
 
+_OWN_GREEDY: dict = {}
+
+
+def own_greedy(engine, ids: list[int], max_tokens: int = 32) -> list[int]:
+    """An in-process engine's own greedy output (EOS ignored), computed once per session: the
+    cross-engine tests of torch, MLX, vLLM and SGLang all compare P/D against the same runs."""
+    key = (engine.name, tuple(ids), max_tokens)
+    if key not in _OWN_GREEDY:
+        from engine_adapters.base import EngineRequest
+        from engine_adapters.sampling import SamplingParams
+
+        request = EngineRequest(f"own-{len(_OWN_GREEDY)}", list(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        _OWN_GREEDY[key] = run(collect(engine.generate(request)))
+    return _OWN_GREEDY[key]
+
+
 def write_report(name: str, data: dict) -> Path:
     REPORTS.mkdir(exist_ok=True)
     path = REPORTS / f"{name}.json"

@@ -17,7 +17,7 @@ from engine_adapters.pages import KVPage
 from engine_adapters.sampling import SamplingParams
 from node_agent.inprocess import run_pair
 
-from .conftest import collect, max_abs_diff, run, write_report
+from .conftest import collect, max_abs_diff, own_greedy, run, write_report
 
 LOGIT_TOLERANCE = 0.1  # measured max 0.021; the logits of this model span about 30 units
 MIN_AGREEMENT = 18
@@ -79,7 +79,7 @@ def test_cross_engine_agreement(engines, direction):
         diffs.append(max_abs_diff(imported, local))
         mode = FirstTokenMode.COMMIT_FIRST if i % 2 else FirstTokenMode.RECOMPUTE_LAST
         pd = run(collect(run_pair(prefiller, decoder, ids, sampling, mode)))
-        own = run(collect(decoder.generate(EngineRequest(f"own-{i}", ids, sampling))))
+        own = own_greedy(decoder, ids, sampling.max_tokens)
         agree += pd == own
         rows.append({"prompt": text, "mode": mode.value, "logit_max_abs_diff": diffs[-1], "greedy_equal": pd == own})
     figures = {"direction": "->".join(direction), "prompts": len(PROMPTS), "greedy_agreement": agree,
