@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -56,7 +57,7 @@ def engine_cluster(model: Path, home: Path, agents: dict[str, tuple[str, dict]],
         args = [a for name, (p, d) in pairs.items() for a in ("--pair", f"{name}={running[p].url},{running[d].url}")]
         with PanelProcess(home / "panel", *args) as panel:
             client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
-            yield {"panel": panel, "client": client, **running}
+            yield {"panel": panel, "client": client, "panel_db": home / "panel" / "panel" / "panel.db", **running}
 
 
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]  # the core issue's prompt lengths, around page boundaries
@@ -123,6 +124,40 @@ def check_prefiller_rules(prefiller: AgentProcess, decoder: AgentProcess, decode
     write_report("cross_engine_" + label.replace("->", "_to_"), figures)
     assert max(diffs) <= LOGIT_TOLERANCE, figures
     assert agree >= MIN_AGREEMENT, figures
+
+
+def check_engine_crash_through_panel(cluster: dict, pair: str, prefiller: str, decoder: str, ready_stat: str,
+                                     ids: list[int]) -> None:
+    """The prefiller's engine server SIGKILLed while a request of `pair` is prefilling on it,
+    through the panel: the client still gets the decoder-alone answer (the router's fallback),
+    the request log says why, and the agent restarts its engine."""
+    from sqlmodel import Session, create_engine, select
+
+    from control_panel.models import RequestLog
+
+    client = cluster["client"]
+    expected = complete(client, f"node/{cluster[decoder].engine}-{decoder}", ids, False)
+    result: dict = {}
+
+    def ask() -> None:
+        try:
+            result["text"] = complete(client, pair, ids, False)
+        except Exception as e:  # what the client saw is what the test checks
+            result["error"] = e
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not cluster[prefiller].status()["handoffs"]:  # the room exists: prefill has started
+        assert time.monotonic() < deadline and thread.is_alive(), result
+        time.sleep(0.02)
+    kill_engine_and_wait_for_restart(cluster[prefiller], ready_stat)
+    thread.join(300)
+    assert result.get("text") == expected, result
+    with Session(create_engine(f"sqlite:///{cluster['panel_db']}")) as s:
+        row = s.exec(select(RequestLog).order_by(RequestLog.id.desc())).first()
+    assert row.route == "decode_alone" and "transfer failed before the first token" in row.reason, row
+    settle(cluster[prefiller], cluster[decoder])
 
 
 def kill_engine_and_wait_for_restart(agent: AgentProcess, ready_stat: str, timeout: float = 300) -> dict:

@@ -24,13 +24,12 @@ from engine_adapters.sampling import SamplingParams
 from engine_adapters.sglang_adapter import sglang_environment
 from node_agent.client import AgentClient
 
-from .agents import (TEST_KEY, AgentProcess, decode_foreign_pages, generate_request,
+from .agents import (TEST_KEY, AgentProcess, TamperProxy, decode_foreign_pages, generate_request,
                      pd_request,
                      settle, tokens_of, wait_until_streaming)
 from .conftest import collect, prompt, run, write_report
-from .server_engines import (QUESTION, check_every_direction, engine_cluster, check_pages_against_transformers,
-                             check_prefiller_rules, kill_engine_and_wait_for_restart)
-from .test_agent_faults import TamperProxy
+from .server_engines import (QUESTION, check_engine_crash_through_panel, check_every_direction, check_pages_against_transformers,
+                             check_prefiller_rules, engine_cluster)
 
 PAIRS = {"s2m": ("sglang", "mlx"), "m2s": ("mlx", "sglang2"), "s2t": ("sglang", "torch"),
          "t2s": ("torch", "sglang2"), "s2s": ("sglang", "sglang2"), "s2v": ("sglang", "vllm"),
@@ -285,8 +284,10 @@ def test_cancel_and_peer_kill_return_sglang_to_baseline(cluster, long_ids, smol_
     write_report("sglang_faults", figures)
 
 
-def test_a_crashed_sglang_is_restarted(cluster):
-    kill_engine_and_wait_for_restart(cluster["sglang2"], "kv_tokens_used")
+def test_a_crashed_sglang_is_restarted(cluster, long_ids):
+    """SGLang's engine server killed while it prefills a request through the panel: the request
+    is answered by the decoder alone, and the agent brings SGLang back."""
+    check_engine_crash_through_panel(cluster, "s2m", "sglang", "mlx", "kv_tokens_used", long_ids)
     text = cluster["client"].chat.completions.create(model="s2s", messages=QUESTION, max_tokens=20,
                                                      temperature=0).choices[0].message.content
     assert "Paris" in text

@@ -23,8 +23,8 @@ from node_agent.client import AgentClient
 from .agents import (TEST_KEY, AgentProcess, generate_request, pd_request,
                      settle, wait_until_streaming)
 from .conftest import collect, prompt, run, write_report
-from .server_engines import (check_every_direction, engine_cluster, check_pages_against_transformers, check_prefiller_rules,
-                             kill_engine_and_wait_for_restart)
+from .server_engines import (check_engine_crash_through_panel, check_every_direction, check_pages_against_transformers,
+                             check_prefiller_rules, engine_cluster)
 
 PAIRS = {"v2m": ("vllm", "mlx"), "m2v": ("mlx", "vllm"), "v2t": ("vllm", "torch"), "t2v": ("torch", "vllm"),
          "v2v": ("vllm", "vllm2")}
@@ -39,7 +39,8 @@ def cluster(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("vllm")
     os.environ.setdefault("TANDEM_VLLM_THREADS", "1")  # equal thread counts: outputs comparable bit for bit
     agents = {name: ("vllm" if name.startswith("vllm") else name, {}) for name in ("vllm", "vllm2", "torch", "mlx")}
-    with engine_cluster(smol_dir, home, agents, PAIRS) as cluster:
+    # "crash" is only for the engine-crash test (check_every_direction covers PAIRS)
+    with engine_cluster(smol_dir, home, agents, {**PAIRS, "crash": ("vllm2", "mlx")}) as cluster:
         yield cluster
 
 
@@ -102,8 +103,10 @@ def test_cancel_and_peer_kill_return_vllm_to_baseline(cluster, long_ids, smol_di
                                  "kv_cache_usage_after": kv_usage(v)})
 
 
-def test_a_crashed_vllm_is_restarted(cluster):
-    kill_engine_and_wait_for_restart(cluster["vllm2"], "kv_cache_usage")
+def test_a_crashed_vllm_is_restarted(cluster, long_ids):
+    """vLLM's engine server killed while it prefills a request through the panel: the request
+    is answered by the decoder alone, and the agent brings vLLM back."""
+    check_engine_crash_through_panel(cluster, "crash", "vllm2", "mlx", "kv_cache_usage", long_ids)
     text = cluster["client"].chat.completions.create(
         model="v2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=20, temperature=0).choices[0].message.content
