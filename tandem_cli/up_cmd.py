@@ -64,7 +64,10 @@ def up(prefill: str = typer.Option("torch", help="Engine of the prefill agent.")
                       "\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'")
         console.print("\nCtrl-C stops everything.")
         stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        # SIGINT too, explicitly: a shell starts background jobs with SIGINT ignored, and Python
+        # then never raises KeyboardInterrupt (the services, on uvicorn, handle it themselves).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(3600):
             pass
     except KeyboardInterrupt:
