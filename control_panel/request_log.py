@@ -46,23 +46,24 @@ class RequestLogWriter:
         self.engine = engine
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="request-log")
 
-    def start(self, row: RequestLog) -> Future:
-        """Log a request as running (not waited for)."""
+    def start(self, row: RequestLog) -> tuple[RequestLog, Future]:
+        """Log a request as running (not waited for); pass what this returns to `finish`."""
         row.outcome = "running"
-        return self._writer.submit(save, self.engine, row)
+        return row, self._writer.submit(save, self.engine, row.model_copy())
 
-    def finish(self, started: Future, **fields) -> None:
+    def finish(self, started: tuple[RequestLog, Future], **fields) -> None:
         """Record how the request ended; returns once it is written."""
         try:
             self._writer.submit(self._finish, started, fields).result()
         except RuntimeError:  # the writer has shut down (a request ending as the panel stops)
             self._finish(started, fields)
 
-    def _finish(self, started: Future, fields: dict) -> None:
+    def _finish(self, started: tuple[RequestLog, Future], fields: dict) -> None:
+        row, written = started
         try:
-            row = started.result()  # done already: this thread wrote it first
+            row = written.result()  # done already: this thread wrote it first
         except Exception:  # the first write failed: write the whole row now
-            row = RequestLog(model=fields.get("model", ""), route="")
+            pass
         for name, value in fields.items():
             setattr(row, name, value)
         save(self.engine, row)

@@ -52,6 +52,16 @@ class AgentProcess(ServiceProcess):
         self.stop()
 
 
+def log_rows(home: Path) -> list:
+    """The request log of the panel whose TANDEM_HOME is `home`, oldest first."""
+    from sqlmodel import Session, create_engine, select
+
+    from control_panel.models import RequestLog
+
+    with Session(create_engine(f"sqlite:///{home / 'panel' / 'panel.db'}")) as s:
+        return list(s.exec(select(RequestLog).order_by(RequestLog.id)))
+
+
 def settle(*agents: AgentProcess, timeout: float = 15.0) -> None:
     """Every agent back to idle: nothing reserved, no open handoff, no active request. Freeing after a
     disconnect is asynchronous, so this allows a moment."""

@@ -17,7 +17,7 @@ import openai
 from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
 from engine_adapters.sampling import SamplingParams
 
-from .agents import AgentProcess, PanelProcess, complete, pages_of, pd_request, settle, tokens_of
+from .agents import AgentProcess, PanelProcess, complete, log_rows, pages_of, pd_request, settle, tokens_of
 from .conftest import collect, own_greedy, prompt, run, write_report
 
 
@@ -57,7 +57,7 @@ def engine_cluster(model: Path, home: Path, agents: dict[str, tuple[str, dict]],
         args = [a for name, (p, d) in pairs.items() for a in ("--pair", f"{name}={running[p].url},{running[d].url}")]
         with PanelProcess(home / "panel", *args) as panel:
             client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
-            yield {"panel": panel, "client": client, "panel_db": home / "panel" / "panel" / "panel.db", **running}
+            yield {"panel": panel, "client": client, "panel_home": home / "panel", **running}
 
 
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]  # the core issue's prompt lengths, around page boundaries
@@ -131,10 +131,6 @@ def check_engine_crash_through_panel(cluster: dict, pair: str, prefiller: str, d
     """The prefiller's engine server SIGKILLed while a request of `pair` is prefilling on it,
     through the panel: the client still gets the decoder-alone answer (the router's fallback),
     the request log says why, and the agent restarts its engine."""
-    from sqlmodel import Session, create_engine, select
-
-    from control_panel.models import RequestLog
-
     client = cluster["client"]
     expected = complete(client, f"node/{cluster[decoder].engine}-{decoder}", ids, False)
     result: dict = {}
@@ -154,8 +150,7 @@ def check_engine_crash_through_panel(cluster: dict, pair: str, prefiller: str, d
     kill_engine_and_wait_for_restart(cluster[prefiller], ready_stat)
     thread.join(300)
     assert result.get("text") == expected, result
-    with Session(create_engine(f"sqlite:///{cluster['panel_db']}")) as s:
-        row = s.exec(select(RequestLog).order_by(RequestLog.id.desc())).first()
+    row = log_rows(cluster["panel_home"])[-1]
     assert row.route == "decode_alone" and "transfer failed before the first token" in row.reason, row
     settle(cluster[prefiller], cluster[decoder])
 

@@ -22,11 +22,10 @@ import httpx
 import openai
 import psutil
 import pytest
-from sqlmodel import Session, create_engine, select
 
 from control_panel.models import RequestLog
 
-from .agents import AgentProcess, PanelProcess, TamperProxy, generate_request, settle, tokens_of
+from .agents import AgentProcess, PanelProcess, TamperProxy, generate_request, log_rows, settle, tokens_of
 from .conftest import run
 from .netns import needs_netns
 
@@ -81,8 +80,7 @@ class Cluster:
         return openai.OpenAI(base_url=self.panel.url + "/v1", api_key=self.api_key, max_retries=0, **kw)
 
     def log(self) -> list[RequestLog]:
-        with Session(create_engine(f"sqlite:///{self.home / 'panel' / 'panel.db'}")) as s:
-            return list(s.exec(select(RequestLog).order_by(RequestLog.id)))
+        return log_rows(self.home)
 
     def idle(self) -> None:
         settle(self.p, self.d, timeout=20)

@@ -13,11 +13,7 @@ import json
 
 import httpx
 import pytest
-from sqlmodel import Session, create_engine, select
-
-from control_panel.models import RequestLog
-
-from .agents import AgentProcess, PanelProcess, generate_request, settle, tokens_of
+from .agents import AgentProcess, PanelProcess, generate_request, log_rows, settle, tokens_of
 from .conftest import LONG_TEXT
 from .test_cross_engine import PROMPTS
 
@@ -92,8 +88,7 @@ def test_64_concurrent_streams_complete_or_get_429_and_none_is_mixed_up(cluster)
     print(f"\n{len(completed)} of {CONCURRENT} completed with the decoder-alone text, {len(refused)} got 429")
     settle(p, d)
     assert p.status()["totals"]["handoffs_created"] >= len(completed)
-    with Session(create_engine(f"sqlite:///{home / 'panel' / 'panel.db'}")) as s:
-        rows = list(s.exec(select(RequestLog)))
+    rows = log_rows(home)
     assert len(rows) == CONCURRENT and not [r for r in rows if r.outcome == "running"]
     assert sum(r.outcome == "ok" and r.route == "pd" for r in rows) == len(completed)
 

@@ -4,22 +4,16 @@ migrations and restarts."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import openai
 import pytest
 import sqlalchemy as sa
-from sqlmodel import Session, create_engine, select
+from sqlmodel import Session, select
 
 from control_panel.db import open_db
 from control_panel.models import Pair, RequestLog
 
-from .agents import AgentProcess, PanelProcess, settle
-
-
-def log_rows(home: Path) -> list[RequestLog]:
-    with Session(create_engine(f"sqlite:///{home / 'panel' / 'panel.db'}")) as s:
-        return list(s.exec(select(RequestLog).order_by(RequestLog.id)))
+from .agents import AgentProcess, PanelProcess, log_rows, settle
 
 
 @pytest.fixture(scope="module")
