@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from .test_cross_engine import PROMPTS
 CONCURRENT = 64
 PAGE_BYTES = 1_474_560
 BUDGET_PAGES = 6  # the prompts below take 1 to 5 pages each
+LOADED_SHARE = 0.1  # of the one-at-a-time count that must complete under load (measured here: see the print)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,7 @@ def test_64_concurrent_streams_complete_or_get_429_and_none_is_mixed_up(cluster)
     ids = prompts(d)
     assert max(len(x) for x in ids) <= BUDGET_PAGES * 64 - 64 and min(len(x) for x in ids) < 64
     expected = [alone(d, x) for x in ids]
+    serial_s = serial_seconds_per_request(panel, ids, expected)
     order = [i % len(ids) for i in range(CONCURRENT)]
 
     async def main():
@@ -82,15 +85,36 @@ def test_64_concurrent_streams_complete_or_get_429_and_none_is_mixed_up(cluster)
     for r in refused:  # refused only after waiting its turn for the prefiller's budget
         assert float(r["retry_after"]) > 0 and r["error"]["type"] == "rate_limit_exceeded", r
         assert "staging budget stayed busy for 30.0 s" in r["error"]["message"], r
-    # P prefills one prompt at a time; what it cannot start within its 30 s wait is refused (on
-    # this 2-core machine about 25 complete). A pair that serves almost nothing fails here.
-    assert len(completed) >= 8, f"only {len(completed)} of {CONCURRENT} completed"
-    print(f"\n{len(completed)} of {CONCURRENT} completed with the decoder-alone text, {len(refused)} got 429")
+    # P prefills one prompt at a time; what it cannot start within its 30 s wait is refused. How many
+    # that is depends on the machine, so the floor is a share of what the same pair serves one
+    # request at a time in those 30 s, measured just before: a pair that serves almost nothing under
+    # load fails here.
+    serial_in_window = 30.0 / serial_s
+    print(f"\n{len(completed)} of {CONCURRENT} completed with the decoder-alone text, {len(refused)} got 429; "
+          f"one at a time the pair serves {serial_in_window:.0f} in 30 s ({serial_s * 1000:.0f} ms each), "
+          f"ratio {len(completed) / serial_in_window:.2f}")
+    assert len(completed) >= max(2, LOADED_SHARE * serial_in_window), \
+        f"only {len(completed)} of {CONCURRENT} completed; one at a time {serial_in_window:.0f} fit in 30 s"
     settle(p, d)
     assert p.status()["totals"]["handoffs_created"] >= len(completed)
-    rows = log_rows(home)
+    rows = log_rows(home)[1 + len(ids):]  # after the one-at-a-time requests
     assert len(rows) == CONCURRENT and not [r for r in rows if r.outcome == "running"]
     assert sum(r.outcome == "ok" and r.route == "pd" for r in rows) == len(completed)
+
+
+def serial_seconds_per_request(panel: PanelProcess, ids: list[list[int]], expected: list) -> float:
+    """Mean wall time of one streamed P/D request through the panel with nothing else running (each
+    prompt once, after one warm-up); each answer is checked against the decoder alone."""
+    async def main():
+        async with httpx.AsyncClient(base_url=panel.url, headers={"Authorization": f"Bearer {panel.api_key}"},
+                                     timeout=300) as client:
+            await one(client, ids[0])
+            start = time.perf_counter()
+            for x, want in zip(ids, expected):
+                r = await one(client, x)
+                assert (r["status"], r["text"], r["finish"]) == (200, *want), r
+            return (time.perf_counter() - start) / len(ids)
+    return asyncio.run(main())
 
 
 def alone(d: AgentProcess, ids: list[int]) -> tuple[str, str]:
