@@ -288,7 +288,7 @@ def decode_payload(header: FrameHeader, payload: bytes | memoryview, expect: Fra
     g = header.geometry
     data = (np.frombuffer(payload, dtype=KV_DTYPE) if header.encoding == RAW
             else decompress_planes(payload, g.page_bytes)).reshape(g.page_shape)
-    if data[:, :, header.valid_tokens:].view(np.uint16).any():
+    if header.valid_tokens < g.page_tokens and data[:, :, header.valid_tokens:].view(np.uint16).any():
         raise FrameError(f"page {header.page_index} has non-zero bytes past its {header.valid_tokens} valid tokens")
     return KVPage(index=header.page_index, valid_tokens=header.valid_tokens, data=data)
 

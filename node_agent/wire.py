@@ -22,8 +22,8 @@ import numpy as np
 import xxhash
 from engine_adapters.base import PrefillDone
 from engine_adapters.errors import FrameError, TandemError
-from engine_adapters.pages import (HEADER_SIZE, MAGIC, FrameExpectation, KVPage, checksum_finish, decode_frame,
-                                   parse_header)
+from engine_adapters.pages import (HEADER_SIZE, MAGIC, FrameExpectation, FrameHeader, KVPage, checksum_finish,
+                                   decode_payload, parse_header)
 
 DONE_MAGIC = b"TKVD"
 ERROR_MAGIC = b"TKVE"
@@ -63,6 +63,8 @@ class FrameReader:
         self.bytes_read = 0
         self._head = bytearray()  # magic + header (or length + JSON) still being collected
         self._frame: np.ndarray | None = None  # the page frame being filled
+        self._view: memoryview | None = None  # ... and a byte view of it
+        self._header: FrameHeader | None = None  # ... and its parsed header
         self._filled = 0
 
     def _head_need(self) -> int:
@@ -106,16 +108,18 @@ class FrameReader:
     # into the page being received, then says how much it wrote.
     def payload_space(self) -> memoryview | None:
         """The rest of the page frame being received, to fill in place (None between frames)."""
-        return None if self._frame is None else memoryview(self._frame)[self._filled:]
+        return None if self._frame is None else self._view[self._filled:]
 
     def payload_received(self, n: int) -> list[KVPage]:
-        self._hash.update(memoryview(self._frame)[self._filled:self._filled + n])  # still in cache
-        self._filled += n
+        start = self._filled
+        self._filled = end = start + n
         self.bytes_read += n
-        if self._filled < len(self._frame):
+        self._hash.update(self._view[start:end])  # while it is still in cache
+        if end < len(self._view):
             return []
-        frame, self._frame = self._frame, None
-        return [decode_frame(frame, self.expect, checksum=checksum_finish(self._hash, frame[:HEADER_SIZE]))[1]]
+        header, view, self._frame, self._view = self._header, self._view, None, None
+        return [decode_payload(header, view[HEADER_SIZE:], self.expect,
+                               checksum=checksum_finish(self._hash, header.raw))]
 
     def head_missing(self) -> int:
         """How many more bytes the frame head being collected needs (0 when it is complete)."""
@@ -125,11 +129,12 @@ class FrameReader:
         head, self._head = bytes(self._head), bytearray()
         magic = head[:4]
         if magic == MAGIC:
-            header = parse_header(head)
+            self._header = header = parse_header(head)
             # np.empty, not bytearray: the socket fills every byte, so zero-filling 1.5 MB per page
             # first (what bytearray does) was pure cost on the hot path
             self._frame = np.empty(HEADER_SIZE + header.payload_size, dtype=np.uint8)
-            self._frame[:HEADER_SIZE] = np.frombuffer(head, dtype=np.uint8)
+            self._view = memoryview(self._frame)
+            self._view[:HEADER_SIZE] = head
             self._hash = xxhash.xxh3_64()
             self._filled = HEADER_SIZE
             return []
