@@ -144,6 +144,29 @@ class EngineAdapter(ABC):
     @abstractmethod
     def export_kv(self, session: Any, start: int, end: int) -> np.ndarray: ...
 
+    def forward_chunk(self, session: Any, token_ids: list[int]) -> None:
+        """Compute a prompt chunk whose logits nobody reads (every chunk but the last). An
+        asynchronous device (CUDA) overrides it so that nothing here waits for the device."""
+        self.forward(session, token_ids)
+
+    # A prompt's pages leave in two steps, so that an asynchronous device can copy one chunk's KV
+    # to the host while it computes the next: `export_start` begins the copy of whole pages from
+    # token `start` (a page boundary) to `end`, `export_finish` waits for it and returns the pages.
+    # `export_lag` is how many chunks the prefill loop lets that wait trail: 0 (the default, for
+    # engines that compute as they are called: waiting later would only hold pages back) or 1
+    # (CUDA: the device still has the next chunk queued when the host waits, so the wait costs
+    # the device nothing). Both run on the engine thread, so cutting pages never competes with
+    # the event loop.
+    export_lag = 0
+
+    def export_start(self, session: Any, start: int, end: int) -> Any:
+        return start, self.export_kv(session, start, end)
+
+    def export_finish(self, handle: Any) -> list[KVPage]:
+        start, kv = handle
+        P = self.geometry.page_tokens
+        return [make_page(self.geometry, (start + a) // P, kv[:, :, a:a + P]) for a in range(0, kv.shape[2], P)]
+
     @abstractmethod
     def import_kv(self, session: Any, start: int, kv: np.ndarray) -> None: ...
 
@@ -264,16 +287,21 @@ class EngineAdapter(ABC):
             ids, n, P = req.token_ids, len(req.token_ids), self.geometry.page_tokens
             session = await self.on_engine(self.new_session, n)
             sent, logits = 0, None
+            exports: deque = deque()  # export handles not yet collected
             for start, end in self.prefill_chunks(n):
                 self._check(req, event)
                 failpoints.reach("prefill_chunk")
-                logits = await self.on_engine(self.forward, session, ids[start:end])
+                if end < n:
+                    await self.on_engine(self.forward_chunk, session, ids[start:end])
+                else:
+                    logits = await self.on_engine(self.forward, session, ids[start:end])
                 ready = export if end == n else min(end, export) // P * P
                 if ready > sent:
-                    kv = await self.on_engine(self.export_kv, session, sent, ready)
-                    for a in range(0, ready - sent, P):
-                        yield make_page(self.geometry, (sent + a) // P, kv[:, :, a:a + P])
+                    exports.append(await self.on_engine(self.export_start, session, sent, ready))
                     sent = ready
+                while len(exports) > (self.export_lag if end < n else 0):
+                    for page in await self.on_engine(self.export_finish, exports.popleft()):
+                        yield page
             first = Sampler(req.sampling)(logits)
             yield PrefillDone(first_token=first, kv_tokens=export, pages=self.geometry.pages_for(export),
                               prefill_seconds=time.perf_counter() - t0, finished_at=time.time())
@@ -379,7 +407,10 @@ class EngineAdapter(ABC):
             logits = None
             for start, end in self.prefill_chunks(len(ids)):
                 self._check(req, event)
-                logits = await self.on_engine(self.forward, session, ids[start:end])
+                if end < len(ids):
+                    await self.on_engine(self.forward_chunk, session, ids[start:end])
+                else:
+                    logits = await self.on_engine(self.forward, session, ids[start:end])
             sampler = Sampler(req.sampling)
             async for token in self._continue(req, event, session, sampler, sampler(logits)):
                 yield token

@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from .base import EngineAdapter
+from .pages import KVPage
 
 
 class _FP16KVLayer(DynamicLayer):
@@ -69,7 +70,9 @@ class TorchAdapter(EngineAdapter):
 
     def _load(self) -> None:
         hf_logging.disable_progress_bar()
-        self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        self.cuda = self.device.type == "cuda"
+        self.dtype = torch.float16 if self.cuda else torch.float32
+        self.export_lag = 1 if self.cuda else 0  # see EngineAdapter.export_start
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype).to(self.device).eval()
 
     def accelerator(self) -> dict:
@@ -83,16 +86,50 @@ class TorchAdapter(EngineAdapter):
                              for _ in range(g.layers)])
 
     @torch.inference_mode()
+    def _run(self, session: Cache, token_ids: list[int]):
+        ids = torch.tensor([token_ids], dtype=torch.long)
+        # On CUDA the ids go up from pinned memory without a stream sync, so the host can queue
+        # the next chunk while the device still computes this one.
+        ids = ids.pin_memory().to(self.device, non_blocking=True) if self.cuda else ids
+        return self.model(input_ids=ids, cache=session, use_cache=True, logits_to_keep=1)
+
     def forward(self, session: Cache, token_ids: list[int]) -> np.ndarray:
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=session, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float().cpu().numpy()
+        return self._run(session, token_ids).logits[0, -1].float().cpu().numpy()
+
+    def forward_chunk(self, session: Cache, token_ids: list[int]) -> None:
+        self._run(session, token_ids)  # on CUDA: queued, not waited for
 
     def export_kv(self, session: Cache, start: int, end: int) -> np.ndarray:
-        # [layers][2][1, heads, n, dim] -> [layers][2][n][heads][dim] in FP16
-        kv = torch.stack([torch.stack([layer._k[0, :, start:end], layer._v[0, :, start:end]])
-                          for layer in session.layers])
-        return kv.permute(0, 1, 3, 2, 4).to(torch.float16).contiguous().cpu().numpy()
+        # [layers][2][1, heads, n, dim] -> [layers][2][n][heads][dim] in FP16, in one gather
+        kv = torch.stack([t[0, :, start:end] for layer in session.layers for t in (layer._k, layer._v)])
+        g = self.geometry
+        kv = kv.view(g.layers, 2, g.kv_heads, end - start, g.head_dim).permute(0, 1, 3, 2, 4)
+        return kv.to(torch.float16).contiguous().cpu().numpy()
+
+    def export_start(self, session: Cache, start: int, end: int):
+        if not self.cuda:
+            return super().export_start(session, start, end)
+        # On the device: whole pages, page-major and zero-padded, so that each page is one
+        # contiguous slice of the host copy and no page is copied again on the host.
+        g, n = self.geometry, end - start
+        pages = -(-n // g.page_tokens)
+        kv = torch.zeros(g.layers * 2, g.kv_heads, pages * g.page_tokens, g.head_dim, dtype=torch.float16,
+                         device=self.device)
+        kv[:, :, :n] = torch.stack([t[0, :, start:end] for layer in session.layers for t in (layer._k, layer._v)])
+        kv = kv.view(g.layers, 2, g.kv_heads, pages, g.page_tokens, g.head_dim).permute(3, 0, 1, 4, 2, 5).contiguous()
+        host = torch.empty(kv.shape, dtype=torch.float16, pin_memory=True)  # torch's caching host allocator
+        host.copy_(kv, non_blocking=True)  # queued behind this chunk's compute on the same stream
+        copied = torch.cuda.Event()
+        copied.record()
+        return start, n, host, copied
+
+    def export_finish(self, handle) -> list[KVPage]:
+        if not self.cuda:
+            return super().export_finish(handle)
+        start, n, host, copied = handle
+        copied.synchronize()
+        P, data = self.geometry.page_tokens, host.numpy()  # the pages keep the pinned buffer alive
+        return [KVPage(index=start // P + i, valid_tokens=min(P, n - i * P), data=data[i]) for i in range(len(data))]
 
     def import_kv(self, session: Cache, start: int, kv: np.ndarray) -> None:
         with warnings.catch_warnings():

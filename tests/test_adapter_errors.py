@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 
+import numpy as np
 import pytest
 
-from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
+from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone
 from engine_adapters.contract import token_digest
 from engine_adapters.errors import Cancelled, ContractMismatch, FrameError, RequestError
 from engine_adapters.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
@@ -24,28 +25,44 @@ def long_prompt(long_ids, n):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_pages_leave_before_prefill_finishes(engines, long_ids, engine, monkeypatch):
     adapter = engines[engine]
-    events = []
-    real_forward = adapter.forward
-
-    def forward(session, ids):
-        events.append(("chunk", len(ids)))
-        return real_forward(session, ids)
-
-    monkeypatch.setattr(adapter, "forward", forward)
+    events = log_chunks(adapter, monkeypatch)
     ids = long_prompt(long_ids, 600)  # chunks of 256, 256, then 64, and the last page (24) on its own
-    req = EngineRequest("overlap", ids, SamplingParams(max_tokens=1))
-
-    async def consume():
-        async for item in adapter.prefill(req):
-            events.append(("page", item.index) if isinstance(item, KVPage) else ("done", item.kv_tokens))
-
-    run(consume())
+    pages = run(prefill_events(adapter, ids, events))
     assert events == [("chunk", 256), *[("page", i) for i in range(4)], ("chunk", 256),
                       *[("page", i) for i in range(4, 8)], ("chunk", 64), ("page", 8), ("chunk", 24), ("page", 9),
                       ("done", 600)]
+    # An asynchronous device (CUDA) collects each chunk's pages after queueing the next chunk:
+    # the same pages, one chunk later, and the last ones without delay.
+    events.clear()
+    monkeypatch.setattr(adapter, "export_lag", 1)
+    lagged = run(prefill_events(adapter, ids, events))
+    assert events == [("chunk", 256), ("chunk", 256), *[("page", i) for i in range(4)], ("chunk", 64),
+                      *[("page", i) for i in range(4, 8)], ("chunk", 24), ("page", 8), ("page", 9), ("done", 600)]
+    assert [p.index for p in lagged] == list(range(10))
+    assert all(np.array_equal(a.data, b.data) and a.valid_tokens == b.valid_tokens for a, b in zip(pages, lagged))
     assert adapter.prefill_chunks(1) == [(0, 1)] and adapter.prefill_chunks(64) == [(0, 64)]
     assert adapter.prefill_chunks(65) == [(0, 64), (64, 65)] and adapter.prefill_chunks(256) == [(0, 192), (192, 256)]
     assert adapter.prefill_chunks(513) == [(0, 256), (256, 512), (512, 513)]
+
+
+def log_chunks(adapter, monkeypatch) -> list:
+    """Record each chunk the adapter computes (with or without logits) in a list of events."""
+    events = []
+    overridden = type(adapter).forward_chunk is not EngineAdapter.forward_chunk  # else it calls forward
+    for name in ("forward", "forward_chunk") if overridden else ("forward",):
+        real = getattr(adapter, name)
+        monkeypatch.setattr(adapter, name, lambda session, ids, real=real: (events.append(("chunk", len(ids))),
+                                                                            real(session, ids))[1])
+    return events
+
+
+async def prefill_events(adapter, ids, events) -> list[KVPage]:
+    pages = []
+    async for item in adapter.prefill(EngineRequest("overlap", ids, SamplingParams(max_tokens=1))):
+        events.append(("page", item.index) if isinstance(item, KVPage) else ("done", item.kv_tokens))
+        if isinstance(item, KVPage):
+            pages.append(item)
+    return pages
 
 
 @pytest.mark.parametrize("engine", ENGINES)
