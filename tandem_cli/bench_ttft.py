@@ -12,6 +12,9 @@ loopback or with each agent in its own network namespace, joined by a veth pair 
 reach each other only over the shaped one. Each agent is pinned to its own CPU. Per cell: a
 warm-up, then `--samples` requests, one at a time, greedy, streaming, distinct random prompts
 (no prefix reuse); TTFT is the time from sending the request to the first streamed chunk.
+The bound's prefill term is P's engine alone on prompts of the same length, one before each P/D
+sample (prefill time on a busy host drifts by tens of percent; measured apart, it would not
+be the prefill the P/D samples ran beside).
 
 Output (in --out): ttft-<time>.json (every sample and every bound term), .md (the table) and
 .png (TTFT and bound against prompt length).
@@ -434,9 +437,13 @@ def bench_ttft(
             task = bar.add_task("TTFT", total=len(sizes) * len(columns) * (samples + warmup))
             for n in sizes:
                 for model_name, p_agent, d_agent, encoding in columns:
-                    times, overheads = [], []
+                    times, overheads, alone = [], [], []
                     for k in range(warmup + samples):
                         ids = prompt_ids(n, hash((n, model_name, k)) & 0xFFFFFFFF, vocab)
+                        if p_agent is not None and k >= warmup:
+                            # the bound's prefill term, measured between the P/D samples (a prompt
+                            # of its own), so that both see the same machine weather
+                            alone.append(prefill_seconds(p_agent, key, prompt_ids(n, 20_000 + 97 * n + k, vocab)))
                         before = handoff_prefill_total(p_agent, key) if p_agent is not None else None
                         t = ttft(http, model_name, ids, max_tokens)
                         if k >= warmup:
@@ -459,8 +466,8 @@ def bench_ttft(
                         if "parts" in cell["trace"]:  # what the panel adds on top of the agents' own path
                             cell["trace"]["parts"]["panel and client"] = \
                                 cell["ttft"]["median"] - cell["trace"]["total_seconds"]
-                        cell["bound"] = bound_terms(p_agent, d_agent, key, n, vocab, result["link_measured"],
-                                                    steps[d_agent.name], samples)
+                        cell["bound"] = bound_terms(p_agent, d_agent, n, result["link_measured"],
+                                                    steps[d_agent.name], alone)
                         cell["ttft_over_bound"] = cell["ttft"]["median"] / cell["bound"]["seconds"]
                         cell["ttft_minus_bound_ms"] = (cell["ttft"]["median"] - cell["bound"]["seconds"]) * 1000
                     result["cells"].append(cell)
@@ -471,20 +478,21 @@ def bench_ttft(
     console.print("written: " + ", ".join(str(p) for p in paths))
 
 
-def bound_terms(p: Agent, d: Agent, key: str, n: int, vocab: int, link: dict, step: float, samples: int) -> dict:
+def bound_terms(p: Agent, d: Agent, n: int, link: dict, step: float, prefill_alone: list[float]) -> dict:
     """max(P's prefill alone, KV bytes / raw TCP) + D's decode step where it recomputes, each term
-    measured now."""
+    measured in this run (`prefill_alone`: P's engine alone on prompts of n tokens, taken between
+    the P/D samples; the median counts)."""
     mode = d.info["decoder_modes"][0]
     kv_tokens = n - 1 if mode == "recompute-last" else n
     pages = -(-kv_tokens // 64)
     kv_bytes = pages * int(p.info["page_bytes"])
     rate = link[f"{p.name}->{d.name}"]["bytes_per_second"]
-    prefill = statistics.median(prefill_seconds(p, key, prompt_ids(n, 20_000 + s, vocab)) for s in range(max(1, min(samples, 3))))
+    prefill = statistics.median(prefill_alone)
     transfer = kv_bytes / rate
     # recompute-last: D runs the last prompt token (one decode step) before its first token;
     # commit-first: the first token is P's, D has it as soon as the last page has arrived
     d_step = step if mode == "recompute-last" else 0.0
-    return {"prefill_seconds": prefill, "kv_bytes": kv_bytes, "pages": pages, "mode": mode,
+    return {"prefill_seconds": prefill, "prefill_alone_samples": prefill_alone, "kv_bytes": kv_bytes, "pages": pages, "mode": mode,
             "transfer_seconds": transfer, "decode_step_seconds": d_step, "seconds": max(prefill, transfer) + d_step}
 
 
