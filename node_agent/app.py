@@ -14,6 +14,8 @@ Routes (all but /healthz need `Authorization: Bearer <cluster key>`):
     POST   /v1/generate                    this engine alone: prefill + decode, stream tokens
     DELETE /v1/requests/{request_id}       cancel a running decode/generate (idempotent)
     GET    /v1/bench/pages                 synthetic page stream for `tandem agent bench-link`
+    POST   /v1/bench/link                  pull synthetic pages from a peer: the peer->this link's
+                                           page throughput and round trip (`tandem bench ttft --panel`)
     GET    /v1/openapi.json                the API's OpenAPI document
 
 Token streams are NDJSON: {"token", "text"} lines, then one {"done": true, ...} line or one
@@ -114,6 +116,13 @@ class HandoffBody(RoomBody):
     wait_timeout: float = Field(30.0, ge=0, le=3600)
     page_encoding: Literal["raw", "zstd"] = Field(
         "raw", description="how pages travel: raw FP16, or byte planes + zstd (lossless; see /v1/info page_encodings)")
+
+
+class BenchLinkBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    peer: str = Field(description="base URL of the agent to pull from (it shares this cluster key)",
+                      pattern=r"^https?://[^\s/]+(/.*)?$")
+    megabytes: int = Field(64, ge=1, le=4096, description="how much to pull, in MB (10^6 bytes)")
 
 
 class DecodeBody(RoomBody):
@@ -279,7 +288,8 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
                 "contract": a.contract.to_dict(), "decoder_modes": [m.value for m in a.decoder_modes],
                 "first_token_sampling": sorted(a.first_token_sampling), "sampling": sorted(a.sampling),
                 "accelerator": a.accelerator(), "page_bytes": a.geometry.page_bytes,
-                "context_length": a.context_length, "page_encodings": sorted(ENCODINGS)}
+                "context_length": a.context_length, "vocab_size": a.info.vocab_size,
+                "page_encodings": sorted(ENCODINGS)}
 
     def idle() -> bool:
         return not handoffs.handoffs and not handoffs.waiting and budget.reserved == 0 and \
@@ -476,6 +486,30 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
                                          prefill_seconds=0.0))
 
         return PageStreamResponse(frames())
+
+    @api.post("/v1/bench/link")
+    async def bench_link(body: BenchLinkBody):
+        """Pull synthetic pages from `peer` through the decoder's own receiver (every frame
+        checked), as a decode pulls a room: the link from that prefiller to this decoder."""
+        g = slot.adapter.geometry
+        client = peer(body.peer)
+        expect = FrameExpectation(slot.adapter.contract.fingerprint_bytes, b"\0" * 16, b"\0" * 16, g)
+        try:
+            rtts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                await client.healthz()
+                rtts.append(time.perf_counter() - t0)
+            count = -(-body.megabytes * 1_000_000 // g.page_bytes)
+            t0 = time.perf_counter()
+            async with client.page_stream("", expect, path=f"/v1/bench/pages?count={count}") as stream:
+                async for _ in stream:
+                    pass
+            seconds = time.perf_counter() - t0
+        except TransportError as e:
+            raise FrameError(f"could not pull pages from {body.peer}: {type(e).__name__}: {e}") from e
+        return {"peer": body.peer, "bytes": stream.bytes_read, "seconds": seconds,
+                "bytes_per_second": stream.bytes_read / seconds, "rtt_seconds": sorted(rtts)[2]}
 
     app.include_router(api)
     return app

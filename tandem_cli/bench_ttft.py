@@ -16,6 +16,11 @@ The bound's prefill term is P's engine alone on prompts of the same length, one 
 sample (prefill time on a busy host drifts by tens of percent; measured apart, it would not
 be the prefill the P/D samples ran beside).
 
+`--panel URL` benchmarks a panel that is already running instead (on the panel's machine: its
+pairs and paired nodes come from its database): nothing is started or pinned, and each pair's
+link term is its decoder pulling synthetic pages from its prefiller (the agents' POST
+/v1/bench/link) rather than a raw TCP copy.
+
 Output (in --out): ttft-<time>.json (every sample and every bound term), .md (the table) and
 .png (TTFT and bound against prompt length).
 
@@ -387,6 +392,10 @@ def bench_ttft(
         panel_dir: Path = typer.Option(None, help="Data dir of the panel that shows the result (default: "
                                                        "$TANDEM_HOME/panel, the panel on this machine)."),
         zstd: bool = typer.Option(False, help="Also run every P->D direction with compressed pages (byte planes + zstd)."),
+        panel: str = typer.Option(None, help="Benchmark this running panel's models instead of starting a cluster. "
+                                             "Run it on the panel's machine: pairs and nodes are read from --panel-dir."),
+        api_key: str = typer.Option(None, envvar="TANDEM_API_KEY", help="With --panel: an API key of that panel."),
+        models: str = typer.Option(None, help="With --panel: the models to measure, comma-separated (default: all)."),
 ) -> None:
     """Measure time to first token, engines alone and P->D, against the physical bound."""
     from engine_adapters.model_dir import inspect_model
@@ -394,6 +403,14 @@ def bench_ttft(
     from .model_cmd import ensure_embedded_model
 
     sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    if panel:
+        if not api_key:
+            raise typer.BadParameter("--panel needs --api-key (or TANDEM_API_KEY): the panel's OpenAI API wants one")
+        result = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(), "panel": panel,
+                  "cpu_count": os.cpu_count(), "lengths": sizes, "samples": samples, "warmup": warmup,
+                  "max_tokens": max_tokens, "link": "panel", "pinned": False, "cells": []}
+        bench_running_panel(result, panel.rstrip("/"), api_key, panel_dir or data_dir() / "panel", models)
+        return report(result, out, panel_dir)
     dirs = {"a2b": [(0, 1)], "b2a": [(1, 0)], "both": [(0, 1), (1, 0)]}.get(direction)
     if dirs is None:
         raise typer.BadParameter("--direction must be a2b, b2a or both")
@@ -426,13 +443,83 @@ def bench_ttft(
             if rate and link == "shaped":
                 result["link_measured"]["configured_rate_bytes_per_second"] = rate * 1e6
             steps = {a.name: decode_step_seconds(a, key, vocab) for a in agents}
-        http = httpx.Client(base_url=panel, headers={"Authorization": f"Bearer {api_key}"}, timeout=600)
         columns = [(f"node/{a.name}", None, a, "raw") for a in agents] + \
                   [(f"{agents[p].name}->{agents[d].name}{suffix}", agents[p], agents[d], encoding)
                    for encoding, suffix in ([("raw", ""), ("zstd", "+zstd")] if zstd else [("raw", "")])
                    for p, d in dirs]
-        from rich.progress import Progress
+        measure(result, panel, api_key, key, columns, steps, vocab)
+    report(result, out, panel_dir)
 
+
+def report(result: dict, out: Path, panel_dir: Path | None) -> None:
+    paths = write_outputs(result, out, panel_dir)
+    console.print(markdown_table(result))
+    console.print("written: " + ", ".join(str(p) for p in paths))
+
+
+def bench_running_panel(result: dict, panel: str, api_key: str, panel_dir: Path, models: str | None) -> None:
+    """`--panel`: the panel's own pairs and paired nodes (read from its database), its own agents,
+    nothing started or pinned here. The link term of each pair is measured by its decoder pulling
+    synthetic pages from its prefiller (POST /v1/bench/link): the product's page stream, not a
+    raw TCP copy, which would need a program on both machines (on a LAN-speed link the two agree:
+    issue 7's G3)."""
+    from sqlmodel import Session, create_engine, select
+
+    from control_panel.models import Node, Pair
+    from node_agent.identity import cluster_key
+
+    db = panel_dir / "panel.db"
+    if not db.exists():
+        raise typer.BadParameter(f"no panel database at {db}: run this on the panel's machine or give --panel-dir")
+    with Session(create_engine(f"sqlite:///{db}")) as s:
+        nodes = {n.id: n for n in s.exec(select(Node))}
+        pairs = list(s.exec(select(Pair).order_by(Pair.name)))
+    key = os.environ.get("TANDEM_CLUSTER_KEY") or cluster_key()
+    agents: dict[int, Agent] = {}
+    for node in nodes.values():
+        if node.paired or any(node.id in (p.prefill_node_id, p.decode_node_id) for p in pairs):
+            agent = Agent(node.name, node.engine, node.url.rstrip("/"), None)
+            r = httpx.get(agent.url + "/v1/info", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+            if r.status_code != 200 or r.json().get("state") != "ready":
+                raise typer.BadParameter(f"agent {node.name} at {agent.url} is not ready: {r.status_code} {r.text[:200]}")
+            agent.info = r.json()
+            agent.engine = agent.info.get("engine") or node.engine
+            agents[node.id] = agent
+    columns = [(f"node/{n.name}", None, agents[n.id], "raw") for n in nodes.values() if n.paired]
+    columns += [(p.name, agents[p.prefill_node_id], agents[p.decode_node_id], p.page_encoding) for p in pairs]
+    wanted = [m.strip() for m in models.split(",") if m.strip()] if models else None
+    if wanted:
+        unknown = sorted(set(wanted) - {c[0] for c in columns})
+        if unknown:
+            raise typer.BadParameter(f"the panel has no model {', '.join(unknown)} (it has {', '.join(c[0] for c in columns)})")
+        columns = [c for c in columns if c[0] in wanted]
+    used = {id(a): a for c in columns for a in c[1:3] if a is not None}.values()
+    result["agents"] = [{"name": a.name, "engine": a.engine, "url": a.url, "cpus": None,
+                         "accelerator": a.info.get("accelerator")} for a in used]
+    with console.status("measuring each pair's link (its decoder pulls pages from its prefiller) and decode steps…"):
+        result["link_measured"] = {}
+        for _, p, d, _ in columns:
+            if p is not None and f"{p.name}->{d.name}" not in result["link_measured"]:
+                r = httpx.post(d.url + "/v1/bench/link", json={"peer": p.url, "megabytes": 64},
+                               headers={"Authorization": f"Bearer {key}"}, timeout=600)
+                if r.status_code != 200:
+                    raise RuntimeError(f"{d.name} could not measure its link from {p.name}: {r.status_code} {r.text[:300]}")
+                result["link_measured"][f"{p.name}->{d.name}"] = {**r.json(), "method": "page stream"}
+        vocab = min(int(a.info["vocab_size"]) for a in used)
+        steps = {a.name: decode_step_seconds(a, key, vocab) for a in used if any(c[2] is a for c in columns)}
+    measure(result, panel, api_key, key, columns, steps, vocab)
+
+
+def measure(result: dict, panel: str, api_key: str, key: str, columns: list[tuple], steps: dict, vocab: int) -> None:
+    """The TTFT samples of every cell (prompt length x column) through the panel, one request at
+    a time, and for P->D columns the bound's terms and a traced request; appended to result["cells"].
+    A column is (model name on the panel, P agent or None for a node alone, D agent, page encoding)."""
+    from rich.progress import Progress
+
+    sizes, samples, warmup, max_tokens = result["lengths"], result["samples"], result["warmup"], result["max_tokens"]
+    result["decode_step_seconds"] = steps
+    http = httpx.Client(base_url=panel, headers={"Authorization": f"Bearer {api_key}"}, timeout=600)
+    try:
         with Progress(console=console) as bar:
             task = bar.add_task("TTFT", total=len(sizes) * len(columns) * (samples + warmup))
             for n in sizes:
@@ -471,11 +558,8 @@ def bench_ttft(
                         cell["ttft_over_bound"] = cell["ttft"]["median"] / cell["bound"]["seconds"]
                         cell["ttft_minus_bound_ms"] = (cell["ttft"]["median"] - cell["bound"]["seconds"]) * 1000
                     result["cells"].append(cell)
+    finally:
         http.close()
-    result["decode_step_seconds"] = steps
-    paths = write_outputs(result, out, panel_dir)
-    console.print(markdown_table(result))
-    console.print("written: " + ", ".join(str(p) for p in paths))
 
 
 def bound_terms(p: Agent, d: Agent, n: int, link: dict, step: float, prefill_alone: list[float]) -> dict:
@@ -514,7 +598,8 @@ def markdown_table(result: dict) -> str:
         else:
             cell += " | | | | | | | |"
         rows.append(cell)
-    link = ", ".join(f"{k}: {v['bytes_per_second'] / 1e6:.0f} MB/s raw TCP, RTT {v['rtt_seconds'] * 1e3:.2f} ms"
+    link = ", ".join(f"{k}: {v['bytes_per_second'] / 1e6:.0f} MB/s {v.get('method', 'raw TCP')}, "
+                     f"RTT {v['rtt_seconds'] * 1e3:.2f} ms"
                      + (f", page stream {v['page_stream']['bytes_per_second'] / 1e6:.0f} MB/s = "
                         f"{v['page_stream_over_raw_tcp']:.2f}x raw TCP" if "page_stream" in v else "")
                      for k, v in result["link_measured"].items() if isinstance(v, dict))

@@ -222,6 +222,8 @@ def test_schemathesis_agent_api(cluster):
     doc = narrowed(without_headers(doc, "authorization", "x-tandem-protocol"), {
         ("HandoffBody", "contract"): {"enum": [info["contract"]["fingerprint"]]},  # else every handoff is a 409
         ("DecodeBody", "prefill_url"): {"enum": [p.url]},  # a real prefiller, never a generated host name
+        ("BenchLinkBody", "peer"): {"enum": [p.url]},  # likewise
+        ("BenchLinkBody", "megabytes"): {"type": "integer", "minimum": 1, "maximum": 2},
         ("HandoffBody", "token_ids"): ids, ("DecodeBody", "token_ids"): ids, ("GenerateBody", "token_ids"): ids,
         ("SamplingBody", "max_tokens"): {"type": "integer", "minimum": 1, "maximum": 4},
         # torch applies neither (it refuses them): valid cases leave them at their defaults

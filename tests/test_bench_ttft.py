@@ -9,15 +9,15 @@ import subprocess
 
 import pytest
 
-from .agents import TANDEM
+from .agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess
 from .netns import needs_netns
 
 
-def run_bench(tmp_path, *args: str) -> dict:
+def run_bench(tmp_path, *args: str, env: dict | None = None) -> dict:
     out = subprocess.run([TANDEM, "bench", "ttft", "--samples", "1", "--warmup", "0", "--max-tokens", "4",
                           "--out", str(tmp_path), "--panel-dir", str(tmp_path / "panel"), *args],
                          capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "COLUMNS": "200"})
+                         env={**os.environ, "COLUMNS": "200", **(env or {})})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [result] = [json.loads(p.read_text()) for p in tmp_path.glob("ttft-*.json")]
     assert json.loads((tmp_path / "panel" / "bench" / "ttft-latest.json").read_text()) == result  # for the panel
@@ -27,11 +27,11 @@ def run_bench(tmp_path, *args: str) -> dict:
     return result
 
 
-def check_cells(result: dict, lengths: list[int], columns: set[str]) -> None:
+def check_cells(result: dict, lengths: list[int], columns: set[str], pairs: tuple[str, ...] = ()) -> None:
     assert {(c["tokens"], c["column"]) for c in result["cells"]} == {(n, col) for n in lengths for col in columns}
     for c in result["cells"]:
         assert c["ttft"]["median"] > 0 and len(c["ttft"]["samples"]) == result["samples"]
-        if "->" in c["column"]:
+        if "->" in c["column"] or c["column"] in pairs:
             b = c["bound"]
             assert b["prefill_seconds"] > 0 and b["transfer_seconds"] > 0 and b["pages"] == -(-c["tokens"] // 64)
             assert b["seconds"] == pytest.approx(max(b["prefill_seconds"], b["transfer_seconds"])
@@ -63,3 +63,23 @@ def test_bench_ttft_on_a_shaped_link(tmp_path):
     assert link["page_stream_over_raw_tcp"] == pytest.approx(link["page_stream"]["bytes_per_second"]
                                                             / link["bytes_per_second"])
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+def test_bench_ttft_against_a_running_panel(tmp_path, smol_dir):
+    """`--panel URL`: the models of a panel someone already runs (its pairs and paired nodes, read
+    from its database), nothing started; each pair's link measured by its decoder pulling pages
+    from its prefiller (POST /v1/bench/link), checked against an unknown model name first."""
+    with AgentProcess("torch", smol_dir, tmp_path / "p") as p, AgentProcess("torch", smol_dir, tmp_path / "d") as d, \
+            PanelProcess(tmp_path, "--pair", f"duo={p.url},{d.url}") as panel:
+        args = ("--lengths", "51", "--panel", panel.url, "--api-key", panel.api_key)
+        refused = subprocess.run([TANDEM, "bench", "ttft", *args, "--models", "duo,nope", "--panel-dir",
+                                  str(tmp_path / "panel")], capture_output=True, text=True, timeout=300,
+                                 env={**os.environ, "TANDEM_CLUSTER_KEY": TEST_KEY, "COLUMNS": "200"})
+        assert refused.returncode != 0 and "the panel has no model nope" in refused.stdout + refused.stderr
+        result = run_bench(tmp_path, *args, env={"TANDEM_CLUSTER_KEY": TEST_KEY})
+        names = {p.status()["name"], d.status()["name"]}
+    check_cells(result, [51], {"duo", *(f"node/{n}" for n in names)}, pairs=("duo",))
+    assert result["link"] == "panel" and not result["pinned"]
+    [(link_name, link)] = result["link_measured"].items()
+    assert link["method"] == "page stream" and link["bytes_per_second"] > 1e8 and link["rtt_seconds"] > 0, link
+    assert link["bytes"] >= 64e6
