@@ -4,7 +4,8 @@ Life of a handoff (one "room"):
 
 1. `create` checks the request, then reserves `pages × page_bytes` of the staging budget
    *before any compute* (an oversize prompt is refused at once; a busy budget is waited for in
-   FIFO order up to a deadline). It then starts prefill in a task and a lease timer.
+   FIFO order up to a deadline). It then starts prefill in a task and a lease timer, which the
+   decoder's arrival cancels (a lease bounds how long pages wait for a reader, not a prefill).
 2. The task frames each page as prefill produces it and queues it; the decoder's `stream`
    call sends the queue as it fills, then the final frame (P's first token) or an error frame.
 3. `finish` ends the handoff on every path — read to the end, cancelled, decoder gone, lease
@@ -134,6 +135,10 @@ class HandoffManager:
         if h.reader_attached:
             raise HandoffError(f"room {room} is already being read by another decoder", 409)
         h.reader_attached = True
+        if h.lease is not None:
+            # The lease is for pages nobody reads; a reader that stops reading is the stall
+            # timeout's business, and a prefill longer than the lease must still be read to the end.
+            h.lease.cancel()
         h.state = "streaming" if h.state == "prefilling" else h.state
         return self._frames(h)
 

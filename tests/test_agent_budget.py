@@ -13,7 +13,7 @@ from engine_adapters.pages import PageGeometry
 from node_agent.client import AgentClient, AgentHTTPError
 from node_agent.wire import PeerError
 
-from .agents import TEST_KEY, AgentProcess, pd_request, tokens_of
+from .agents import TEST_KEY, AgentProcess, generate_request, pd_request, tokens_of
 from .conftest import prompt, run
 
 PAGE = 1_474_560
@@ -158,6 +158,18 @@ def test_unread_handoff_expires(small, long_ids):
     idle(small)
     with small.client() as c:
         assert 'tandem_handoffs_finished_total{outcome="expired"}' in c.get("/metrics").text
+
+
+def test_a_prefill_longer_than_the_lease_is_read_to_the_end(smol_dir, tmp_path, long_ids):
+    """The lease expires pages nobody reads; once the decoder reads, a prefill that outlasts it
+    (here 1,500 tokens against a 0.5 s lease) still streams to the end."""
+    with AgentProcess("torch", smol_dir, tmp_path, "--handoff-ttl", "0.5") as agent:
+        ids = (list(long_ids) * 7)[:1500]
+        lines = run(pd_request(agent.url, agent.url, ids, {"max_tokens": 2}))
+        assert lines[-1].get("done"), lines[-1]
+        assert lines[-1]["prefill_seconds"] > 0.5, lines[-1]  # it did outlast the lease
+        assert tokens_of(lines) == tokens_of(run(generate_request(agent.url, ids, {"max_tokens": 2})))
+        idle(agent)
 
 
 def test_cancel_a_decoding_request_by_id(small, long_ids):
