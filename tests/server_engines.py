@@ -17,7 +17,8 @@ import openai
 from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
 from engine_adapters.sampling import SamplingParams
 
-from .agents import AgentProcess, PanelProcess, complete, log_rows, pages_of, pd_request, settle, tokens_of
+from .agents import (AgentProcess, PanelProcess, TamperProxy, complete, log_rows, pages_of, pd_request, settle,
+                     tokens_of)
 from .conftest import collect, own_greedy, prompt, run, write_report
 
 
@@ -44,20 +45,28 @@ def check_pages_against_transformers(agent: AgentProcess, torch_engine, long_ids
 
 
 @contextmanager
-def engine_cluster(model: Path, home: Path, agents: dict[str, tuple[str, dict]], pairs: dict[str, tuple[str, str]]):
+def engine_cluster(model: Path, home: Path, agents: dict[str, tuple[str, dict]], pairs: dict[str, tuple[str, str]],
+                   tampered: tuple[str, str] | None = None):
     """Agents (name -> (engine, environment)) started all at once — server engines take the better
-    part of a minute — then each waited for, and a panel with `pairs` (name -> (P, D)). Yields
-    {"panel", "client" (OpenAI), name: AgentProcess ...}."""
+    part of a minute — then each waited for, and a panel with `pairs` (name -> (P, D)). With
+    `tampered` = (P, D), one more pair, "tampered", reaches P through a TamperProxy (pages can be
+    damaged on the way). Yields {"panel", "client" (OpenAI), "proxy", name: AgentProcess ...}."""
     with ExitStack() as stack:
         started = {}
         for name, (engine, env) in agents.items():
             started[name] = AgentProcess(engine, model, home / name, env=env)
             stack.callback(started[name].stop)  # stopped even if another one fails to start
         running = {name: a.__enter__() for name, a in started.items()}
-        args = [a for name, (p, d) in pairs.items() for a in ("--pair", f"{name}={running[p].url},{running[d].url}")]
+        urls = {name: (running[p].url, running[d].url) for name, (p, d) in pairs.items()}
+        proxy = None
+        if tampered:
+            proxy = TamperProxy(int(running[tampered[0]].url.rsplit(":", 1)[1]))
+            stack.callback(proxy.close)
+            urls["tampered"] = (proxy.url, running[tampered[1]].url)
+        args = [a for name, (p, d) in urls.items() for a in ("--pair", f"{name}={p},{d}")]
         with PanelProcess(home / "panel", *args) as panel:
             client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
-            yield {"panel": panel, "client": client, "panel_home": home / "panel", **running}
+            yield {"panel": panel, "client": client, "panel_home": home / "panel", "proxy": proxy, **running}
 
 
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]  # the core issue's prompt lengths, around page boundaries
@@ -153,6 +162,36 @@ def check_engine_crash_through_panel(cluster: dict, pair: str, prefiller: str, d
     row = log_rows(cluster["panel_home"])[-1]
     assert row.route == "decode_alone" and "transfer failed before the first token" in row.reason, row
     settle(cluster[prefiller], cluster[decoder])
+
+
+def check_damaged_streams_through_panel(cluster: dict, prefiller: str, decoder: str, ids: list[int],
+                                       engine_idle: dict) -> dict:
+    """The "tampered" pair (engine_cluster's `tampered`) through the panel with a bit flipped in
+    the first page, then with the page stream cut short: each time the client gets the
+    decoder-alone answer (the router's fallback; nothing damaged is decoded), the request log
+    names the reason, both agents let go of everything and each engine's own KV pool is back
+    to idle (`engine_idle`: agent name -> engine stat -> its idle value)."""
+    client, proxy = cluster["client"], cluster["proxy"]
+    expected = complete(client, f"node/{cluster[decoder].engine}-{decoder}", ids, False)
+    seen = {}
+    for damage, reason in ((dict(flip_at=300_000), "checksum mismatch on page 0"), (dict(cut_at=700_000), "broke off")):
+        for name, value in damage.items():
+            setattr(proxy, name, value)
+        try:
+            text = complete(client, "tampered", ids, False)
+        finally:
+            proxy.flip_at = proxy.cut_at = None
+        assert text == expected, (damage, text, expected)
+        row = log_rows(cluster["panel_home"])[-1]
+        assert row.route == "decode_alone" and reason in row.reason, row
+        seen[reason] = row.reason
+        settle(cluster[prefiller], cluster[decoder])
+        deadline = time.monotonic() + 30  # an engine frees its pool on its own schedule
+        for name, stats in engine_idle.items():
+            while not all((now := cluster[name].status()["engine_stats"])[k] == v for k, v in stats.items()):
+                assert time.monotonic() < deadline, (name, now)
+                time.sleep(0.2)
+    return seen
 
 
 def kill_engine_and_wait_for_restart(agent: AgentProcess, ready_stat: str, timeout: float = 300) -> dict:

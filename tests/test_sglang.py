@@ -28,8 +28,9 @@ from .agents import (TEST_KEY, AgentProcess, TamperProxy, decode_foreign_pages, 
                      pd_request,
                      settle, tokens_of, wait_until_streaming)
 from .conftest import collect, prompt, run, write_report
-from .server_engines import (QUESTION, check_engine_crash_through_panel, check_every_direction, check_pages_against_transformers,
-                             check_prefiller_rules, engine_cluster)
+from .server_engines import (QUESTION, check_damaged_streams_through_panel, check_engine_crash_through_panel,
+                             check_every_direction, check_pages_against_transformers, check_prefiller_rules,
+                             engine_cluster)
 
 PAIRS = {"s2m": ("sglang", "mlx"), "m2s": ("mlx", "sglang2"), "s2t": ("sglang", "torch"),
          "t2s": ("torch", "sglang2"), "s2s": ("sglang", "sglang2"), "s2v": ("sglang", "vllm"),
@@ -49,7 +50,7 @@ def cluster(smol_dir, tmp_path_factory):
     agents = {"sglang": ("sglang", {"TANDEM_SGLANG_ROLE": "prefill"}),
               "sglang2": ("sglang", {"TANDEM_SGLANG_ROLE": "decode"}),
               **{name: (name, {}) for name in ("torch", "mlx", "vllm")}}
-    with engine_cluster(smol_dir, home, agents, PAIRS) as cluster:
+    with engine_cluster(smol_dir, home, agents, PAIRS, tampered=("sglang", "sglang2")) as cluster:
         yield cluster
 
 
@@ -282,6 +283,14 @@ def test_cancel_and_peer_kill_return_sglang_to_baseline(cluster, long_ids, smol_
         assert "Paris" in cluster["client"].chat.completions.create(
             model=pair, messages=QUESTION, max_tokens=20, temperature=0).choices[0].message.content
     write_report("sglang_faults", figures)
+
+
+def test_damaged_page_streams_fall_back_through_the_panel(cluster, long_ids):
+    """A bit flipped in a page, then a stream cut short, between two SGLang agents through the
+    panel: the decoder-alone answer each time, the reason logged, and both SGLang pools idle."""
+    seen = check_damaged_streams_through_panel(cluster, "sglang", "sglang2", prompt(long_ids, 130),
+                                               {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")})
+    write_report("sglang_damaged_streams", seen)
 
 
 def test_a_crashed_sglang_is_restarted(cluster, long_ids):

@@ -23,8 +23,9 @@ from node_agent.client import AgentClient
 from .agents import (TEST_KEY, AgentProcess, generate_request, pd_request,
                      settle, wait_until_streaming)
 from .conftest import collect, prompt, run, write_report
-from .server_engines import (check_engine_crash_through_panel, check_every_direction, check_pages_against_transformers,
-                             check_prefiller_rules, engine_cluster)
+from .server_engines import (check_damaged_streams_through_panel, check_engine_crash_through_panel,
+                             check_every_direction, check_pages_against_transformers, check_prefiller_rules,
+                             engine_cluster)
 
 PAIRS = {"v2m": ("vllm", "mlx"), "m2v": ("mlx", "vllm"), "v2t": ("vllm", "torch"), "t2v": ("torch", "vllm"),
          "v2v": ("vllm", "vllm2")}
@@ -40,7 +41,8 @@ def cluster(smol_dir, tmp_path_factory):
     os.environ.setdefault("TANDEM_VLLM_THREADS", "1")  # equal thread counts: outputs comparable bit for bit
     agents = {name: ("vllm" if name.startswith("vllm") else name, {}) for name in ("vllm", "vllm2", "torch", "mlx")}
     # "crash" is only for the engine-crash test (check_every_direction covers PAIRS)
-    with engine_cluster(smol_dir, home, agents, {**PAIRS, "crash": ("vllm2", "mlx")}) as cluster:
+    with engine_cluster(smol_dir, home, agents, {**PAIRS, "crash": ("vllm2", "mlx")},
+                        tampered=("vllm", "vllm2")) as cluster:
         yield cluster
 
 
@@ -101,6 +103,14 @@ def test_cancel_and_peer_kill_return_vllm_to_baseline(cluster, long_ids, smol_di
     write_report("vllm_faults", {"cancel_mid_transfer": cancelled[-1]["error"]["message"][:300],
                                  "prefiller_killed_mid_transfer": killed[-1]["error"]["message"][:300],
                                  "kv_cache_usage_after": kv_usage(v)})
+
+
+def test_damaged_page_streams_fall_back_through_the_panel(cluster, long_ids):
+    """A bit flipped in a page, then a stream cut short, between two vLLM agents through the
+    panel: the decoder-alone answer each time, the reason logged, and both vLLM pools idle."""
+    seen = check_damaged_streams_through_panel(cluster, "vllm", "vllm2", prompt(long_ids, 130),
+                                               {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")})
+    write_report("vllm_damaged_streams", seen)
 
 
 def test_a_crashed_vllm_is_restarted(cluster, long_ids):
