@@ -14,6 +14,10 @@ engine thread (one thread per adapter, so engines that are not thread-safe stay 
     import_kv(session, start, kv)  write K/V for positions [start, start + n) into the cache
     set_length(session, n)         declare the first n positions valid (after imports)
 
+and may override three more where the engine runs asynchronously (CUDA): `forward_chunk` (a
+chunk whose logits nobody reads) and `export_start`/`export_finish` with `export_lag` (pages
+copied off the device while it computes the next chunk).
+
 On top of them this class builds what the agent calls, all `async` and cancellable:
 
     prefill(request)           -> async iterator of KVPage … then one PrefillDone(first_token)
@@ -291,10 +295,7 @@ class EngineAdapter(ABC):
             for start, end in self.prefill_chunks(n):
                 self._check(req, event)
                 failpoints.reach("prefill_chunk")
-                if end < n:
-                    await self.on_engine(self.forward_chunk, session, ids[start:end])
-                else:
-                    logits = await self.on_engine(self.forward, session, ids[start:end])
+                logits = await self._compute(session, ids[start:end], last=end == n)
                 ready = export if end == n else min(end, export) // P * P
                 if ready > sent:
                     exports.append(await self.on_engine(self.export_start, session, sent, ready))
@@ -407,10 +408,7 @@ class EngineAdapter(ABC):
             logits = None
             for start, end in self.prefill_chunks(len(ids)):
                 self._check(req, event)
-                if end < len(ids):
-                    await self.on_engine(self.forward_chunk, session, ids[start:end])
-                else:
-                    logits = await self.on_engine(self.forward, session, ids[start:end])
+                logits = await self._compute(session, ids[start:end], last=end == len(ids))
             sampler = Sampler(req.sampling)
             async for token in self._continue(req, event, session, sampler, sampler(logits)):
                 yield token
@@ -437,6 +435,13 @@ class EngineAdapter(ABC):
 
     def _next_token(self, session: Any, token: int, sampler: Sampler) -> int:
         return sampler(self.forward(session, [token]))
+
+    async def _compute(self, session: Any, ids: list[int], last: bool) -> np.ndarray | None:
+        """One prompt chunk on the engine thread; the logits of the last one only."""
+        if last:
+            return await self.on_engine(self.forward, session, ids)
+        await self.on_engine(self.forward_chunk, session, ids)
+        return None
 
     async def _release(self, session: Any) -> None:
         # Release on the engine thread so it runs after any engine work still queued for it.
