@@ -99,12 +99,16 @@ class TorchAdapter(EngineAdapter):
     def forward_chunk(self, session: Cache, token_ids: list[int]) -> None:
         self._run(session, token_ids)  # on CUDA: queued, not waited for
 
+    @staticmethod
+    def _gather(session: Cache, start: int, end: int) -> torch.Tensor:
+        """Positions [start, end) of every layer's K and V, in one kernel: [layers * 2][heads][n][dim]."""
+        return torch.stack([t[0, :, start:end] for layer in session.layers for t in (layer._k, layer._v)])
+
     def export_kv(self, session: Cache, start: int, end: int) -> np.ndarray:
-        # [layers][2][1, heads, n, dim] -> [layers][2][n][heads][dim] in FP16, in one gather
-        kv = torch.stack([t[0, :, start:end] for layer in session.layers for t in (layer._k, layer._v)])
+        # -> [layers][2][n][heads][dim] in FP16
         g = self.geometry
-        kv = kv.view(g.layers, 2, g.kv_heads, end - start, g.head_dim).permute(0, 1, 3, 2, 4)
-        return kv.to(torch.float16).contiguous().cpu().numpy()
+        kv = self._gather(session, start, end).view(g.layers, 2, g.kv_heads, end - start, g.head_dim)
+        return kv.permute(0, 1, 3, 2, 4).to(torch.float16).contiguous().cpu().numpy()
 
     def export_start(self, session: Cache, start: int, end: int):
         if not self.cuda:
@@ -115,7 +119,7 @@ class TorchAdapter(EngineAdapter):
         pages = -(-n // g.page_tokens)
         kv = torch.zeros(g.layers * 2, g.kv_heads, pages * g.page_tokens, g.head_dim, dtype=torch.float16,
                          device=self.device)
-        kv[:, :, :n] = torch.stack([t[0, :, start:end] for layer in session.layers for t in (layer._k, layer._v)])
+        kv[:, :, :n] = self._gather(session, start, end)
         kv = kv.view(g.layers, 2, g.kv_heads, pages, g.page_tokens, g.head_dim).permute(3, 0, 1, 4, 2, 5).contiguous()
         host = torch.empty(kv.shape, dtype=torch.float16, pin_memory=True)  # torch's caching host allocator
         host.copy_(kv, non_blocking=True)  # queued behind this chunk's compute on the same stream
