@@ -45,6 +45,10 @@ def prompts(d: AgentProcess) -> list[list[int]]:
     return out
 
 
+def panel_client(panel: PanelProcess, **kw) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=panel.url, headers={"Authorization": f"Bearer {panel.api_key}"}, timeout=300, **kw)
+
+
 async def one(client: httpx.AsyncClient, ids: list[int]) -> dict:
     body = {"model": "pd", "prompt": ids, "max_tokens": 8, "temperature": 0, "stream": True}
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -70,9 +74,7 @@ def test_64_concurrent_streams_complete_or_get_429_and_none_is_mixed_up(cluster)
     order = [i % len(ids) for i in range(CONCURRENT)]
 
     async def main():
-        limits = httpx.Limits(max_connections=CONCURRENT)
-        async with httpx.AsyncClient(base_url=panel.url, headers={"Authorization": f"Bearer {panel.api_key}"},
-                                     timeout=300, limits=limits) as client:
+        async with panel_client(panel, limits=httpx.Limits(max_connections=CONCURRENT)) as client:
             return await asyncio.gather(*(one(client, ids[i]) for i in order))
 
     results = asyncio.run(main())
@@ -106,8 +108,7 @@ def serial_seconds_per_request(panel: PanelProcess, ids: list[list[int]], expect
     """Mean wall time of one streamed P/D request through the panel with nothing else running (each
     prompt once, after one warm-up); each answer is checked against the decoder alone."""
     async def main():
-        async with httpx.AsyncClient(base_url=panel.url, headers={"Authorization": f"Bearer {panel.api_key}"},
-                                     timeout=300) as client:
+        async with panel_client(panel) as client:
             await one(client, ids[0])
             start = time.perf_counter()
             for x, want in zip(ids, expected):
