@@ -1,19 +1,17 @@
-"""What exporting pages costs a CUDA prefill, in process (no agents, no network).
+"""What exporting pages costs a CUDA prefill, in process (no agents, no network), by chunk size.
 
-    python bench/gpu_prefill_export.py --model DIR [--lengths 744,2844,8160] [--reps 5]
+    python bench/gpu_prefill_export.py --model DIR [--lengths 744,2844,8160] [--chunks 256,2048] [--reps 5]
 
-For each prompt length, interleaved repetitions of four runs of the torch adapter on CUDA:
-- alone, waiting per chunk: the prompt computed chunk by chunk, each chunk's logits read back
-  (a device sync per chunk: how local generation and P used to run);
-- alone: the same without reading back any logits but the last (how they run now);
-- export, waiting per chunk: prefill with its KV copied to pageable host memory after every
-  chunk, the host waiting for each copy before queueing the next chunk, then cut into pages
-  on the host (how P used to run);
-- export: whole pages laid out on the device, copied into pinned host memory on the device's
-  stream and collected one chunk later, so the device always has the next chunk queued and
-  no page is copied again on the host (`EngineAdapter.export_start`).
-Prints median milliseconds and each export run's ratio to "alone" (the bound's prefill term).
-Also counts the device syncs the export run makes (`torch.cuda.set_sync_debug_mode`).
+For each prompt length and each prefill chunk size, interleaved repetitions of two runs of the
+torch adapter on CUDA:
+- alone: local generation's prefill (chunk by chunk, no logits read back but the last): the
+  bound's prefill term;
+- export: P's prefill: whole pages laid out on the device, copied into pinned host memory on the
+  device's stream and collected one chunk later (`EngineAdapter.export_start`).
+Prints median milliseconds, export ÷ alone for each chunk size, and how each chunk size's alone
+compares with the first's: a small model on a big GPU is bound by the host queueing kernels, a
+cost per chunk, not per token. Also counts the device syncs of an export run
+(`torch.cuda.set_sync_debug_mode`).
 """
 
 from __future__ import annotations
@@ -32,17 +30,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine_adapters import load_adapter  # noqa: E402
-from engine_adapters.base import EngineAdapter, EngineRequest  # noqa: E402
+from engine_adapters.base import EngineRequest  # noqa: E402
 from engine_adapters.pages import KVPage  # noqa: E402
 from engine_adapters.sampling import SamplingParams  # noqa: E402
-
-
-def waiting_per_chunk(adapter) -> None:
-    """Make the adapter behave as before asynchronous export (instance attributes only)."""
-    adapter.forward_chunk = lambda session, ids: adapter.forward(session, ids)
-    adapter.export_start = lambda session, start, end: (start, adapter.export_kv(session, start, end))
-    adapter.export_finish = lambda handle: EngineAdapter.export_finish(adapter, handle)
-    adapter.export_lag = 0
 
 
 async def alone(adapter, ids: list[int]) -> float:
@@ -66,40 +56,39 @@ def main() -> None:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--lengths", default="744,2844,8160")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--chunks", default=None, help="prefill chunk sizes in tokens (default: the adapter's)")
     ap.add_argument("--device", default="cuda", help="cpu checks the script itself (no device syncs to count)")
     args = ap.parse_args()
-    new = load_adapter("torch", args.model, device=args.device)
-    old = load_adapter("torch", args.model, device=args.device)
-    waiting_per_chunk(old)
-    assert type(new).forward_chunk is not EngineAdapter.forward_chunk
-    vocab = new.info.vocab_size
-    runs = {"alone, waiting per chunk": (old, alone), "alone": (new, alone),
-            "export, waiting per chunk": (old, export), "export": (new, export)}
-    print(f"{new.accelerator()['name']}, torch {torch.__version__}, {args.model.name}, {args.reps} reps, medians in ms")
+    adapter = load_adapter("torch", args.model, device=args.device)
+    chunks = [int(x) for x in (args.chunks or str(adapter.prefill_chunk_tokens)).split(",")]
+    vocab = adapter.info.vocab_size
+    print(f"{adapter.accelerator()['name']}, torch {torch.__version__}, {args.model.name}, {args.reps} reps, "
+          f"medians in ms; the adapter's own chunk size: {adapter.prefill_chunk_tokens}")
     for n in [int(x) for x in args.lengths.split(",")]:
         ids = [int(x) for x in np.random.default_rng(n).integers(100, vocab - 100, size=n)]
-        times: dict[str, list[float]] = {k: [] for k in runs}
+        times: dict[tuple[int, str], list[float]] = {(c, k): [] for c in chunks for k in ("alone", "export")}
         for rep in range(args.reps + 1):  # the first round warms up
-            for name, (adapter, fn) in runs.items():
-                t = asyncio.run(fn(adapter, ids))
+            for c, kind in times:
+                adapter.prefill_chunk_tokens = c
+                t = asyncio.run((alone if kind == "alone" else export)(adapter, ids))
                 if rep:
-                    times[name].append(t)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if new.cuda:
-                torch.cuda.set_sync_debug_mode("warn")
-            asyncio.run(export(new, ids))
-            if new.cuda:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
+                    times[c, kind].append(t)
         med = {k: statistics.median(v) * 1000 for k, v in times.items()}
-        line = "  ".join(f"{k} {v:7.1f}" for k, v in med.items())
-        print(f"{n:5d} tokens: {line}")
-        print(f"      export ÷ alone {med['export'] / med['alone']:.2f} (was {med['export, waiting per chunk'] / med['alone, waiting per chunk']:.2f} "
-              f"waiting per chunk); export now ÷ before {med['export'] / med['export, waiting per chunk']:.2f}; "
-              f"device syncs in one export run: {syncs} ({len(new.prefill_chunks(n))} chunks)")
-    new.close()
-    old.close()
+        for c in chunks:
+            adapter.prefill_chunk_tokens = c
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if adapter.cuda:
+                    torch.cuda.set_sync_debug_mode("warn")
+                asyncio.run(export(adapter, ids))
+                if adapter.cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+            print(f"{n:5d} tokens, chunks of {c:5d} ({len(adapter.prefill_chunks(n)):2d}): alone {med[c, 'alone']:7.1f}  "
+                  f"export {med[c, 'export']:7.1f}  export ÷ alone {med[c, 'export'] / med[c, 'alone']:.2f}  "
+                  f"alone ÷ alone at {chunks[0]}: {med[c, 'alone'] / med[chunks[0], 'alone']:.2f}  "
+                  f"device syncs in one export run: {syncs}")
+    adapter.close()
 
 
 if __name__ == "__main__":

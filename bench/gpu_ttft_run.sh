@@ -13,7 +13,7 @@
 # SmolLM2-135M's exact config: timing is what is measured, not text. Agent A: torch on CUDA
 # (FP16); agent B: torch on the CPU (GPUs hidden); each pinned to one core.
 # Results of the last run: bench/results/gpu-h200-*. Extra bench options: EXTRA="--cores-per-agent 4".
-# PROBE=744,2844,8160 first runs bench/gpu_prefill_export.py; CUDA_TESTS=1 runs tests/test_cuda.py;
+# PROBE=744,2844,8160 first runs bench/gpu_prefill_export.py (CHUNKS=256,2048 to compare chunk sizes, PROBE_REPS=5); CUDA_TESTS=1 runs tests/test_cuda.py;
 # FOREGROUND=SECONDS runs the benchmark in the call (at most that long) instead of leaving it running.
 set -e
 REPO=$PWD
@@ -30,7 +30,7 @@ make_tiny_checkpoint(Path('/tmp/smolrand'), 'llama', Path('.devcarry/tok'), seed
     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.02)
 PYEOF
 python3 -c "import tandem_cli.main, node_agent.app, control_panel.ui; print('imports ok')"
-[ -n "$PROBE" ] && python3 bench/gpu_prefill_export.py --model /tmp/smolrand --lengths "$PROBE" | tee "$OUT/export.txt"
+[ -n "$PROBE" ] && python3 bench/gpu_prefill_export.py --model /tmp/smolrand --lengths "$PROBE" ${CHUNKS:+--chunks $CHUNKS} --reps ${PROBE_REPS:-5} | tee "$OUT/export.txt"
 [ -n "$CUDA_TESTS" ] && TANDEM_TOKENIZER_DIR=.devcarry/tok python3 -m pytest -q tests/test_cuda.py 2>&1 | tail -3 | tee "$OUT/test_cuda.txt"
 bench() {
   TANDEM_HOME=/tmp/th "$@" "$(dirname "$PY")/tandem" bench ttft --model /tmp/smolrand --prefill torch --decode torch \

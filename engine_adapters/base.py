@@ -110,7 +110,7 @@ class PrefillDone:
 class EngineAdapter(ABC):
     name: ClassVar[str]
     decoder_modes: ClassVar[tuple[FirstTokenMode, ...]] = (FirstTokenMode.COMMIT_FIRST, FirstTokenMode.RECOMPUTE_LAST)
-    prefill_chunk_tokens: ClassVar[int] = 256
+    prefill_chunk_tokens: int = 256  # an adapter may choose its own per device (torch on CUDA: 2,048)
     # Sampling fields this engine applies when it generates (`sampling`), and to the token it
     # samples at the end of a prefill (`first_token_sampling`: the first token, in commit-first
     # mode). In-process engines sample with `sampling.Sampler`; output-only penalties cannot

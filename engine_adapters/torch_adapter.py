@@ -13,6 +13,8 @@ from transformers.utils import logging as hf_logging
 from .base import EngineAdapter
 from .pages import KVPage
 
+CUDA_PREFILL_CHUNK_TOKENS = 2048  # measured on an H200: bench/results/gpu-h200-prefill-chunks-*.txt
+
 
 class _FP16KVLayer(DynamicLayer):
     """One layer's KV in a preallocated buffer that grows by doubling.
@@ -73,6 +75,11 @@ class TorchAdapter(EngineAdapter):
         self.cuda = self.device.type == "cuda"
         self.dtype = torch.float16 if self.cuda else torch.float32
         self.export_lag = 1 if self.cuda else 0  # see EngineAdapter.export_start
+        if self.cuda:
+            # A small model on a big GPU is bound by the host queueing kernels: a cost per chunk,
+            # not per token. Bigger chunks cut it (bench/gpu_prefill_export.py --chunks); pages still
+            # leave chunk by chunk and the last page still computes on its own.
+            self.prefill_chunk_tokens = CUDA_PREFILL_CHUNK_TOKENS
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype).to(self.device).eval()
 
     def accelerator(self) -> dict:
