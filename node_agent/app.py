@@ -459,7 +459,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
                         yield item
             except TransportError as e:
                 raise FrameError(f"the page stream from {body.prefill_url} broke off ({type(e).__name__}: {e}) "
-                                 f"after {stats['wire_bytes']:,} bytes: nothing was decoded") from e
+                                 f"after {stats['pages']} whole page(s): nothing was decoded") from e
 
         return StreamingResponse(token_lines(req, slot.adapter.decode(req, pages()), "decode", time.perf_counter(), stats),
                                  media_type="application/x-ndjson")

@@ -189,13 +189,16 @@ def complete(client, model: str, ids: list[int], stream: bool) -> str:
 
 class TamperProxy:
     """A TCP proxy that damages what the upstream sends back: flip one bit at byte `flip_at`,
-    or cut the connection after `cut_at` bytes (both counted per connection, read when a
-    connection opens, so a test may change them between requests). Runs its own event loop in
-    a thread."""
+    cut the connection after `cut_at` bytes, go silent after `freeze_at` bytes (a pulled cable:
+    no byte and no close either way, until the client gives up), or pass at most `rate` bytes a
+    second (a slow link). All counted per connection and read when a connection opens, so a
+    test may change them between requests. Runs its own event loop in a thread."""
 
     def __init__(self, upstream_port: int, flip_at: int | None = None, cut_at: int | None = None,
                  upstream_host: str = "127.0.0.1", host: str = "127.0.0.1", port: int = 0):
         self.upstream_port, self.flip_at, self.cut_at = upstream_port, flip_at, cut_at
+        self.freeze_at: int | None = None
+        self.rate: float | None = None
         self.upstream_host, self.host, self.port = upstream_host, host, port
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -214,7 +217,7 @@ class TamperProxy:
         self.loop.run_forever()
 
     async def _handle(self, client_r, client_w) -> None:
-        flip_at, cut_at = self.flip_at, self.cut_at
+        flip_at, cut_at, freeze_at, rate = self.flip_at, self.cut_at, self.freeze_at, self.rate
         up_r, up_w = await asyncio.open_connection(self.upstream_host, self.upstream_port)
 
         async def upstream() -> None:
@@ -223,17 +226,22 @@ class TamperProxy:
                 await up_w.drain()
 
         async def downstream() -> None:
-            sent = 0
-            while data := await up_r.read(65536):
+            sent, t0 = 0, time.monotonic()
+            while data := await up_r.read(16384 if rate else 65536):
                 data = bytearray(data)
                 if flip_at is not None and sent <= flip_at < sent + len(data):
                     data[flip_at - sent] ^= 0x04
                 if cut_at is not None and sent + len(data) >= cut_at:
                     client_w.write(bytes(data[: cut_at - sent]))
                     return
+                if freeze_at is not None and sent + len(data) >= freeze_at:
+                    client_w.write(bytes(data[: freeze_at - sent]))
+                    await asyncio.Event().wait()  # silent until the client closes (upstream() ends)
                 client_w.write(bytes(data))
                 sent += len(data)
                 await client_w.drain()
+                if rate:  # hold the average at `rate`: TCP back-pressure reaches the upstream
+                    await asyncio.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
 
         tasks = [asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream())]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -243,5 +251,10 @@ class TamperProxy:
             w.close()
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        async def shut() -> None:
+            self.server.close()
+            for task in asyncio.all_tasks() - {asyncio.current_task()}:  # pooled connections still open
+                task.cancel()
+
+        asyncio.run_coroutine_threadsafe(shut(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)

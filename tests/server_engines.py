@@ -11,8 +11,10 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import openai
+import psutil
 
 from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
 from engine_adapters.sampling import SamplingParams
@@ -54,7 +56,7 @@ def engine_cluster(model: Path, home: Path, agents: dict[str, tuple[str, dict]],
     with ExitStack() as stack:
         started = {}
         for name, (engine, env) in agents.items():
-            started[name] = AgentProcess(engine, model, home / name, env=env)
+            started[name] = AgentProcess(engine, model, home / name, "--stall-timeout", STALL_SECONDS, env=env)
             stack.callback(started[name].stop)  # stopped even if another one fails to start
         running = {name: a.__enter__() for name, a in started.items()}
         urls = {name: (running[p].url, running[d].url) for name, (p, d) in pairs.items()}
@@ -64,11 +66,22 @@ def engine_cluster(model: Path, home: Path, agents: dict[str, tuple[str, dict]],
             stack.callback(proxy.close)
             urls["tampered"] = (proxy.url, running[tampered[1]].url)
         args = [a for name, (p, d) in urls.items() for a in ("--pair", f"{name}={p},{d}")]
-        with PanelProcess(home / "panel", *args) as panel:
-            client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
-            yield {"panel": panel, "client": client, "panel_home": home / "panel", "proxy": proxy, **running}
+        cluster = {"panel_home": home / "panel", "proxy": proxy, **running}
+        start_panel(cluster, *args)
+        stack.callback(lambda: cluster["panel"].stop())  # whichever panel runs by then (see restart)
+        yield cluster
 
 
+def start_panel(cluster: dict, *args: str) -> None:
+    """A panel on the cluster's panel home (its pairs are kept there), and an OpenAI client for it."""
+    panel = PanelProcess(cluster["panel_home"], *args)
+    api_key = panel.api_key or cluster["client"].api_key  # a panel prints a new key only once
+    cluster["panel"] = panel
+    cluster["client"] = openai.OpenAI(base_url=panel.url + "/v1", api_key=api_key, max_retries=0, timeout=300)
+
+
+VOCAB = 49152  # the embedded model's
+STALL_SECONDS = "15"  # a page stream silent this long is broken (the agents' --stall-timeout)
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]  # the core issue's prompt lengths, around page boundaries
 STREAMED = (64, 193)  # lengths also asked for streaming
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -167,31 +180,112 @@ def check_engine_crash_through_panel(cluster: dict, pair: str, prefiller: str, d
 def check_damaged_streams_through_panel(cluster: dict, prefiller: str, decoder: str, ids: list[int],
                                        engine_idle: dict) -> dict:
     """The "tampered" pair (engine_cluster's `tampered`) through the panel with a bit flipped in
-    the first page, then with the page stream cut short: each time the client gets the
+    the first page, with the page stream cut short, and with the link going silent mid-stream
+    (a pulled cable: the decoder's stall timeout ends it): each time the client gets the
     decoder-alone answer (the router's fallback; nothing damaged is decoded), the request log
     names the reason, both agents let go of everything and each engine's own KV pool is back
     to idle (`engine_idle`: agent name -> engine stat -> its idle value)."""
     client, proxy = cluster["client"], cluster["proxy"]
     expected = complete(client, f"node/{cluster[decoder].engine}-{decoder}", ids, False)
     seen = {}
-    for damage, reason in ((dict(flip_at=300_000), "checksum mismatch on page 0"), (dict(cut_at=700_000), "broke off")):
+    for damage, reason in ((dict(flip_at=300_000), "checksum mismatch on page 0"), (dict(cut_at=700_000), "broke off"),
+                           (dict(freeze_at=700_000), "stalled")):
         for name, value in damage.items():
             setattr(proxy, name, value)
         try:
             text = complete(client, "tampered", ids, False)
         finally:
-            proxy.flip_at = proxy.cut_at = None
+            proxy.flip_at = proxy.cut_at = proxy.freeze_at = None
         assert text == expected, (damage, text, expected)
         row = log_rows(cluster["panel_home"])[-1]
         assert row.route == "decode_alone" and reason in row.reason, row
         seen[reason] = row.reason
-        settle(cluster[prefiller], cluster[decoder])
-        deadline = time.monotonic() + 30  # an engine frees its pool on its own schedule
-        for name, stats in engine_idle.items():
-            while not all((now := cluster[name].status()["engine_stats"])[k] == v for k, v in stats.items()):
-                assert time.monotonic() < deadline, (name, now)
-                time.sleep(0.2)
+        at_engine_baseline(cluster, (prefiller, decoder), engine_idle)
     return seen
+
+
+def at_engine_baseline(cluster: dict, agents: tuple[str, ...], engine_idle: dict) -> None:
+    """The agents idle (nothing reserved, no handoff, no request) and each engine's own KV pool
+    back to its idle value (`engine_idle`: agent name -> engine stat -> value)."""
+    settle(*(cluster[name] for name in agents), timeout=30)
+    deadline = time.monotonic() + 30  # an engine frees its pool on its own schedule
+    for name, stats in engine_idle.items():
+        while not all((now := cluster[name].status()["engine_stats"])[k] == v for k, v in stats.items()):
+            assert time.monotonic() < deadline, (name, now)
+            time.sleep(0.2)
+
+
+def check_slow_link_through_panel(cluster: dict, prefiller: str, decoder: str, ids: list[int],
+                                  engine_idle: dict, rate: float = 4e6) -> dict:
+    """The "tampered" pair through a link held to `rate` bytes/s: the request completes P->D and
+    neither agent's memory grows with the backed-up stream (the prefiller holds what it reserved,
+    the decoder a few pages). A first request of the same length, at full speed, warms both up."""
+    client, proxy = cluster["client"], cluster["proxy"]
+    complete(client, "tampered", ids[::-1], False)
+    agents = {name: psutil.Process(cluster[name].proc.pid) for name in (prefiller, decoder)}
+    base = {name: p.memory_info().rss for name, p in agents.items()}
+    peak, result = dict(base), {}
+
+    def ask() -> None:
+        try:
+            result["text"] = complete(client, "tampered", ids, False)
+        except Exception as e:  # what the client saw is what the test checks
+            result["error"] = e
+
+    proxy.rate = rate
+    try:
+        thread = threading.Thread(target=ask)
+        thread.start()
+        while thread.is_alive():
+            for name, p in agents.items():
+                peak[name] = max(peak[name], p.memory_info().rss)
+            time.sleep(0.02)
+    finally:
+        proxy.rate = None
+    assert "text" in result, result
+    row = log_rows(cluster["panel_home"])[-1]
+    pages = -(-len(ids) // 64)
+    assert row.route == "pd" and row.bytes_moved >= (pages - 1) * 1_474_560, row
+    kv = len(ids) * 23_040
+    grew = {name: (peak[name] - base[name]) / kv for name in agents}
+    assert grew[prefiller] < 4 and grew[decoder] < 3, {n: f"{g:.2f}x the prompt's KV" for n, g in grew.items()}
+    at_engine_baseline(cluster, (prefiller, decoder), engine_idle)
+    return {"pages": pages, "rate_bytes_per_second": rate, "rss_growth_x_kv": {n: round(g, 2) for n, g in grew.items()}}
+
+
+def check_panel_restart(cluster: dict, pair: str, prefiller: str, decoder: str, ids: list[int],
+                        engine_idle: dict) -> dict:
+    """The panel killed while a request of `pair` streams: the client's stream breaks, both
+    agents and engines let go, the next panel logs the request as interrupted and serves."""
+    client = cluster["client"]
+    result: dict = {"chunks": 0}
+
+    def ask() -> None:
+        try:
+            for chunk in client.completions.create(model=pair, prompt=ids, max_tokens=400, temperature=0, stream=True):
+                result["chunks"] += 1
+        except Exception as e:  # what the client saw is what the test checks
+            result["error"] = e
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while result["chunks"] < 3:
+        assert time.monotonic() < deadline and thread.is_alive(), result
+        time.sleep(0.02)
+    while not (running := [r.id for r in log_rows(cluster["panel_home"]) if r.outcome == "running"]):
+        assert time.monotonic() < deadline, "the streaming request was never logged as running"
+        time.sleep(0.02)
+    cluster["panel"].proc.kill()
+    thread.join(60)
+    assert isinstance(result.get("error"), (openai.APIConnectionError, httpx.TransportError)), result
+    at_engine_baseline(cluster, (prefiller, decoder), engine_idle)
+    start_panel(cluster)
+    row = {r.id: r for r in log_rows(cluster["panel_home"])}[running[-1]]
+    assert row.outcome == "interrupted" and "panel stopped" in row.error, row
+    assert complete(cluster["client"], pair, ids[:64], False), "the restarted panel does not serve"
+    at_engine_baseline(cluster, (prefiller, decoder), engine_idle)
+    return {"chunks_before_kill": result["chunks"], "logged": row.error}
 
 
 def kill_engine_and_wait_for_restart(agent: AgentProcess, ready_stat: str, timeout: float = 300) -> dict:

@@ -23,14 +23,15 @@ from engine_adapters.pages import KVPage, PageGeometry, make_page
 from engine_adapters.sampling import SamplingParams
 from engine_adapters.sglang_adapter import sglang_environment
 from node_agent.client import AgentClient
+from tandem_cli.bench_ttft import prompt_ids
 
 from .agents import (TEST_KEY, AgentProcess, TamperProxy, decode_foreign_pages, generate_request,
                      pd_request,
                      settle, tokens_of, wait_until_streaming)
 from .conftest import collect, prompt, run, write_report
-from .server_engines import (QUESTION, check_damaged_streams_through_panel, check_engine_crash_through_panel,
-                             check_every_direction, check_pages_against_transformers, check_prefiller_rules,
-                             engine_cluster)
+from .server_engines import (QUESTION, VOCAB, check_damaged_streams_through_panel, check_engine_crash_through_panel,
+                             check_every_direction, check_pages_against_transformers, check_panel_restart,
+                             check_prefiller_rules, check_slow_link_through_panel, engine_cluster)
 
 PAIRS = {"s2m": ("sglang", "mlx"), "m2s": ("mlx", "sglang2"), "s2t": ("sglang", "torch"),
          "t2s": ("torch", "sglang2"), "s2s": ("sglang", "sglang2"), "s2v": ("sglang", "vllm"),
@@ -286,11 +287,24 @@ def test_cancel_and_peer_kill_return_sglang_to_baseline(cluster, long_ids, smol_
 
 
 def test_damaged_page_streams_fall_back_through_the_panel(cluster, long_ids):
-    """A bit flipped in a page, then a stream cut short, between two SGLang agents through the
-    panel: the decoder-alone answer each time, the reason logged, and both SGLang pools idle."""
+    """A bit flipped in a page, a stream cut short, then a link gone silent mid-stream, between
+    two SGLang agents through the panel: the decoder-alone answer each time, the reason logged, and both SGLang pools idle."""
     seen = check_damaged_streams_through_panel(cluster, "sglang", "sglang2", prompt(long_ids, 130),
                                                {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")})
     write_report("sglang_damaged_streams", seen)
+
+
+def test_a_slow_link_between_sglangs_holds_memory_flat(cluster):
+    """16 pages between the two SGLang agents through a link held to 4 MB/s, through the panel."""
+    idle = {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")}
+    write_report("sglang_slow_link",
+                 check_slow_link_through_panel(cluster, "sglang", "sglang2", prompt_ids(1000, 5, VOCAB), idle))
+
+
+def test_panel_restarted_while_an_sglang_pair_streams(cluster):
+    idle = {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")}
+    write_report("sglang_panel_restart",
+                 check_panel_restart(cluster, "s2s", "sglang", "sglang2", prompt_ids(200, 7, VOCAB), idle))
 
 
 def test_a_crashed_sglang_is_restarted(cluster, long_ids):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 import uuid
 
 import numpy as np
@@ -19,13 +20,14 @@ from engine_adapters.pages import KVPage
 from engine_adapters.sampling import SamplingParams
 from engine_adapters.vllm_adapter import vllm_python
 from node_agent.client import AgentClient
+from tandem_cli.bench_ttft import prompt_ids
 
 from .agents import (TEST_KEY, AgentProcess, generate_request, pd_request,
                      settle, wait_until_streaming)
 from .conftest import collect, prompt, run, write_report
-from .server_engines import (check_damaged_streams_through_panel, check_engine_crash_through_panel,
-                             check_every_direction, check_pages_against_transformers, check_prefiller_rules,
-                             engine_cluster)
+from .server_engines import (VOCAB, check_damaged_streams_through_panel, check_engine_crash_through_panel,
+                             check_every_direction, check_pages_against_transformers, check_panel_restart,
+                             check_prefiller_rules, check_slow_link_through_panel, engine_cluster)
 
 PAIRS = {"v2m": ("vllm", "mlx"), "m2v": ("mlx", "vllm"), "v2t": ("vllm", "torch"), "t2v": ("torch", "vllm"),
          "v2v": ("vllm", "vllm2")}
@@ -96,21 +98,51 @@ def test_cancel_and_peer_kill_return_vllm_to_baseline(cluster, long_ids, smol_di
     assert "error" in killed[-1] and "broke off" in killed[-1]["error"]["message"], killed[-1]
     settle(v)
     assert kv_usage(v) == baseline
+
+    # the decoder dies while vLLM prefills for it: vLLM lets go of the request's blocks
+    with AgentProcess("torch", smol_dir, tmp_path / "doomed-d") as doomed:
+        async def kill_decoder():
+            task = asyncio.create_task(_decode_lines(doomed, v, ids, uuid.uuid4().hex))
+            await asyncio.to_thread(wait_until_streaming, v)
+            doomed.proc.kill()
+            try:
+                return repr((await task)[-1])
+            except Exception as e:  # the decoder's answer breaks off with it
+                return repr(e)
+
+        decoder_killed = asyncio.run(kill_decoder())
+    settle(v)
+    deadline = time.monotonic() + 30  # vLLM frees a finished request's blocks on its own schedule
+    while kv_usage(v) != baseline:
+        assert time.monotonic() < deadline, (kv_usage(v), v.status())
+        time.sleep(0.2)
     # and vLLM still serves
     assert "Paris" in cluster["client"].chat.completions.create(
         model="t2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=20, temperature=0).choices[0].message.content
     write_report("vllm_faults", {"cancel_mid_transfer": cancelled[-1]["error"]["message"][:300],
                                  "prefiller_killed_mid_transfer": killed[-1]["error"]["message"][:300],
+                                 "decoder_killed_mid_transfer": decoder_killed[:300],
                                  "kv_cache_usage_after": kv_usage(v)})
 
 
 def test_damaged_page_streams_fall_back_through_the_panel(cluster, long_ids):
-    """A bit flipped in a page, then a stream cut short, between two vLLM agents through the
-    panel: the decoder-alone answer each time, the reason logged, and both vLLM pools idle."""
+    """A bit flipped in a page, a stream cut short, then a link gone silent mid-stream, between
+    two vLLM agents through the panel: the decoder-alone answer each time, the reason logged, and both vLLM pools idle."""
     seen = check_damaged_streams_through_panel(cluster, "vllm", "vllm2", prompt(long_ids, 130),
                                                {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")})
     write_report("vllm_damaged_streams", seen)
+
+
+def test_a_slow_link_between_vllms_holds_memory_flat(cluster):
+    """16 pages between the two vLLM agents through a link held to 4 MB/s, through the panel."""
+    idle = {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")}
+    write_report("vllm_slow_link", check_slow_link_through_panel(cluster, "vllm", "vllm2", prompt_ids(1000, 5, VOCAB), idle))
+
+
+def test_panel_restarted_while_a_vllm_pair_streams(cluster):
+    idle = {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")}
+    write_report("vllm_panel_restart", check_panel_restart(cluster, "v2v", "vllm", "vllm2", prompt_ids(200, 7, VOCAB), idle))
 
 
 def test_a_crashed_vllm_is_restarted(cluster, long_ids):
