@@ -108,6 +108,11 @@ class ServerAdapter(EngineAdapter):
     # ---- talking to the server ---------------------------------------------------------------
     generate_path = "/"
 
+    def _top_k(self, sampling) -> int:
+        """top_k as the server takes it: -1 (off) when unset or not below the vocabulary, where it
+        keeps every token anyway (SGLang's scheduler died on a top_k past int32)."""
+        return sampling.top_k if 0 < sampling.top_k < self.info.vocab_size else -1
+
     async def _answer_tokens(self, response, stream: bool) -> AsyncIterator[int]:
         """The new token ids of one answer from the server (engine-specific format)."""
         raise NotImplementedError

@@ -38,6 +38,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterable, AsyncIterator, Callable
 
+import aiohttp
+
 from .base import EngineRequest, FirstTokenMode, PrefillDone, kv_tokens
 from .bridge import END, first_token_frame, page_frame
 from .engine_server import EngineServer, engine_python
@@ -181,8 +183,12 @@ class SGLangAdapter(ServerAdapter):
             # decode_cuda_graph_memory_gb: the headroom SGLang must find before capturing decode
             # graphs on a flip to decode; 0 asks for none beyond what it needs (CPU has no graphs)
             body = {"new_role": role, "decode_cuda_graph_memory_gb": 0}
-            async with self.http().post(self.server.url + "/pd_role_switch", json=body) as r:
-                answer = await r.json(content_type=None)
+            try:
+                async with self.http().post(self.server.url + "/pd_role_switch", json=body) as r:
+                    answer = await r.json(content_type=None)
+            except (aiohttp.ClientError, OSError) as e:  # down or restarting: the agent brings it back
+                raise TandemError(f"SGLang is not answering ({type(e).__name__}: {e}); log tail:\n"
+                                  f"{self.server.log_tail(5)}") from e
             if answer.get("success"):
                 return
             message = str(answer.get("message", answer))
@@ -210,7 +216,7 @@ class SGLangAdapter(ServerAdapter):
     def _body(self, req: EngineRequest, max_tokens: int, room: int, stream: bool) -> dict:
         s = req.sampling
         params = {"max_new_tokens": max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                  "top_k": s.top_k or -1, "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
+                  "top_k": self._top_k(s), "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
                   "skip_special_tokens": False}
         params.update({name: getattr(s, name) for name in SERVER_FIELDS})
         if s.seed is not None:

@@ -112,7 +112,7 @@ class VLLMAdapter(ServerAdapter):
     def _body(self, req: EngineRequest, max_tokens: int, transfer: dict | None, stream: bool) -> dict:
         s = req.sampling
         body = {"model": "tandem", "prompt": req.token_ids, "max_tokens": max_tokens, "temperature": s.temperature,
-                "top_p": s.top_p, "top_k": s.top_k or -1, "stop_token_ids": list(s.stop_token_ids),
+                "top_p": s.top_p, "top_k": self._top_k(s), "stop_token_ids": list(s.stop_token_ids),
                 "ignore_eos": s.ignore_eos, "stream": stream, "return_token_ids": True,
                 "skip_special_tokens": False}
         body.update({name: getattr(s, name) for name in SERVER_FIELDS})

@@ -413,6 +413,10 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         except (TandemError, AgentHTTPError) as e:
             outcome = "cancelled" if isinstance(e, Cancelled) else "failed"
             yield (json.dumps(error_body(e)) + "\n").encode()
+        except Exception as e:  # a bug or an engine failing in a way nobody foresaw: still a last line
+            log.exception("%s request %s failed", kind, req.request_id)
+            outcome = "failed"
+            yield (json.dumps({"error": {"type": "engine_error", "message": f"{type(e).__name__}: {e}"}}) + "\n").encode()
         finally:
             metrics.requests.labels(kind=kind, outcome=outcome).inc()
 

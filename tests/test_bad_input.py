@@ -14,28 +14,18 @@ counts (cases, statuses, 5xx per operation) go to reports/bad_input.json.
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import time
-from collections import Counter
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis.errors import Unsatisfiable
-from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.errors import FailureGroup
 
-from .agents import TEST_KEY, AgentProcess, PanelProcess, settle
+from .agents import AgentProcess, PanelProcess, settle
 from .conftest import write_report
+from .fuzzing import CALL_TIMEOUT, VOCAB, fuzz, fuzz_agent, narrowed, panel_answer, without_headers
 
 CONTEXT = 64  # tokens: the agents' context length (see the module docstring)
-MAX_EXAMPLES = 25  # per operation and generation mode (valid, then invalid input)
-CALL_TIMEOUT = 30  # seconds: a call that takes longer is a hang
-VOCAB = 49152  # the embedded model's (SmolLM2)
 COUNTS: dict[str, dict] = {}  # schemathesis cases and 5xx per API, written to reports/bad_input.json
 
 
@@ -83,154 +73,11 @@ def good(cluster, model: str = "pd") -> None:
     assert r.json()["usage"]["completion_tokens"] == 2
 
 
-# ---- schemathesis --------------------------------------------------------------------------
-def without_headers(doc: dict, *names: str) -> dict:
-    """Drop header parameters the test sends right on every call itself."""
-    for path in doc["paths"].values():
-        for op in path.values():
-            op["parameters"] = [p for p in op.get("parameters", []) if p["name"].lower() not in names]
-    return doc
-
-
-def narrowed(doc: dict, changes: dict[tuple[str, str], dict | bool]) -> dict:
-    """Narrow parts of the published schema so that valid cases reach deep (a real model name, a
-    real prefiller, sampling the engine applies); invalid cases are generated against the
-    narrowed schema, so everything outside it is still sent. (model, None) sets whether a body
-    may carry properties it does not declare."""
-    schemas = doc["components"]["schemas"]
-    for (model, prop), schema in changes.items():
-        if prop is None:
-            schemas[model]["additionalProperties"] = schema
-            continue
-        assert prop in schemas[model]["properties"], (model, prop)
-        schemas[model]["properties"][prop] = schema
-    return doc
-
-
-def runs_long(label: str, body) -> bool:
-    """A valid max_tokens above 4 that the context still admits: the model would run for up to
-    CONTEXT tokens (seconds each on a busy CPU) and show nothing a 4-token run does not. Such
-    cases are skipped; a max_tokens beyond the context is sent, and refused by the product."""
-    if not isinstance(body, dict):
-        return False
-    if label in ("POST /v1/chat/completions", "POST /v1/completions"):  # absent: 256, beyond the context
-        values = [body.get("max_tokens"), body.get("max_completion_tokens")]
-    elif label in ("POST /v1/generate", "POST /v1/decode"):  # the agent's routes that generate
-        sampling = body.get("sampling", {})
-        values = [sampling.get("max_tokens", 16) if isinstance(sampling, dict) else None]  # 16: the default
-    else:
-        return False
-    return any(4 < number(v) <= CONTEXT for v in values)
-
-
-def number(value) -> float:
-    """What pydantic's lax mode makes of a value sent for an int (5, 5.0 and "5" are all 5)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        return float("nan")
-    try:
-        return float(value)
-    except (ValueError, OverflowError):
-        return float("nan")
-
-
-def fuzz(name: str, url: str, doc: dict, headers: dict, check, skip: set[str] = frozenset()) -> None:
-    """Every operation, MAX_EXAMPLES valid and MAX_EXAMPLES invalid cases each: an answer within
-    CALL_TIMEOUT, no 5xx (schemathesis' not_a_server_error) and `check(response)`. Failures are
-    collected (not shrunk: that would rerun the model) and asserted at the end."""
-    schema = schemathesis.openapi.from_dict(doc)
-    statuses: Counter = Counter()
-    by_operation: dict[str, Counter] = {}
-    failures: list[str] = []
-    seconds: dict[str, float] = {}
-    for result in schema.get_all_operations():
-        op = result.ok()
-        if op.label in skip:
-            continue
-        t0 = time.monotonic()
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-            @given(case=op.as_strategy(generation_mode=mode).filter(lambda case, label=op.label:
-                                                                     not runs_long(label, case.body)))
-            def one(case):
-                try:
-                    response = case.call(base_url=url, headers=headers, timeout=CALL_TIMEOUT)
-                except Exception as e:  # a timeout (a hang) or a broken connection (a crash)
-                    statuses["no answer"] += 1
-                    by_operation.setdefault(op.label, Counter())["no answer"] += 1
-                    failures.append(f"{op.label} [{mode}] {type(e).__name__}: {e}\n{case.as_curl_command(headers)}")
-                    return
-                statuses[response.status_code] += 1
-                by_operation.setdefault(op.label, Counter())[response.status_code] += 1
-                try:
-                    case.validate_response(response, checks=[not_a_server_error])
-                    check(response)
-                except (Exception, FailureGroup) as e:  # FailureGroup: a BaseExceptionGroup
-                    failures.append(f"{op.label} [{mode}] {response.status_code} {response.content[:300]!r}: "
-                                    f"{type(e).__name__} {e}\n{case.as_curl_command(headers)}")
-
-            try:
-                one()
-            except Unsatisfiable:  # nothing to make invalid: an operation without parameters
-                pass
-        seconds[op.label] = round(time.monotonic() - t0, 1)
-    server_errors = sum(n for status, n in statuses.items() if status == "no answer" or status >= 500)
-    COUNTS[name] = {"operations": len(seconds), "cases": sum(statuses.values()), "5xx": server_errors,
-                    "no_answer": statuses["no answer"], "statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
-                    "by_operation": {op: {"seconds": t, **{str(k): v for k, v in sorted(by_operation.get(op, {}).items(),
-                                                                                        key=str)}}
-                                     for op, t in seconds.items()}}
-    print(f"\n{name}: {COUNTS[name]}")
-    assert not failures, f"{len(failures)} failures:\n" + "\n\n".join(failures[:10])
-
-
-def media_type(response) -> str:
-    return response.headers.get("content-type", [""])[0].split(";")[0]  # schemathesis: lists of values
-
-
-def panel_answer(response) -> None:
-    """A refusal is OpenAI's error object; a stream ends with [DONE] and carries no error event
-    (schemathesis reads at most 20 events of a stream: a longer one is not checked)."""
-    if 400 <= response.status_code < 500:
-        error = response.json()["error"]
-        assert error["message"] and error["type"] and {"param", "code"} <= set(error), error
-    elif media_type(response) == "text/event-stream" and not response.stream_cut_short:
-        assert response.text.endswith("data: [DONE]\n\n") and '"error"' not in response.text, response.text[-500:]
-
-
-def agent_answer(response) -> None:
-    """A refusal is the agent's error object; a token stream ends with a done or an error line."""
-    if 400 <= response.status_code < 500:
-        error = response.json()["error"]
-        assert error["message"] and error["type"], error
-    elif media_type(response) == "application/x-ndjson":
-        last = json.loads(response.text.splitlines()[-1])
-        assert last.get("done") is True or last["error"]["message"], last
-
-
 def test_schemathesis_agent_api(cluster):
-    """The decoder's API, every route but the link benchmark (GET /v1/bench/pages streams `count`
-    synthetic 1.4 MB pages by design; its bound is checked below). POST /v1/config stays in: a
-    real switch needs an absolute model path inside the agent's model roots, which generated
-    text does not hit, and anything else is refused before the engine is touched."""
-    d, p = cluster["d"], cluster["p"]
-    headers = {"Authorization": f"Bearer {TEST_KEY}"}
-    with d.client() as c:
-        doc, info = c.get("/v1/openapi.json").json(), c.get("/v1/info").json()
-    # short prompts the engine takes (prefill costs seconds per long prompt on a busy CPU)
-    ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1}, "maxItems": 8}
-    doc = narrowed(without_headers(doc, "authorization", "x-tandem-protocol"), {
-        ("HandoffBody", "contract"): {"enum": [info["contract"]["fingerprint"]]},  # else every handoff is a 409
-        ("DecodeBody", "prefill_url"): {"enum": [p.url]},  # a real prefiller, never a generated host name
-        ("BenchLinkBody", "peer"): {"enum": [p.url]},  # likewise
-        ("BenchLinkBody", "megabytes"): {"type": "integer", "minimum": 1, "maximum": 2},
-        ("HandoffBody", "token_ids"): ids, ("DecodeBody", "token_ids"): ids, ("GenerateBody", "token_ids"): ids,
-        ("SamplingBody", "max_tokens"): {"type": "integer", "minimum": 1, "maximum": 4},
-        # torch applies neither (it refuses them): valid cases leave them at their defaults
-        **{("SamplingBody", name): {"enum": [value]} for name, value in [
-            ("min_p", 0.0), ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)]},
-    })
-    fuzz("agent", d.url, doc, headers, agent_answer, skip={"GET /v1/bench/pages"})
+    """The decoder's API (tests/fuzzing.py: every route but the link benchmark, whose bound is
+    checked here)."""
+    d = cluster["d"]
+    COUNTS["agent"] = fuzz_agent(d, cluster["p"], CONTEXT)
     with d.client() as c:
         for count in ("0", "100001", "many"):
             r = c.get("/v1/bench/pages", params={"count": count})
@@ -264,7 +111,7 @@ def test_schemathesis_panel_openai_api(cluster):
     })
     for body in ("ChatBody", "CompletionBody"):  # without it: 256 tokens, more than this context holds
         doc["components"]["schemas"][body]["required"].append("max_tokens")
-    fuzz("panel", cluster["panel"].url, doc, dict(api.headers), panel_answer)
+    COUNTS["panel"] = fuzz(cluster["panel"].url, doc, dict(api.headers), panel_answer, CONTEXT)
     alive_and_idle(cluster)
 
 

@@ -29,9 +29,11 @@ from .agents import (TEST_KEY, AgentProcess, TamperProxy, decode_foreign_pages, 
                      pd_request,
                      settle, tokens_of, wait_until_streaming)
 from .conftest import collect, prompt, run, write_report
-from .server_engines import (QUESTION, VOCAB, check_damaged_streams_through_panel, check_engine_crash_through_panel,
-                             check_every_direction, check_pages_against_transformers, check_panel_restart,
-                             check_prefiller_rules, check_slow_link_through_panel, engine_cluster)
+from .fuzzing import fuzz_engine_routes
+from .server_engines import (QUESTION, VOCAB, at_engine_baseline, check_damaged_streams_through_panel,
+                             check_engine_crash_through_panel, check_every_direction,
+                             check_pages_against_transformers, check_panel_restart, check_prefiller_rules,
+                             check_slow_link_through_panel, engine_cluster)
 
 PAIRS = {"s2m": ("sglang", "mlx"), "m2s": ("mlx", "sglang2"), "s2t": ("sglang", "torch"),
          "t2s": ("torch", "sglang2"), "s2s": ("sglang", "sglang2"), "s2v": ("sglang", "vllm"),
@@ -305,6 +307,16 @@ def test_panel_restarted_while_an_sglang_pair_streams(cluster):
     idle = {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")}
     write_report("sglang_panel_restart",
                  check_panel_restart(cluster, "s2s", "sglang", "sglang2", prompt_ids(200, 7, VOCAB), idle))
+
+
+def test_schemathesis_on_the_agent_routes_that_reach_sglang(cluster):
+    """Fuzzed requests (tests/fuzzing.py) to SGLang's decode role whose prefiller is SGLang's
+    prefill role: no 5xx, no hang, every refusal a clear error; afterwards both are idle."""
+    counts = fuzz_engine_routes(cluster["sglang2"], cluster["sglang"])
+    at_engine_baseline(cluster, ("sglang", "sglang2"), {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")})
+    assert "Paris" in cluster["client"].chat.completions.create(model="s2s", messages=QUESTION, max_tokens=20,
+                                                                temperature=0).choices[0].message.content
+    write_report("sglang_schemathesis", counts)
 
 
 def test_a_crashed_sglang_is_restarted(cluster, long_ids):

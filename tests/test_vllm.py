@@ -25,9 +25,11 @@ from tandem_cli.bench_ttft import prompt_ids
 from .agents import (TEST_KEY, AgentProcess, generate_request, pd_request,
                      settle, wait_until_streaming)
 from .conftest import collect, prompt, run, write_report
-from .server_engines import (VOCAB, check_damaged_streams_through_panel, check_engine_crash_through_panel,
-                             check_every_direction, check_pages_against_transformers, check_panel_restart,
-                             check_prefiller_rules, check_slow_link_through_panel, engine_cluster)
+from .fuzzing import fuzz_engine_routes
+from .server_engines import (VOCAB, at_engine_baseline, check_damaged_streams_through_panel,
+                             check_engine_crash_through_panel, check_every_direction,
+                             check_pages_against_transformers, check_panel_restart, check_prefiller_rules,
+                             check_slow_link_through_panel, engine_cluster)
 
 PAIRS = {"v2m": ("vllm", "mlx"), "m2v": ("mlx", "vllm"), "v2t": ("vllm", "torch"), "t2v": ("torch", "vllm"),
          "v2v": ("vllm", "vllm2")}
@@ -143,6 +145,17 @@ def test_a_slow_link_between_vllms_holds_memory_flat(cluster):
 def test_panel_restarted_while_a_vllm_pair_streams(cluster):
     idle = {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")}
     write_report("vllm_panel_restart", check_panel_restart(cluster, "v2v", "vllm", "vllm2", prompt_ids(200, 7, VOCAB), idle))
+
+
+def test_schemathesis_on_the_agent_routes_that_reach_vllm(cluster):
+    """Fuzzed requests (tests/fuzzing.py) to a vLLM decoder whose prefiller is the other vLLM:
+    no 5xx, no hang, every refusal a clear error; afterwards both are idle and vLLM serves."""
+    counts = fuzz_engine_routes(cluster["vllm2"], cluster["vllm"])
+    at_engine_baseline(cluster, ("vllm", "vllm2"), {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")})
+    assert "Paris" in cluster["client"].chat.completions.create(
+        model="v2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20, temperature=0).choices[0].message.content
+    write_report("vllm_schemathesis", counts)
 
 
 def test_a_crashed_vllm_is_restarted(cluster, long_ids):
