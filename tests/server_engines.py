@@ -22,6 +22,7 @@ from engine_adapters.sampling import SamplingParams
 from .agents import (AgentProcess, PanelProcess, TamperProxy, complete, log_rows, pages_of, pd_request, settle,
                      tokens_of)
 from .conftest import collect, own_greedy, prompt, run, write_report
+from .load import BUDGET_PAGES, PAGE_BYTES, check_load
 
 
 def check_pages_against_transformers(agent: AgentProcess, torch_engine, long_ids: list[int], report: str) -> None:
@@ -301,3 +302,26 @@ def kill_engine_and_wait_for_restart(agent: AgentProcess, ready_stat: str, timeo
         time.sleep(0.5)
     assert stats["restarts"] == 1 and stats["pid"] is not None, stats
     return stats
+
+
+def check_load_through_panel(cluster: dict, pair: str, prefiller: str, decoder: str, model: Path,
+                             engine_idle: dict) -> dict:
+    """tests/load.py on `pair`, with the prefiller's staging budget cut to a few prompts for the
+    run (POST /v1/config: the same engine and model, so nothing reloads) and restored after. The
+    server engines batch concurrent requests with batch-variant kernels (see check_load)."""
+    p, d = cluster[prefiller], cluster[decoder]
+
+    def budget(nbytes: int) -> None:
+        with p.client() as c:
+            r = c.post("/v1/config", json={"engine": p.engine, "model_path": str(model), "staging_bytes": nbytes})
+            assert r.status_code == 200 and not r.json().get("loading"), r.text
+
+    original = p.status()["budget"]["capacity"]
+    budget(BUDGET_PAGES * PAGE_BYTES)
+    try:
+        figures = check_load(p, d, cluster["panel"].url, cluster["client"].api_key, pair, cluster["panel_home"],
+                             batch_invariant=False)
+    finally:
+        budget(original)
+    at_engine_baseline(cluster, (prefiller, decoder), engine_idle)
+    return figures

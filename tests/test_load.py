@@ -1,27 +1,12 @@
-"""64 concurrent streaming requests through one pair whose staging budget fits only a few prompts.
-
-Every request either completes with exactly the text the decoder alone gives for its prompt (so
-none is lost, cut short or mixed up with another), or is refused with 429 and a Retry-After,
-the policy when the prefiller's budget stays busy past the request's wait (30 s, FIFO). Afterwards both agents
-are idle and the request log has one final row per request.
-"""
+"""64 concurrent streaming requests through one pair (two torch agents) whose staging budget fits
+only a few prompts: tests/load.py says what is checked."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-
-import httpx
 import pytest
-from .agents import AgentProcess, PanelProcess, generate_request, log_rows, settle, tokens_of
-from .conftest import LONG_TEXT
-from .test_cross_engine import PROMPTS
 
-CONCURRENT = 64
-PAGE_BYTES = 1_474_560
-BUDGET_PAGES = 6  # the prompts below take 1 to 5 pages each
-LOADED_SHARE = 0.1  # of the one-at-a-time count that must complete under load (measured here: see the print)
+from .agents import AgentProcess, PanelProcess
+from .load import BUDGET_PAGES, PAGE_BYTES, check_load
 
 
 @pytest.fixture(scope="module")
@@ -33,93 +18,6 @@ def cluster(smol_dir, tmp_path_factory):
         yield p, d, panel, home
 
 
-def prompts(d: AgentProcess) -> list[list[int]]:
-    """16 chat prompts of 1 to 5 pages (every fourth carries a long text before its question)."""
-    out = []
-    with d.client() as c:
-        for i, question in enumerate(PROMPTS[:16]):
-            content = (LONG_TEXT[: 300 * (i % 4)] + "\n\n" + question) if i % 4 else question
-            r = c.post("/v1/tokenize", json={"messages": [{"role": "user", "content": content}]})
-            r.raise_for_status()
-            out.append(r.json()["token_ids"])
-    return out
-
-
-def panel_client(panel: PanelProcess, **kw) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=panel.url, headers={"Authorization": f"Bearer {panel.api_key}"}, timeout=300, **kw)
-
-
-async def one(client: httpx.AsyncClient, ids: list[int]) -> dict:
-    body = {"model": "pd", "prompt": ids, "max_tokens": 8, "temperature": 0, "stream": True}
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"status": r.status_code, "retry_after": r.headers.get("retry-after"),
-                    "error": json.loads(await r.aread())["error"]}
-        text, finish = "", None
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                text += event["choices"][0]["text"]
-                finish = event["choices"][0]["finish_reason"] or finish
-        return {"status": 200, "text": text, "finish": finish}
-
-
 def test_64_concurrent_streams_complete_or_get_429_and_none_is_mixed_up(cluster):
     p, d, panel, home = cluster
-    ids = prompts(d)
-    assert max(len(x) for x in ids) <= BUDGET_PAGES * 64 - 64 and min(len(x) for x in ids) < 64
-    expected = [alone(d, x) for x in ids]
-    serial_s = serial_seconds_per_request(panel, ids, expected)
-    order = [i % len(ids) for i in range(CONCURRENT)]
-
-    async def main():
-        async with panel_client(panel, limits=httpx.Limits(max_connections=CONCURRENT)) as client:
-            return await asyncio.gather(*(one(client, ids[i]) for i in order))
-
-    results = asyncio.run(main())
-    completed = [r for r in results if r["status"] == 200]
-    refused = [r for r in results if r["status"] == 429]
-    assert len(completed) + len(refused) == CONCURRENT, [r for r in results if r["status"] not in (200, 429)]
-    for i, r in zip(order, results):
-        if r["status"] == 200:
-            assert (r["text"], r["finish"]) == expected[i], (i, r, expected[i])
-    for r in refused:  # refused only after waiting its turn for the prefiller's budget
-        assert float(r["retry_after"]) > 0 and r["error"]["type"] == "rate_limit_exceeded", r
-        assert "staging budget stayed busy for 30.0 s" in r["error"]["message"], r
-    # P prefills one prompt at a time; what it cannot start within its 30 s wait is refused. How many
-    # that is depends on the machine, so the floor is a share of what the same pair serves one
-    # request at a time in those 30 s, measured just before: a pair that serves almost nothing under
-    # load fails here.
-    serial_in_window = 30.0 / serial_s
-    print(f"\n{len(completed)} of {CONCURRENT} completed with the decoder-alone text, {len(refused)} got 429; "
-          f"one at a time the pair serves {serial_in_window:.0f} in 30 s ({serial_s * 1000:.0f} ms each), "
-          f"ratio {len(completed) / serial_in_window:.2f}")
-    assert len(completed) >= max(2, LOADED_SHARE * serial_in_window), \
-        f"only {len(completed)} of {CONCURRENT} completed; one at a time {serial_in_window:.0f} fit in 30 s"
-    settle(p, d)
-    assert p.status()["totals"]["handoffs_created"] >= len(completed)
-    rows = log_rows(home)[1 + len(ids):]  # after the one-at-a-time requests
-    assert len(rows) == CONCURRENT and not [r for r in rows if r.outcome == "running"]
-    assert sum(r.outcome == "ok" and r.route == "pd" for r in rows) == len(completed)
-
-
-def serial_seconds_per_request(panel: PanelProcess, ids: list[list[int]], expected: list) -> float:
-    """Mean wall time of one streamed P/D request through the panel with nothing else running (each
-    prompt once, after one warm-up); each answer is checked against the decoder alone."""
-    async def main():
-        async with panel_client(panel) as client:
-            await one(client, ids[0])
-            start = time.perf_counter()
-            for x, want in zip(ids, expected):
-                r = await one(client, x)
-                assert (r["status"], r["text"], r["finish"]) == (200, *want), r
-            return (time.perf_counter() - start) / len(ids)
-    return asyncio.run(main())
-
-
-def alone(d: AgentProcess, ids: list[int]) -> tuple[str, str]:
-    """The decoder's own answer to a prompt, alone: (text, finish reason)."""
-    lines = asyncio.run(generate_request(d.url, ids, {"max_tokens": 8}))
-    tokens_of(lines)
-    return "".join(line["text"] for line in lines if "token" in line), lines[-1]["finish_reason"]
+    check_load(p, d, panel.url, panel.api_key, "pd", home)

@@ -31,7 +31,7 @@ from .agents import (TEST_KEY, AgentProcess, TamperProxy, decode_foreign_pages, 
 from .conftest import collect, prompt, run, write_report
 from .fuzzing import fuzz_engine_routes
 from .server_engines import (QUESTION, VOCAB, at_engine_baseline, check_damaged_streams_through_panel,
-                             check_engine_crash_through_panel, check_every_direction,
+                             check_engine_crash_through_panel, check_every_direction, check_load_through_panel,
                              check_pages_against_transformers, check_panel_restart, check_prefiller_rules,
                              check_slow_link_through_panel, engine_cluster)
 
@@ -317,6 +317,11 @@ def test_schemathesis_on_the_agent_routes_that_reach_sglang(cluster):
     assert "Paris" in cluster["client"].chat.completions.create(model="s2s", messages=QUESTION, max_tokens=20,
                                                                 temperature=0).choices[0].message.content
     write_report("sglang_schemathesis", counts)
+
+
+def test_64_concurrent_streams_between_sglangs_complete_or_get_429(cluster, smol_dir):
+    idle = {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")}
+    write_report("sglang_load", check_load_through_panel(cluster, "s2s", "sglang", "sglang2", smol_dir, idle))
 
 
 def test_a_crashed_sglang_is_restarted(cluster, long_ids):

@@ -27,7 +27,7 @@ from .agents import (TEST_KEY, AgentProcess, generate_request, pd_request,
 from .conftest import collect, prompt, run, write_report
 from .fuzzing import fuzz_engine_routes
 from .server_engines import (VOCAB, at_engine_baseline, check_damaged_streams_through_panel,
-                             check_engine_crash_through_panel, check_every_direction,
+                             check_engine_crash_through_panel, check_every_direction, check_load_through_panel,
                              check_pages_against_transformers, check_panel_restart, check_prefiller_rules,
                              check_slow_link_through_panel, engine_cluster)
 
@@ -156,6 +156,11 @@ def test_schemathesis_on_the_agent_routes_that_reach_vllm(cluster):
         model="v2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=20, temperature=0).choices[0].message.content
     write_report("vllm_schemathesis", counts)
+
+
+def test_64_concurrent_streams_between_vllms_complete_or_get_429(cluster, smol_dir):
+    idle = {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")}
+    write_report("vllm_load", check_load_through_panel(cluster, "v2v", "vllm", "vllm2", smol_dir, idle))
 
 
 def test_a_crashed_vllm_is_restarted(cluster, long_ids):
