@@ -81,7 +81,6 @@ def start_panel(cluster: dict, *args: str) -> None:
     cluster["client"] = openai.OpenAI(base_url=panel.url + "/v1", api_key=api_key, max_retries=0, timeout=300)
 
 
-VOCAB = 49152  # the embedded model's
 STALL_SECONDS = "15"  # a page stream silent this long is broken (the agents' --stall-timeout)
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]  # the core issue's prompt lengths, around page boundaries
 STREAMED = (64, 193)  # lengths also asked for streaming

@@ -29,8 +29,8 @@ from .agents import (TEST_KEY, AgentProcess, TamperProxy, decode_foreign_pages, 
                      pd_request,
                      settle, tokens_of, wait_until_streaming)
 from .conftest import collect, prompt, run, write_report
-from .fuzzing import fuzz_engine_routes
-from .server_engines import (QUESTION, VOCAB, at_engine_baseline, check_damaged_streams_through_panel,
+from .fuzzing import VOCAB, fuzz_engine_routes
+from .server_engines import (QUESTION, at_engine_baseline, check_damaged_streams_through_panel,
                              check_engine_crash_through_panel, check_every_direction, check_load_through_panel,
                              check_pages_against_transformers, check_panel_restart, check_prefiller_rules,
                              check_slow_link_through_panel, engine_cluster)
