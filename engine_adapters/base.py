@@ -292,7 +292,8 @@ class EngineAdapter(ABC):
             session = await self.on_engine(self.new_session, n)
             sent, logits = 0, None
             exports: deque = deque()  # export handles not yet collected
-            for start, end in self.prefill_chunks(n):
+            spans = self.prefill_chunks(n)
+            for i, (start, end) in enumerate(spans):
                 self._check(req, event)
                 failpoints.reach("prefill_chunk")
                 logits = await self._compute(session, ids[start:end], last=end == n)
@@ -300,7 +301,12 @@ class EngineAdapter(ABC):
                 if ready > sent:
                     exports.append(await self.on_engine(self.export_start, session, sent, ready))
                     sent = ready
-                while len(exports) > (self.export_lag if end < n else 0):
+                # The lag applies between the first chunk and the one before the last. The first
+                # chunk's pages go at once, so the link starts one chunk earlier (on a slow link that
+                # is TTFT itself); so do those of the chunk before the last, whose forward waits for
+                # the device to read logits back anyway: lagged, they would wait for it too.
+                lag = self.export_lag if 0 < i < len(spans) - 2 else 0
+                while len(exports) > lag:
                     for page in await self.on_engine(self.export_finish, exports.popleft()):
                         yield page
             first = Sampler(req.sampling)(logits)

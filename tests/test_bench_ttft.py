@@ -37,6 +37,11 @@ def check_cells(result: dict, lengths: list[int], columns: set[str], pairs: tupl
             assert b["seconds"] == pytest.approx(max(b["prefill_seconds"], b["transfer_seconds"])
                                                  + b["decode_step_seconds"])
             assert c["ttft_over_bound"] == pytest.approx(c["ttft"]["median"] / b["seconds"])
+            # the looser figure beside it: D's measured step added whatever the mode
+            assert b["with_d_step_seconds"] == pytest.approx(max(b["prefill_seconds"], b["transfer_seconds"])
+                                                             + b["d_step_measured_seconds"])
+            assert b["d_step_measured_seconds"] > 0 and b["with_d_step_seconds"] >= b["seconds"]
+            assert c["ttft_over_bound_with_d_step"] == pytest.approx(c["ttft"]["median"] / b["with_d_step_seconds"])
             own = c["ttft_minus_own_prefill"]  # every measured request went P->D
             assert len(own["samples"]) == result["samples"] and own["median"] < c["ttft"]["median"]
 
@@ -62,6 +67,10 @@ def test_bench_ttft_on_a_shaped_link(tmp_path):
     assert 20e6 < link["page_stream"]["bytes_per_second"] < 44e6, link
     assert link["page_stream_over_raw_tcp"] == pytest.approx(link["page_stream"]["bytes_per_second"]
                                                             / link["bytes_per_second"])
+    # the default 0.3 ms each way: netem where the kernel has it, and said plainly where it has not
+    lm, md = result["link_measured"], next(tmp_path.glob("ttft-*.md")).read_text()
+    assert lm["asked_delay_ms"] == 0.3 and lm["emulated_delay_ms"] in (0.0, 0.3)
+    assert ("delay each way 0.3 ms (netem)" if lm["emulated_delay_ms"] else "not emulated (no netem") in md
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
 
 
