@@ -21,8 +21,9 @@ closed right after the request was sent). Then it measures:
 
 By default it starts its own cluster on loopback, the way `tandem bench ttft` does: two agents on
 the embedded model (--engines, torch and MLX) and a panel with a pair each way. With --panel it
-soaks an existing cluster instead; RSS then comes from the agents' /v1/status alone (no panel),
-and the request log is not read. Prints the tables, writes the same as JSON with --json, and
+soaks an existing cluster instead; RSS then comes from the agents' /v1/status alone (no panel):
+each agent's own and, apart, that of the engine server it runs (vLLM, SGLang); the request log is
+read only where --panel-db names the panel's database. Prints the tables, writes the same as JSON with --json, and
 exits 1 when a goal is missed.
 """
 
@@ -88,7 +89,7 @@ class Target:
     agents: dict[str, str]  # name: URL
     cluster_key: str | None
     pids: dict[str, int] = field(default_factory=dict)  # name: process id, when the soak started them
-    panel_db: Path | None = None  # panel.db, when the soak started the panel
+    panel_db: Path | None = None  # panel.db: the soak started the panel, or --panel-db
 
 
 @contextmanager
@@ -119,7 +120,7 @@ def existing_cluster(args: argparse.Namespace) -> Target:
         r = httpx.get(url.rstrip("/") + "/v1/status", headers=bearer(args.cluster_key), timeout=30, verify=tls())
         r.raise_for_status()
         agents[r.json()["name"]] = url.rstrip("/")
-    return Target(args.panel.rstrip("/"), args.api_key, agents, args.cluster_key)
+    return Target(args.panel.rstrip("/"), args.api_key, agents, args.cluster_key, panel_db=args.panel_db)
 
 
 def tls() -> ssl.SSLContext:
@@ -276,8 +277,13 @@ async def rss(http: httpx.AsyncClient, target: Target) -> dict[str, int]:
     agent reports its own."""
     if target.pids:
         return {name: psutil.Process(pid).memory_info().rss for name, pid in target.pids.items()}
-    return {name: (await agent_status(http, target, url))["process"]["rss_bytes"]
-            for name, url in target.agents.items()}
+    out = {}
+    for name, url in target.agents.items():
+        process = (await agent_status(http, target, url))["process"]
+        out[name] = process["rss_bytes"]
+        if process.get("children_rss_bytes"):  # an engine that runs as its own server (vLLM, SGLang)
+            out[f"{name} engine"] = process["children_rss_bytes"]
+    return out
 
 
 async def agent_status(http: httpx.AsyncClient, target: Target, url: str) -> dict:
@@ -417,6 +423,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--api-key", help="with --panel: an API key of it")
     ap.add_argument("--agent", action="append", help="with --panel: an agent URL to check (repeatable)")
     ap.add_argument("--cluster-key", help="with --agent: the cluster key")
+    ap.add_argument("--panel-db", type=Path, help="with --panel, on the panel's machine: its panel.db, so that "
+                                                  "no request-log row may be left running")
     ap.add_argument("--model", action="append", help="pair names to use (default: every pair of the panel)")
     args = ap.parse_args()
     if args.panel and not args.api_key:

@@ -198,6 +198,19 @@ class _Incremental:
         return text[len(before):]
 
 
+
+def process_memory() -> dict:
+    """This agent's resident bytes, and those of the processes it started (an engine that runs as
+    its own server: vLLM, SGLang, with their workers), for soak runs and diagnostics."""
+    me = psutil.Process()
+    children = 0
+    for child in me.children(recursive=True):
+        try:
+            children += child.memory_info().rss
+        except psutil.Error:  # gone between the listing and the reading
+            pass
+    return {"rss_bytes": me.memory_info().rss, "children_rss_bytes": children}
+
 def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, loader: Loader | None = None) -> FastAPI:
     """The agent's ASGI app. `discovery` (optional) is started and stopped with the app; `loader`
     (optional) lets a panel switch this node's engine or model (POST /v1/config)."""
@@ -312,7 +325,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
                 "open_handoffs": len(handoffs.handoffs), "handoffs": handoffs.describe(),
                 "active_requests": slot.adapter.active_requests,
                 "engine_stats": await slot.adapter.engine_stats(),
-                "process": {"rss_bytes": psutil.Process().memory_info().rss},
+                "process": process_memory(),
                 "totals": {"prefills_started": handoffs.prefill_calls,
                            "handoffs_created": v(metrics.handoffs_created),"pages_sent": v(metrics.pages_sent), "bytes_sent": v(metrics.bytes_sent),
                            "pages_received": v(metrics.pages_received), "bytes_received": v(metrics.bytes_received),

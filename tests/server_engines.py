@@ -5,7 +5,10 @@ prefiller (the decoder is torch or MLX, whose logits are visible)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from contextlib import ExitStack, contextmanager
@@ -19,8 +22,8 @@ import psutil
 from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
 from engine_adapters.sampling import SamplingParams
 
-from .agents import (AgentProcess, PanelProcess, TamperProxy, complete, log_rows, pages_of, pd_request, settle,
-                     tokens_of)
+from .agents import (TEST_KEY, AgentProcess, PanelProcess, TamperProxy, complete, log_rows, pages_of, pd_request,
+                     settle, tokens_of)
 from .conftest import collect, own_greedy, prompt, run, write_report
 from .load import BUDGET_PAGES, PAGE_BYTES, check_load
 
@@ -85,6 +88,20 @@ STALL_SECONDS = "15"  # a page stream silent this long is broken (the agents' --
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]  # the core issue's prompt lengths, around page boundaries
 STREAMED = (64, 193)  # lengths also asked for streaming
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def ask_in_thread(client, pair: str, ids: list[int], result: dict) -> threading.Thread:
+    """complete() on `pair` in a started thread; its text, or the exception the client saw, lands
+    in `result` ("text" / "error")."""
+    def go() -> None:
+        try:
+            result["text"] = complete(client, pair, ids, False)
+        except Exception as e:  # what the client saw is what the test checks
+            result["error"] = e
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread
 
 
 def check_every_direction(cluster: dict, pairs: dict[str, tuple[str, str]], same_engine_pair: str,
@@ -156,15 +173,7 @@ def check_engine_crash_through_panel(cluster: dict, pair: str, prefiller: str, d
     client = cluster["client"]
     expected = complete(client, f"node/{cluster[decoder].engine}-{decoder}", ids, False)
     result: dict = {}
-
-    def ask() -> None:
-        try:
-            result["text"] = complete(client, pair, ids, False)
-        except Exception as e:  # what the client saw is what the test checks
-            result["error"] = e
-
-    thread = threading.Thread(target=ask)
-    thread.start()
+    thread = ask_in_thread(client, pair, ids, result)
     deadline = time.monotonic() + 120
     while not cluster[prefiller].status()["handoffs"]:  # the room exists: prefill has started
         assert time.monotonic() < deadline and thread.is_alive(), result
@@ -225,17 +234,9 @@ def check_slow_link_through_panel(cluster: dict, prefiller: str, decoder: str, i
     agents = {name: psutil.Process(cluster[name].proc.pid) for name in (prefiller, decoder)}
     base = {name: p.memory_info().rss for name, p in agents.items()}
     peak, result = dict(base), {}
-
-    def ask() -> None:
-        try:
-            result["text"] = complete(client, "tampered", ids, False)
-        except Exception as e:  # what the client saw is what the test checks
-            result["error"] = e
-
     proxy.rate = rate
     try:
-        thread = threading.Thread(target=ask)
-        thread.start()
+        thread = ask_in_thread(client, "tampered", ids, result)
         while thread.is_alive():
             for name, p in agents.items():
                 peak[name] = max(peak[name], p.memory_info().rss)
@@ -324,3 +325,75 @@ def check_load_through_panel(cluster: dict, pair: str, prefiller: str, decoder: 
         budget(original)
     at_engine_baseline(cluster, (prefiller, decoder), engine_idle)
     return figures
+
+
+def check_soak_through_panel(cluster: dict, pairs: list[str], agents: tuple[str, ...], engine_idle: dict,
+                             seconds: float = 30) -> dict:
+    """bench/soak.py in its short form against this cluster's panel (`--panel`), on `pairs`:
+    mixed, cancelled and disconnected requests, then every agent idle, no request-log row left
+    running, each agent's RSS and its engine server's grown < 10%, and each engine's own pool
+    back to idle."""
+    root = Path(__file__).resolve().parent.parent
+    out = cluster["panel_home"].parent / "soak.json"
+    args = ["--panel", cluster["panel"].url, "--api-key", cluster["client"].api_key, "--cluster-key", TEST_KEY,
+            "--panel-db", str(cluster["panel_home"] / "panel" / "panel.db"), "--duration", str(seconds), "--json", str(out)]
+    args += [a for name in agents for a in ("--agent", cluster[name].url)]
+    args += [a for pair in pairs for a in ("--model", pair)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    run_ = subprocess.run([sys.executable, str(root / "bench" / "soak.py"), *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert run_.returncode == 0, run_.stdout[-4000:] + run_.stderr[-4000:]
+    result = json.loads(out.read_text())
+    for action in ("complete", "cancel", "disconnect"):
+        assert sum(result["requests"][action].values()) > 0, result["requests"]
+    assert result["leaks"] == [], result["held_after_settle"]
+    engines = {f"{cluster[name].status()['name']} engine" for name in engine_idle}
+    assert engines <= set(result["rss"]), result["rss"]  # the engine servers' memory is watched too
+    assert all(m["growth_percent"] < 10 for m in result["rss"].values()), result["rss"]
+    at_engine_baseline(cluster, agents, engine_idle)
+    return {"requests": result["requests"], "total_requests": result["total_requests"],
+            "rss_growth_percent": {n: m["growth_percent"] for n, m in result["rss"].items()}}
+
+
+def check_peer_kills_through_panel(cluster: dict, decoder: str, prefiller: str, model: Path, home: Path,
+                                   ids: list[int], engine_idle: dict) -> dict:
+    """Server-engine agents with a torch peer killed mid-stream, through a panel of their own: the
+    peer as prefiller of `decoder`, killed once its first page is out (the client gets the
+    decoder-alone answer, the router's fallback, logged), and as decoder of `prefiller`, killed once
+    it has imported a page (a clear 503 naming it unreachable, logged); each time the surviving
+    agent and its engine's pool let go (`engine_idle`)."""
+    d, p = cluster[decoder], cluster[prefiller]
+    with AgentProcess("torch", model, home / "doomed-p") as dp, AgentProcess("torch", model, home / "doomed-d") as dd, \
+            PanelProcess(home / "kill-panel", "--pair", f"in={dp.url},{d.url}", "--pair", f"out={p.url},{dd.url}") as panel:
+        client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
+        expected = complete(client, f"node/{d.engine}-{decoder}", ids, False)
+        result: dict = {}
+
+        def wait_for(what) -> None:
+            deadline = time.monotonic() + 120
+            while not what():
+                assert time.monotonic() < deadline, "timed out"
+                time.sleep(0.02)
+
+        thread = ask_in_thread(client, "in", ids, result)
+        wait_for(lambda: any(h["pages_sent"] for h in dp.status()["handoffs"]))
+        dp.proc.kill()
+        thread.join(300)
+        assert result.pop("text", None) == expected, result
+        row = log_rows(home / "kill-panel")[-1]
+        assert row.route == "decode_alone" and "transfer failed before the first token" in row.reason, row
+        at_engine_baseline(cluster, (decoder,), {decoder: engine_idle[decoder]})
+        fallback = row.reason
+
+        before = dd.status()["totals"]["pages_received"]
+        thread = ask_in_thread(client, "out", ids, result)
+        wait_for(lambda: dd.status()["totals"]["pages_received"] > before)
+        dd.proc.kill()
+        thread.join(300)
+        error = result.get("error")
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503 and "not reachable" in str(error), \
+            result
+        row = log_rows(home / "kill-panel")[-1]
+        assert row.outcome == "error" and "not reachable" in row.error, row
+        at_engine_baseline(cluster, (prefiller,), {prefiller: engine_idle[prefiller]})
+    return {"prefiller_killed": fallback[:200], "decoder_killed": row.error[:200]}

@@ -32,8 +32,9 @@ from .conftest import collect, prompt, run, write_report
 from .fuzzing import VOCAB, fuzz_engine_routes
 from .server_engines import (QUESTION, at_engine_baseline, check_damaged_streams_through_panel,
                              check_engine_crash_through_panel, check_every_direction, check_load_through_panel,
-                             check_pages_against_transformers, check_panel_restart, check_prefiller_rules,
-                             check_slow_link_through_panel, engine_cluster)
+                             check_pages_against_transformers, check_panel_restart, check_peer_kills_through_panel,
+                             check_prefiller_rules, check_slow_link_through_panel, check_soak_through_panel,
+                             engine_cluster)
 
 PAIRS = {"s2m": ("sglang", "mlx"), "m2s": ("mlx", "sglang2"), "s2t": ("sglang", "torch"),
          "t2s": ("torch", "sglang2"), "s2s": ("sglang", "sglang2"), "s2v": ("sglang", "vllm"),
@@ -301,6 +302,19 @@ def test_a_slow_link_between_sglangs_holds_memory_flat(cluster):
     idle = {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")}
     write_report("sglang_slow_link",
                  check_slow_link_through_panel(cluster, "sglang", "sglang2", prompt_ids(1000, 5, VOCAB), idle))
+
+
+def test_a_short_soak_through_sglang_pairs_leaves_nothing_behind(cluster):
+    idle = {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")}
+    write_report("sglang_soak", check_soak_through_panel(cluster, ["s2s", "t2s"], ("sglang", "sglang2", "torch"), idle))
+
+
+def test_a_peer_of_sglang_killed_mid_stream_through_the_panel(cluster, smol_dir, long_ids, tmp_path):
+    """A torch prefiller of SGLang's decode role, and a torch decoder of its prefill role."""
+    ids = (list(long_ids) * 8)[:1500]  # six prefill chunks on the torch prefiller: time to act mid-stream
+    idle = {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")}
+    write_report("sglang_peer_kills",
+                 check_peer_kills_through_panel(cluster, "sglang2", "sglang", smol_dir, tmp_path, ids, idle))
 
 
 def test_panel_restarted_while_an_sglang_pair_streams(cluster):

@@ -27,8 +27,9 @@ from .conftest import collect, prompt, run, write_report
 from .fuzzing import VOCAB, fuzz_engine_routes
 from .server_engines import (at_engine_baseline, check_damaged_streams_through_panel,
                              check_engine_crash_through_panel, check_every_direction, check_load_through_panel,
-                             check_pages_against_transformers, check_panel_restart, check_prefiller_rules,
-                             check_slow_link_through_panel, engine_cluster)
+                             check_pages_against_transformers, check_panel_restart, check_peer_kills_through_panel,
+                             check_prefiller_rules, check_slow_link_through_panel, check_soak_through_panel,
+                             engine_cluster)
 
 PAIRS = {"v2m": ("vllm", "mlx"), "m2v": ("mlx", "vllm"), "v2t": ("vllm", "torch"), "t2v": ("torch", "vllm"),
          "v2v": ("vllm", "vllm2")}
@@ -156,6 +157,17 @@ def test_schemathesis_on_the_agent_routes_that_reach_vllm(cluster):
 def test_64_concurrent_streams_between_vllms_complete_or_get_429(cluster, smol_dir):
     idle = {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")}
     write_report("vllm_load", check_load_through_panel(cluster, "v2v", "vllm", "vllm2", smol_dir, idle))
+
+
+def test_a_short_soak_through_vllm_pairs_leaves_nothing_behind(cluster):
+    idle = {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")}
+    write_report("vllm_soak", check_soak_through_panel(cluster, ["v2v", "t2v"], ("vllm", "vllm2", "torch"), idle))
+
+
+def test_a_peer_of_vllm_killed_mid_stream_through_the_panel(cluster, smol_dir, long_ids, tmp_path):
+    ids = (list(long_ids) * 8)[:1500]  # six prefill chunks on the torch prefiller: time to act mid-stream
+    write_report("vllm_peer_kills", check_peer_kills_through_panel(cluster, "vllm", "vllm", smol_dir, tmp_path, ids,
+                                                                   {"vllm": {"kv_cache_usage": 0.0}}))
 
 
 def test_a_crashed_vllm_is_restarted(cluster, long_ids):
