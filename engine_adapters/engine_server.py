@@ -40,6 +40,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a server's whole process group (it leads one: start_new_session) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 class EngineServer:
     """One engine server process, restarted if it dies (a crash fails the requests in flight)."""
 
@@ -47,12 +62,14 @@ class EngineServer:
     health_path = "/health"
     start_timeout = 600.0
 
+    # A port found free can be taken by another process before the server binds it (engines
+    # starting side by side pick theirs the same way): a start that fails on a port in use picks
+    # new ports and tries again, this many times in all.
+    port_attempts = 3
+
     def __init__(self, log_path: Path):
         self.log_path = log_path
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.pick_ports()
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = False
@@ -64,13 +81,29 @@ class EngineServer:
     def environment(self) -> dict[str, str]:
         return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
+    def pick_ports(self) -> None:
+        """The ports the server will bind (a subclass adds those its engine needs besides HTTP)."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
     def start(self) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO),
-                                     preexec_fn=_die_with_parent)
-        log.close()
-        self._wait_healthy()
+        for attempt in range(1, self.port_attempts + 1):
+            log = open(self.log_path, "ab")
+            logged_before = log.tell()
+            self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO),
+                                         preexec_fn=_die_with_parent)
+            log.close()
+            try:
+                self._wait_healthy()
+                break
+            except TandemError:
+                exited = self.proc.poll() is not None  # (not a start that timed out)
+                if attempt == self.port_attempts or not exited or not self._port_was_taken(logged_before):
+                    raise
+                _kill_group(self.proc)
+                sys.stderr.write(f"tandem: a port of {self.engine} was taken while it started; trying new ports\n")
+                self.pick_ports()
         if self._supervisor is None:
             self._supervisor = threading.Thread(target=self._supervise, name=f"tandem-{self.engine}-supervisor",
                                                 daemon=True)
@@ -100,10 +133,7 @@ class EngineServer:
         while True:
             proc = self.proc
             code = proc.wait()
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # its children (schedulers, workers), should they outlive it
-            except ProcessLookupError:
-                pass
+            _kill_group(proc)  # its children (schedulers, workers), should they outlive it
             if self._stopping:
                 return
             self.restarts += 1
@@ -113,6 +143,15 @@ class EngineServer:
             except TandemError as e:
                 sys.stderr.write(f"tandem: {self.engine} restart failed: {e}\n")
                 return
+
+    def _port_was_taken(self, offset: int) -> bool:
+        """Whether this start's part of the log (from byte `offset`) says a bind found its port in use."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return b"address already in use" in f.read().lower()
+        except OSError:
+            return False
 
     def log_tail(self, lines: int = 15) -> str:
         try:

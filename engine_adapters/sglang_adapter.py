@@ -31,7 +31,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from contextlib import asynccontextmanager
@@ -42,7 +41,7 @@ import aiohttp
 
 from .base import EngineRequest, FirstTokenMode, PrefillDone, kv_tokens
 from .bridge import END, first_token_frame, page_frame
-from .engine_server import EngineServer, engine_python
+from .engine_server import EngineServer, engine_python, free_port
 from .errors import RequestError, TandemError
 from .pages import KVPage
 from .sampling import SERVER_FIELDS
@@ -89,9 +88,10 @@ class SGLangServer(EngineServer):
         super().__init__(log_path)
         self.model_dir, self.context_length, self.bridge = model_dir, context_length, bridge
         self.role = role  # the role to start in: the one it last had, so a restart keeps it
-        with socket.socket() as s:  # SGLang binds a bootstrap port even when it serves nobody
-            s.bind(("127.0.0.1", 0))
-            self.bootstrap_port = s.getsockname()[1]
+
+    def pick_ports(self) -> None:
+        super().pick_ports()
+        self.bootstrap_port = free_port()  # SGLang binds a bootstrap port even when it serves nobody
 
     def command(self) -> list[str]:
         cmd = [str(sglang_python()), "-m", "sglang.launch_server", "--model-path", str(self.model_dir),

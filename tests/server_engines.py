@@ -328,7 +328,7 @@ def check_load_through_panel(cluster: dict, pair: str, prefiller: str, decoder: 
 
 
 def check_soak_through_panel(cluster: dict, pairs: list[str], agents: tuple[str, ...], engine_idle: dict,
-                             seconds: float = 30) -> dict:
+                             seconds: float = 20) -> dict:
     """bench/soak.py in its short form against this cluster's panel (`--panel`), on `pairs`:
     mixed, cancelled and disconnected requests, then every agent idle, no request-log row left
     running, each agent's RSS and its engine server's grown < 10%, and each engine's own pool

@@ -1,0 +1,65 @@
+"""The supervision of engines that run as their own servers (engine_adapters/engine_server.py),
+with a tiny HTTP server standing in for vLLM or SGLang: the start-up path that does not need one."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from engine_adapters.engine_server import EngineServer
+from engine_adapters.errors import TandemError
+
+# binds the port it is given (as vLLM and SGLang do theirs) and answers /health
+SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+class TinyServer(EngineServer):
+    engine = "tiny"
+    start_timeout = 30.0
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", SERVER, str(self.port)]
+
+
+def test_a_port_taken_before_the_server_binds_it_is_picked_again(tmp_path, capfd):
+    """Engines started side by side pick free ports the same way, so one can take another's before
+    it binds: that start fails on "address already in use", and a new port is tried."""
+    server = TinyServer(tmp_path / "tiny.log")
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        server.start()
+        try:
+            assert server.port != taken and server.proc.poll() is None
+            assert "address already in use" in (tmp_path / "tiny.log").read_text().lower()
+            assert "was taken while it started; trying new ports" in capfd.readouterr().err
+        finally:
+            server.stop()
+
+
+def test_a_server_that_cannot_bind_at_all_fails_with_its_log(tmp_path, monkeypatch):
+    """Every attempt finds its port taken: the last failure is raised, with the log's tail."""
+    server = TinyServer(tmp_path / "tiny.log")
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    monkeypatch.setattr(server, "pick_ports", lambda: None)  # always the same, taken port
+    server.port = squatter.getsockname()[1]
+    server.url = f"http://127.0.0.1:{server.port}"
+    try:
+        with pytest.raises(TandemError, match="(?s)tiny exited with code 1 while starting.*ddress already in use"):
+            server.start()
+        assert (tmp_path / "tiny.log").read_text().lower().count("address already in use") == server.port_attempts
+    finally:
+        squatter.close()
