@@ -169,6 +169,15 @@ async def pages_of(agent: AgentProcess, ids: list[int], mode: str = "commit-firs
         await client.aclose()
 
 
+def wait_for(what, timeout: float = 60, step: float = 0.02):
+    """Until what() is true (a status read over HTTP: an agent sends no event for it); returns it."""
+    deadline = time.monotonic() + timeout
+    while not (value := what()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(step)
+    return value
+
+
 def wait_until_streaming(p: AgentProcess, timeout: float = 120) -> None:
     """Until the prefiller has sent some but not all of a room's pages (the transfer is under way)."""
     deadline = time.monotonic() + timeout

@@ -5,10 +5,7 @@ prefiller (the decoder is torch or MLX, whose logits are visible)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from contextlib import ExitStack, contextmanager
@@ -23,9 +20,10 @@ from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
 from engine_adapters.sampling import SamplingParams
 
 from .agents import (TEST_KEY, AgentProcess, PanelProcess, TamperProxy, complete, log_rows, pages_of, pd_request,
-                     settle, tokens_of)
+                     settle, tokens_of, wait_for, wait_until_streaming)
 from .conftest import collect, own_greedy, prompt, run, write_report
 from .load import BUDGET_PAGES, PAGE_BYTES, check_load
+from .test_soak import run_soak
 
 
 def check_pages_against_transformers(agent: AgentProcess, torch_engine, long_ids: list[int], report: str) -> None:
@@ -333,23 +331,13 @@ def check_soak_through_panel(cluster: dict, pairs: list[str], agents: tuple[str,
     mixed, cancelled and disconnected requests, then every agent idle, no request-log row left
     running, each agent's RSS and its engine server's grown < 10%, and each engine's own pool
     back to idle."""
-    root = Path(__file__).resolve().parent.parent
-    out = cluster["panel_home"].parent / "soak.json"
     args = ["--panel", cluster["panel"].url, "--api-key", cluster["client"].api_key, "--cluster-key", TEST_KEY,
-            "--panel-db", str(cluster["panel_home"] / "panel" / "panel.db"), "--duration", str(seconds), "--json", str(out)]
+            "--panel-db", str(cluster["panel_home"] / "panel" / "panel.db"), "--duration", str(seconds)]
     args += [a for name in agents for a in ("--agent", cluster[name].url)]
     args += [a for pair in pairs for a in ("--model", pair)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    run_ = subprocess.run([sys.executable, str(root / "bench" / "soak.py"), *args], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert run_.returncode == 0, run_.stdout[-4000:] + run_.stderr[-4000:]
-    result = json.loads(out.read_text())
-    for action in ("complete", "cancel", "disconnect"):
-        assert sum(result["requests"][action].values()) > 0, result["requests"]
-    assert result["leaks"] == [], result["held_after_settle"]
+    result = run_soak(cluster["panel_home"].parent / "soak.json", *args)
     engines = {f"{cluster[name].status()['name']} engine" for name in engine_idle}
     assert engines <= set(result["rss"]), result["rss"]  # the engine servers' memory is watched too
-    assert all(m["growth_percent"] < 10 for m in result["rss"].values()), result["rss"]
     at_engine_baseline(cluster, agents, engine_idle)
     return {"requests": result["requests"], "total_requests": result["total_requests"],
             "rss_growth_percent": {n: m["growth_percent"] for n, m in result["rss"].items()}}
@@ -368,15 +356,8 @@ def check_peer_kills_through_panel(cluster: dict, decoder: str, prefiller: str, 
         client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
         expected = complete(client, f"node/{d.engine}-{decoder}", ids, False)
         result: dict = {}
-
-        def wait_for(what) -> None:
-            deadline = time.monotonic() + 120
-            while not what():
-                assert time.monotonic() < deadline, "timed out"
-                time.sleep(0.02)
-
         thread = ask_in_thread(client, "in", ids, result)
-        wait_for(lambda: any(h["pages_sent"] for h in dp.status()["handoffs"]))
+        wait_until_streaming(dp)
         dp.proc.kill()
         thread.join(300)
         assert result.pop("text", None) == expected, result
@@ -387,7 +368,7 @@ def check_peer_kills_through_panel(cluster: dict, decoder: str, prefiller: str, 
 
         before = dd.status()["totals"]["pages_received"]
         thread = ask_in_thread(client, "out", ids, result)
-        wait_for(lambda: dd.status()["totals"]["pages_received"] > before)
+        wait_for(lambda: dd.status()["totals"]["pages_received"] > before, 120)
         dd.proc.kill()
         thread.join(300)
         error = result.get("error")

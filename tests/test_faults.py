@@ -25,7 +25,8 @@ import pytest
 
 from control_panel.models import RequestLog
 
-from .agents import AgentProcess, PanelProcess, TamperProxy, generate_request, log_rows, settle, tokens_of
+from .agents import (AgentProcess, PanelProcess, TamperProxy, generate_request, log_rows, settle, tokens_of,
+                     wait_for)
 from .conftest import run
 from .netns import needs_netns
 
@@ -137,14 +138,6 @@ class Request:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "the request hung"
         return self
-
-
-def wait_for(what, timeout: float = 60, step: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while not (value := what()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(step)
-    return value
 
 
 def pages_sent(agent: AgentProcess) -> int:
