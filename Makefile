@@ -14,13 +14,18 @@ SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.tandem-installed
 SGLANG_CPU   := $(if $(shell command -v nvidia-smi 2>/dev/null),,yes)
 
-.PHONY: run test setup system-deps test-deps bench clean vllm sglang
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+
+.PHONY: run test lint setup system-deps test-deps bench clean vllm sglang
 
 run: setup
 	$(BIN)/tandem model fetch
 	$(BIN)/tandem up
 
-test: setup test-deps vllm sglang
+test: setup test-deps vllm sglang lint
 	$(BIN)/tandem model fetch
 	$(BIN)/python -m pytest
 

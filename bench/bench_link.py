@@ -38,11 +38,11 @@ import uvloop  # noqa: E402
 import xxhash  # noqa: E402
 
 from engine_adapters.embedded_model import is_fetched, model_dir  # noqa: E402
-from engine_adapters.pages import FrameExpectation, PageGeometry, frame_bytes, make_page  # noqa: E402
 from node_agent.cli import parse_size  # noqa: E402
-from node_agent.client import AgentClient  # noqa: E402
-from node_agent.settings import data_dir  # noqa: E402
 from tandem_cli.processes import ServiceProcess  # noqa: E402
+from tandem_protocol.client import AgentClient  # noqa: E402
+from tandem_protocol.pages import FrameExpectation, PageGeometry, frame_bytes, make_page  # noqa: E402
+from tandem_protocol.paths import data_dir  # noqa: E402
 
 KEY = "tdm_bench-link-key-0123456789abcdef"
 SMOLLM2 = PageGeometry(layers=30, kv_heads=3, head_dim=64)
@@ -62,7 +62,7 @@ class RssSampler:
             for i, p in enumerate(self.procs):
                 self.peak[i] = max(self.peak[i], p.memory_info().rss)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -73,8 +73,22 @@ class RssSampler:
 
 
 def start_agent(staging: str) -> tuple[ServiceProcess, int]:
-    agent = ServiceProcess(["agent", "serve", "--engine", "torch", "--host", "127.0.0.1", "--port", "0",
-                            "--no-mdns", "--staging-bytes", staging], env={"TANDEM_CLUSTER_KEY": KEY})
+    agent = ServiceProcess(
+        [
+            "agent",
+            "serve",
+            "--engine",
+            "torch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-mdns",
+            "--staging-bytes",
+            staging,
+        ],
+        env={"TANDEM_CLUSTER_KEY": KEY},
+    )
     return agent, int(agent.wait_ready().rsplit(":", 1)[1])
 
 
@@ -112,8 +126,8 @@ def raw_tcp(frame: bytes, pages: int, final: bytes, checksum: bool = False, keep
         while keep:  # frame by frame, each into its own buffer, in 512 KiB reads
             page = memoryview(np.empty(len(frame), dtype=np.uint8))
             filled = 0
-            while filled < len(page) and (n := s.recv_into(page[filled:filled + len(buf)])):
-                h.update(page[filled:filled + n])
+            while filled < len(page) and (n := s.recv_into(page[filled : filled + len(buf)])):
+                h.update(page[filled : filled + n])
                 filled += n
             total += filled
             if filled < len(page):
@@ -137,8 +151,8 @@ def main() -> None:
         sys.exit("run `tandem model fetch` first")
     agent, port = start_agent(args.staging)
     try:
-        from engine_adapters.contract import compute_contract
-        from engine_adapters.model_dir import inspect_model
+        from tandem_protocol.contract import compute_contract
+        from tandem_protocol.model_dir import inspect_model
 
         info = inspect_model(model_dir(data_dir()))
         contract = compute_contract(info, info.max_context).fingerprint_bytes
@@ -161,26 +175,38 @@ def main() -> None:
         agent.stop()
     budget = parse_size(args.staging)
     http_rate, tcp_rate = statistics.median(http_rates), statistics.median(tcp_rates)
-    print(f"{args.pages} pages of {SMOLLM2.page_bytes:,} bytes ({http_bytes / 1e9:.2f} GB) on loopback, "
-          f"{args.rounds} interleaved rounds (median; each round's figure in brackets)")
+    print(
+        f"{args.pages} pages of {SMOLLM2.page_bytes:,} bytes ({http_bytes / 1e9:.2f} GB) on loopback, "
+        f"{args.rounds} interleaved rounds (median; each round's figure in brackets)"
+    )
     hashed_rate = statistics.median(hashed_rates)
     print(f"raw TCP (reference)   {tcp_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in tcp_rates)}]")
-    print(f"raw TCP + checksum    {hashed_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in hashed_rates)}]"
-          f"   = {hashed_rate / tcp_rate:.2f}x raw TCP: the ceiling for any receiver that checks")
+    print(
+        f"raw TCP + checksum    {hashed_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in hashed_rates)}]"
+        f"   = {hashed_rate / tcp_rate:.2f}x raw TCP: the ceiling for any receiver that checks"
+    )
     kept_rate = statistics.median(kept_rates)
-    print(f"raw TCP, pages kept   {kept_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in kept_rates)}]"
-          f"   = {kept_rate / tcp_rate:.2f}x raw TCP: + each frame in a buffer of its own (any page receiver)")
+    print(
+        f"raw TCP, pages kept   {kept_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in kept_rates)}]"
+        f"   = {kept_rate / tcp_rate:.2f}x raw TCP: + each frame in a buffer of its own (any page receiver)"
+    )
     print(f"agent page stream     {http_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in http_rates)}]")
-    print(f"ratio {http_rate / tcp_rate:.2f}x raw TCP (goal >= 0.9x and >= 1 GB/s); "
-          f"per round [{' '.join(f'{h / t:.2f}' for h, t in zip(http_rates, tcp_rates))}]; "
-          f"{http_rate / hashed_rate:.2f}x raw TCP + checksum, {http_rate / kept_rate:.2f}x pages kept")
+    print(
+        f"ratio {http_rate / tcp_rate:.2f}x raw TCP (goal >= 0.9x and >= 1 GB/s); "
+        f"per round [{' '.join(f'{h / t:.2f}' for h, t in zip(http_rates, tcp_rates))}]; "
+        f"{http_rate / hashed_rate:.2f}x raw TCP + checksum, {http_rate / kept_rate:.2f}x pages kept"
+    )
     mib = 2**20
     growth = [peak - base for peak, base in zip(rss.peak, rss.baseline)]
     for who, base, peak, grew in zip(("agent", "reader"), rss.baseline, rss.peak, growth):
-        print(f"RSS {who:6s} baseline {base / mib:7,.0f} MiB  peak {peak / mib:7,.0f} MiB  "
-              f"growth during transfer {grew / mib:6,.0f} MiB")
-    print(f"2x staging budget = {2 * budget / mib:,.0f} MiB: transfer growth "
-          f"{'within' if max(growth) < 2 * budget else 'OVER'}; the agent's baseline is mostly model weights")
+        print(
+            f"RSS {who:6s} baseline {base / mib:7,.0f} MiB  peak {peak / mib:7,.0f} MiB  "
+            f"growth during transfer {grew / mib:6,.0f} MiB"
+        )
+    print(
+        f"2x staging budget = {2 * budget / mib:,.0f} MiB: transfer growth "
+        f"{'within' if max(growth) < 2 * budget else 'OVER'}; the agent's baseline is mostly model weights"
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_adapters.pages import FrameExpectation, PageGeometry, decode_frame, encode_frame, make_page  # noqa: E402
+from tandem_protocol.pages import FrameExpectation, PageGeometry, decode_frame, encode_frame, make_page  # noqa: E402
 
 SMOLLM2 = PageGeometry(layers=30, kv_heads=3, head_dim=64)
 
@@ -56,8 +56,9 @@ def main() -> None:
     def encode() -> None:
         frames.clear()
         for i in range(n_pages):
-            header, payload = encode_frame(make_page(g, i, kv[:, :, i * P:(i + 1) * P]),
-                                           contract=contract, room=room, tokens=tokens)
+            header, payload = encode_frame(
+                make_page(g, i, kv[:, :, i * P : (i + 1) * P]), contract=contract, room=room, tokens=tokens
+            )
             frames.append((header, payload))
 
     enc = best_of(encode, args.repeats)
@@ -65,8 +66,12 @@ def main() -> None:
 
     def encode_pooled() -> None:
         for i in range(n_pages):
-            encode_frame(make_page(g, i, kv[:, :, i * P:(i + 1) * P], out=pool[i % len(pool)]),
-                         contract=contract, room=room, tokens=tokens)
+            encode_frame(
+                make_page(g, i, kv[:, :, i * P : (i + 1) * P], out=pool[i % len(pool)]),
+                contract=contract,
+                room=room,
+                tokens=tokens,
+            )
 
     enc_pooled = best_of(encode_pooled, args.repeats)
     wire = [h + bytes(p) for h, p in frames]

@@ -31,8 +31,8 @@ import torch  # noqa: E402
 
 from engine_adapters import load_adapter  # noqa: E402
 from engine_adapters.base import EngineRequest  # noqa: E402
-from engine_adapters.pages import KVPage  # noqa: E402
-from engine_adapters.sampling import SamplingParams  # noqa: E402
+from tandem_protocol.pages import KVPage  # noqa: E402
+from tandem_protocol.sampling import SamplingParams  # noqa: E402
 
 
 async def alone(adapter, ids: list[int]) -> float:
@@ -62,8 +62,10 @@ def main() -> None:
     adapter = load_adapter("torch", args.model, device=args.device)
     chunks = [int(x) for x in (args.chunks or str(adapter.prefill_chunk_tokens)).split(",")]
     vocab = adapter.info.vocab_size
-    print(f"{adapter.accelerator()['name']}, torch {torch.__version__}, {args.model.name}, {args.reps} reps, "
-          f"medians in ms; the adapter's own chunk size: {adapter.prefill_chunk_tokens}")
+    print(
+        f"{adapter.accelerator()['name']}, torch {torch.__version__}, {args.model.name}, {args.reps} reps, "
+        f"medians in ms; the adapter's own chunk size: {adapter.prefill_chunk_tokens}"
+    )
     for n in [int(x) for x in args.lengths.split(",")]:
         ids = [int(x) for x in np.random.default_rng(n).integers(100, vocab - 100, size=n)]
         times: dict[tuple[int, str], list[float]] = {(c, k): [] for c in chunks for k in ("alone", "export")}
@@ -84,10 +86,12 @@ def main() -> None:
                 if adapter.cuda:
                     torch.cuda.set_sync_debug_mode("default")
             syncs = sum("synchroniz" in str(w.message) for w in caught)
-            print(f"{n:5d} tokens, chunks of {c:5d} ({len(adapter.prefill_chunks(n)):2d}): alone {med[c, 'alone']:7.1f}  "
-                  f"export {med[c, 'export']:7.1f}  export ÷ alone {med[c, 'export'] / med[c, 'alone']:.2f}  "
-                  f"alone ÷ alone at {chunks[0]}: {med[c, 'alone'] / med[chunks[0], 'alone']:.2f}  "
-                  f"device syncs in one export run: {syncs}")
+            print(
+                f"{n:5d} tokens, chunks of {c:5d} ({len(adapter.prefill_chunks(n)):2d}): alone {med[c, 'alone']:7.1f}  "
+                f"export {med[c, 'export']:7.1f}  export ÷ alone {med[c, 'export'] / med[c, 'alone']:.2f}  "
+                f"alone ÷ alone at {chunks[0]}: {med[c, 'alone'] / med[chunks[0], 'alone']:.2f}  "
+                f"device syncs in one export run: {syncs}"
+            )
     adapter.close()
 
 

@@ -40,10 +40,10 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -54,7 +54,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from engine_adapters.embedded_model import is_fetched, model_dir  # noqa: E402
-from node_agent.settings import data_dir  # noqa: E402
+from tandem_protocol.paths import data_dir  # noqa: E402
 
 RSS_GOAL_PERCENT = 10.0
 REQUEST_TIMEOUT = 300.0  # a request the soak does not cut itself; longer is a stall (an error)
@@ -106,11 +106,17 @@ def own_cluster(engines: tuple[str, str], pin: bool) -> Iterator[Target]:
         with console.status(f"starting two agents ({engines[0]}, {engines[1]}) and a panel…"):
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tandem-soak-")))
             link = stack.enter_context(loopback_link())
-            c = stack.enter_context(cluster(model_dir(data_dir()), engines, link, home, key, pin,
-                                            directions=[(0, 1), (1, 0)]))
-        yield Target(c.url, c.api_key, {a.name: a.url for a in c.agents}, key,
-                     pids={"panel": c.panel_pid, **{a.name: a.pid for a in c.agents}},
-                     panel_db=c.panel_home / "panel.db")
+            c = stack.enter_context(
+                cluster(model_dir(data_dir()), engines, link, home, key, pin, directions=[(0, 1), (1, 0)])
+            )
+        yield Target(
+            c.url,
+            c.api_key,
+            {a.name: a.url for a in c.agents},
+            key,
+            pids={"panel": c.panel_pid, **{a.name: a.pid for a in c.agents}},
+            panel_db=c.panel_home / "panel.db",
+        )
 
 
 def existing_cluster(args: argparse.Namespace) -> Target:
@@ -221,10 +227,13 @@ async def send_and_close(target: Target, call: Call) -> tuple[str, str]:
     url = httpx.URL(target.url)
     https = url.scheme == "https"
     body = json.dumps(call.body).encode()
-    head = (f"POST {call.path} HTTP/1.1\r\nHost: {url.netloc.decode()}\r\nAuthorization: Bearer {target.api_key}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-    _, writer = await asyncio.open_connection(url.host, url.port or (443 if https else 80),
-                                              ssl=tls() if https else None)
+    head = (
+        f"POST {call.path} HTTP/1.1\r\nHost: {url.netloc.decode()}\r\nAuthorization: Bearer {target.api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    _, writer = await asyncio.open_connection(
+        url.host, url.port or (443 if https else 80), ssl=tls() if https else None
+    )
     writer.write(head.encode() + body)
     await writer.drain()
     writer.close()
@@ -258,15 +267,17 @@ class Tally:
         return sum(c[outcome] for c in self.counts.values())
 
 
-async def worker(http: httpx.AsyncClient, target: Target, models: list[str], rng: random.Random,
-                 stop_at: float, tally: Tally) -> None:
+async def worker(
+    http: httpx.AsyncClient, target: Target, models: list[str], rng: random.Random, stop_at: float, tally: Tally
+) -> None:
     while time.monotonic() < stop_at:
         call = plan(rng, models)
         tally.add(call.action, *await run_call(http, target, call))
 
 
-async def load(http: httpx.AsyncClient, target: Target, models: list[str], rngs: list[random.Random],
-               seconds: float, tally: Tally) -> None:
+async def load(
+    http: httpx.AsyncClient, target: Target, models: list[str], rngs: list[random.Random], seconds: float, tally: Tally
+) -> None:
     """A worker per RNG for `seconds`; returns once the requests in flight then have ended."""
     stop_at = time.monotonic() + seconds
     await asyncio.gather(*(worker(http, target, models, rng, stop_at, tally) for rng in rngs))
@@ -312,8 +323,12 @@ async def held(http: httpx.AsyncClient, target: Target) -> dict[str, dict[str, i
     out = {}
     for name, url in target.agents.items():
         s = await agent_status(http, target, url)
-        out[name] = {"budget.reserved": s["budget"]["reserved"], "budget.waiting": s["budget"]["waiting"],
-                     "open_handoffs": s["open_handoffs"], "active_requests": s["active_requests"]}
+        out[name] = {
+            "budget.reserved": s["budget"]["reserved"],
+            "budget.waiting": s["budget"]["waiting"],
+            "open_handoffs": s["open_handoffs"],
+            "active_requests": s["active_requests"],
+        }
     if target.panel_db:
         out["panel"] = {"running request-log rows": running_rows(target.panel_db)}
     return out
@@ -333,8 +348,9 @@ async def soak(target: Target, args: argparse.Namespace) -> dict:
     """The warm-up, then the baseline RSS once the agents are idle; the rest of the load, then the
     leaks and the end RSS once they are idle again. Both RSS readings are taken idle, so the
     growth between them is what requests left behind, not what requests in flight were using."""
-    async with httpx.AsyncClient(base_url=target.url, headers=bearer(target.api_key), timeout=REQUEST_TIMEOUT,
-                                 verify=tls()) as http:
+    async with httpx.AsyncClient(
+        base_url=target.url, headers=bearer(target.api_key), timeout=REQUEST_TIMEOUT, verify=tls()
+    ) as http:
         models = args.model or await pair_names(http, target)
         if not models:
             sys.exit("the panel serves no P->D pair")
@@ -356,24 +372,49 @@ async def soak(target: Target, args: argparse.Namespace) -> dict:
 
 
 # ---- the report -------------------------------------------------------------------------------------
-def result(args, target: Target, models: list[str], tally: Tally, load_seconds: float,
-           baseline: dict[str, int], end: dict[str, int], left: dict[str, dict[str, int]]) -> dict:
-    memory = {name: {"baseline_bytes": baseline[name], "end_bytes": end[name],
-                     "growth_percent": round((end[name] - baseline[name]) / baseline[name] * 100, 2)}
-              for name in baseline}
+def result(
+    args,
+    target: Target,
+    models: list[str],
+    tally: Tally,
+    load_seconds: float,
+    baseline: dict[str, int],
+    end: dict[str, int],
+    left: dict[str, dict[str, int]],
+) -> dict:
+    memory = {
+        name: {
+            "baseline_bytes": baseline[name],
+            "end_bytes": end[name],
+            "growth_percent": round((end[name] - baseline[name]) / baseline[name] * 100, 2),
+        }
+        for name in baseline
+    }
     leaks = [f"{who}: {what} = {n}" for who, counts in left.items() for what, n in counts.items() if n]
-    out = {"duration_seconds": args.duration, "load_seconds": round(load_seconds, 1),
-           "concurrency": args.concurrency, "seed": args.seed, "cluster": "own" if target.pids else target.url,
-           "models": models, "requests": {a: dict(tally.counts[a]) for a in ACTIONS},
-           "total_requests": sum(sum(c.values()) for c in tally.counts.values()),
-           "first_messages": tally.first, "rss": memory, "held_after_settle": left, "leaks": leaks}
+    out = {
+        "duration_seconds": args.duration,
+        "load_seconds": round(load_seconds, 1),
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+        "cluster": "own" if target.pids else target.url,
+        "models": models,
+        "requests": {a: dict(tally.counts[a]) for a in ACTIONS},
+        "total_requests": sum(sum(c.values()) for c in tally.counts.values()),
+        "first_messages": tally.first,
+        "rss": memory,
+        "held_after_settle": left,
+        "leaks": leaks,
+    }
     out["goals_missed"] = goals_missed(out, tally)
     return out
 
 
 def goals_missed(out: dict, tally: Tally) -> list[str]:
-    missed = [f"RSS of {name} grew {m['growth_percent']:.1f}% (goal < {RSS_GOAL_PERCENT:.0f}%)"
-              for name, m in out["rss"].items() if m["growth_percent"] >= RSS_GOAL_PERCENT]
+    missed = [
+        f"RSS of {name} grew {m['growth_percent']:.1f}% (goal < {RSS_GOAL_PERCENT:.0f}%)"
+        for name, m in out["rss"].items()
+        if m["growth_percent"] >= RSS_GOAL_PERCENT
+    ]
     missed += [f"leak: {leak}" for leak in out["leaks"]]
     if tally.total("error"):
         missed.append(f"{tally.total('error')} unexpected errors, the first: {tally.first.get('error')}")
@@ -383,8 +424,10 @@ def goals_missed(out: dict, tally: Tally) -> list[str]:
 
 
 def show(out: dict) -> None:
-    table = Table(title=f"Requests ({out['total_requests']} in {out['load_seconds']} s, "
-                        f"{out['concurrency']} workers, {', '.join(out['models'])})")
+    table = Table(
+        title=f"Requests ({out['total_requests']} in {out['load_seconds']} s, "
+        f"{out['concurrency']} workers, {', '.join(out['models'])})"
+    )
     table.add_column("action")
     for outcome in (*OUTCOMES, "total"):
         table.add_column(outcome, justify="right")
@@ -394,12 +437,15 @@ def show(out: dict) -> None:
     for outcome, message in out["first_messages"].items():
         console.print(f"first {outcome}: {message}", markup=False)
 
-    table = Table(title=f"RSS, idle after the warm-up (baseline) and at the end (goal: growth < {RSS_GOAL_PERCENT:.0f}%)")
+    table = Table(
+        title=f"RSS, idle after the warm-up (baseline) and at the end (goal: growth < {RSS_GOAL_PERCENT:.0f}%)"
+    )
     for name in ("process", "baseline MB", "end MB", "growth"):
         table.add_column(name, justify="left" if name == "process" else "right")
     for name, m in out["rss"].items():
-        table.add_row(name, f"{m['baseline_bytes'] / 1e6:.1f}", f"{m['end_bytes'] / 1e6:.1f}",
-                      f"{m['growth_percent']:+.1f}%")
+        table.add_row(
+            name, f"{m['baseline_bytes'] / 1e6:.1f}", f"{m['end_bytes'] / 1e6:.1f}", f"{m['growth_percent']:+.1f}%"
+        )
     console.print(table)
 
     console.print(f"leaks after settling: {len(out['leaks'])}" + "".join(f"\n  {x}" for x in out["leaks"]))
@@ -423,8 +469,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--api-key", help="with --panel: an API key of it")
     ap.add_argument("--agent", action="append", help="with --panel: an agent URL to check (repeatable)")
     ap.add_argument("--cluster-key", help="with --agent: the cluster key")
-    ap.add_argument("--panel-db", type=Path, help="with --panel, on the panel's machine: its panel.db, so that "
-                                                  "no request-log row may be left running")
+    ap.add_argument(
+        "--panel-db",
+        type=Path,
+        help="with --panel, on the panel's machine: its panel.db, so that no request-log row may be left running",
+    )
     ap.add_argument("--model", action="append", help="pair names to use (default: every pair of the panel)")
     args = ap.parse_args()
     if args.panel and not args.api_key:

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from node_agent.discovery import Watcher
+from tandem_protocol.discovery import Watcher
 
 from .body_limit import MAX_BODY_BYTES, BodyLimit, BodyTooLarge, too_large
 from .db import get_setting, open_db, set_setting
@@ -23,8 +23,13 @@ from .services import note_discovered
 from .ui import STATIC_DIR, make_ui_router
 
 
-def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool = False,
-                     mdns_interfaces: list[str] | None = None, login_limiter: LoginLimiter | None = None) -> FastAPI:
+def create_panel_app(
+    data_dir: Path,
+    cluster_key: str | None = None,
+    mdns: bool = False,
+    mdns_interfaces: list[str] | None = None,
+    login_limiter: LoginLimiter | None = None,
+) -> FastAPI:
     """The panel. With `mdns`, agents announcing on the LAN are added (unpaired) as they appear.
     `login_limiter` (default: 5 failed logins per address per minute) is a parameter for tests."""
     engine = open_db(data_dir / "panel.db")
@@ -63,10 +68,14 @@ def create_panel_app(data_dir: Path, cluster_key: str | None = None, mdns: bool 
     async def invalid(request: Request, e: RequestValidationError):
         errors = e.errors()
         if errors and errors[0]["type"] == "json_invalid":
-            return OpenAIError(400, f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')} "
-                                    f"(at character {errors[0]['loc'][-1]})").response()
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'][1:]) or 'the body'}: {err['msg']}"
-                             for err in errors)
+            return OpenAIError(
+                400,
+                f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')} "
+                f"(at character {errors[0]['loc'][-1]})",
+            ).response()
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'][1:]) or 'the body'}: {err['msg']}" for err in errors
+        )
         where = errors[0]["loc"][1:] if errors else ()
         return OpenAIError(400, f"invalid request: {problems}", param=str(where[0]) if where else None).response()
 

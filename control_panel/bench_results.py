@@ -19,11 +19,20 @@ def latest_ttft(data_dir: Path) -> dict | None:
         rows = []
         for c in result["cells"]:
             own = c.get("ttft_minus_own_prefill")
-            rows.append({"tokens": c["tokens"], "column": c["column"], "ttft_ms": c["ttft"]["median"] * 1000,
-                         "over_bound": c.get("ttft_over_bound"),
-                         "overhead_ms": own["median"] * 1000 if own else None})
-        link = ", ".join(f"{k}: {v['bytes_per_second'] / 1e6:,.0f} MB/s" for k, v in result["link_measured"].items()
-                         if isinstance(v, dict))
+            rows.append(
+                {
+                    "tokens": c["tokens"],
+                    "column": c["column"],
+                    "ttft_ms": c["ttft"]["median"] * 1000,
+                    "over_bound": c.get("ttft_over_bound"),
+                    "overhead_ms": own["median"] * 1000 if own else None,
+                }
+            )
+        link = ", ".join(
+            f"{k}: {v['bytes_per_second'] / 1e6:,.0f} MB/s"
+            for k, v in result["link_measured"].items()
+            if isinstance(v, dict)
+        )
         return {"started": result["started"], "link": result["link"], "link_measured": link, "rows": rows}
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -50,5 +50,6 @@ class BodyLimit:
 def too_large(path: str) -> Response:
     if not path.startswith("/v1/"):
         return PlainTextResponse("Content Too Large", status_code=413)
-    return OpenAIError(413, f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes",
-                       code="request_too_large").response()
+    return OpenAIError(
+        413, f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes", code="request_too_large"
+    ).response()

@@ -14,25 +14,28 @@ from rich.console import Console
 console = Console()
 
 
-def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
-          port: int = typer.Option(8080, help="Port to listen on (0 picks a free one)."),
-          data_dir: Path = typer.Option(None, help="Where the panel keeps panel.db (default: $TANDEM_HOME/panel)."),
-          cluster_key: str = typer.Option(None, envvar="TANDEM_CLUSTER_KEY", help="The cluster key of your agents."),
-          node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
-          pair: list[str] = typer.Option(None, help="NAME=PREFILL_URL,DECODE_URL[,zstd]: expose a P/D pair "
-                                                    "(repeatable; zstd: pages travel compressed)."),
-          api_key: str = typer.Option(None, help="Create an API key with this name and print it once."),
-          reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once."),
-          mdns: bool = typer.Option(True, help="Add agents that announce themselves on the LAN (unpaired)."),
-          mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all)."),
-          stall_timeout: float = typer.Option(60.0, help="Seconds a client may take no data of its answer "
-                                              "before the panel hangs up and frees the request.")) -> None:
+def panel(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8080, help="Port to listen on (0 picks a free one)."),
+    data_dir: Path = typer.Option(None, help="Where the panel keeps panel.db (default: $TANDEM_HOME/panel)."),
+    cluster_key: str = typer.Option(None, envvar="TANDEM_CLUSTER_KEY", help="The cluster key of your agents."),
+    node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
+    pair: list[str] = typer.Option(
+        None, help="NAME=PREFILL_URL,DECODE_URL[,zstd]: expose a P/D pair (repeatable; zstd: pages travel compressed)."
+    ),
+    api_key: str = typer.Option(None, help="Create an API key with this name and print it once."),
+    reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once."),
+    mdns: bool = typer.Option(True, help="Add agents that announce themselves on the LAN (unpaired)."),
+    mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all)."),
+    stall_timeout: float = typer.Option(
+        60.0, help="Seconds a client may take no data of its answer before the panel hangs up and frees the request."
+    ),
+) -> None:
     """Serve the panel: add agents, pair them, and answer OpenAI API requests."""
     import uvicorn
 
-    from node_agent.http_server import PageStreamProtocol
-
-    from node_agent.settings import data_dir as tandem_home
+    from tandem_protocol.http_server import PageStreamProtocol
+    from tandem_protocol.paths import data_dir as tandem_home
 
     from .app import create_panel_app
     from .security import create_api_key, ensure_admin_password, set_admin_password
@@ -62,8 +65,9 @@ def panel(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
             name, _, urls = spec.partition("=")
             p_url, d_url, *encoding = urls.split(",")
             created = await create_pair(engine, key, name, p_url, d_url, page_encoding=(encoding or ["raw"])[0])
-            console.print(f"pair [bold]{created.name}[/]: {created.prefill_engine} prefill -> "
-                          f"{created.decode_engine} decode")
+            console.print(
+                f"pair [bold]{created.name}[/]: {created.prefill_engine} prefill -> {created.decode_engine} decode"
+            )
 
     asyncio.run(bootstrap())
     if api_key:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from alembic import command
 from alembic.config import Config

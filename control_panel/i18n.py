@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gettext as _gettext
 import io
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from babel.messages.mofile import write_mo
@@ -34,8 +34,15 @@ LANGUAGES: dict[str, str] = {
 }
 
 # Accept-Language tags that name a language by another spelling.
-_ALIASES = {"pt": "pt_BR", "zh": "zh_CN", "zh_hans": "zh_CN", "zh_sg": "zh_CN", "zh_hant": "zh_TW",
-            "zh_hk": "zh_TW", "zh_mo": "zh_TW"}
+_ALIASES = {
+    "pt": "pt_BR",
+    "zh": "zh_CN",
+    "zh_hans": "zh_CN",
+    "zh_sg": "zh_CN",
+    "zh_hant": "zh_TW",
+    "zh_hk": "zh_TW",
+    "zh_mo": "zh_TW",
+}
 
 
 def compile_catalog(po_path: Path) -> _gettext.GNUTranslations:
@@ -48,7 +55,7 @@ def compile_catalog(po_path: Path) -> _gettext.GNUTranslations:
     return _gettext.GNUTranslations(buf)
 
 
-@lru_cache(maxsize=None)
+@cache
 def translations(lang: str) -> _gettext.NullTranslations:
     path = LOCALES_DIR / lang / "LC_MESSAGES" / "messages.po"
     if lang not in LANGUAGES or not path.is_file():

@@ -13,12 +13,17 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 
 class LoginLimiter:
-    def __init__(self, max_failures: int = 5, window: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 max_addresses: int = 10_000):
+    def __init__(
+        self,
+        max_failures: int = 5,
+        window: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        max_addresses: int = 10_000,
+    ):
         self.max_failures, self.window, self.clock = max_failures, window, clock
         self.max_addresses = max_addresses  # bounds memory when many addresses fail
         self._failures: dict[str, deque[float]] = {}

@@ -9,6 +9,7 @@ from sqlmodel import Field, SQLModel
 
 class Node(SQLModel, table=True):
     """An agent the panel knows, found by mDNS or added by URL."""
+
     id: int | None = Field(default=None, primary_key=True)
     name: str
     url: str = Field(unique=True, index=True)
@@ -24,6 +25,7 @@ class Node(SQLModel, table=True):
 
 class Pair(SQLModel, table=True):
     """A model name on the API: prefill on one node, decode on another."""
+
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(unique=True, index=True)
     prefill_node_id: int = Field(foreign_key="node.id")

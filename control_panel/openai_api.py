@@ -15,7 +15,8 @@ import json
 import math
 import time
 import uuid
-from typing import Any, AsyncIterator, ClassVar
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
-from engine_adapters.sampling import SERVER_FIELDS
+from tandem_protocol.sampling import SERVER_FIELDS
 
 from .db import cached_until_state_changes
 from .models import Node, Pair, RequestLog
@@ -34,15 +35,25 @@ from .services import model_names
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after: float | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.status, self.kind, self.param, self.code, self.retry_after = status, kind, param, code, retry_after
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(int(self.retry_after))} if self.retry_after else None
-        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=headers)
+        return JSONResponse(
+            {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}},
+            status_code=self.status,
+            headers=headers,
+        )
 
 
 class StreamOptions(BaseModel):
@@ -60,7 +71,7 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)  # extension (vLLM and others accept it too)
-    seed: int | None = Field(None, ge=-2**63, lt=2**63)  # OpenAI's range: a signed 64-bit integer
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # OpenAI's range: a signed 64-bit integer
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -68,9 +79,23 @@ class _Common(BaseModel):
     user: str | None = None
 
     # parameters OpenAI defines that Tandem does not implement: refused, never silently ignored
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-                   "logit_bias", "response_format", "echo", "suffix", "best_of", "parallel_tool_calls",
-                   "audio", "modalities", "prediction")
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "logit_bias",
+        "response_format",
+        "echo",
+        "suffix",
+        "best_of",
+        "parallel_tool_calls",
+        "audio",
+        "modalities",
+        "prediction",
+    )
 
     def check(self) -> None:
         if self.n != 1:
@@ -82,8 +107,12 @@ class _Common(BaseModel):
                 raise OpenAIError(400, f"the parameter `{name}` is not supported by Tandem", param=name)
         for name in SERVER_FIELDS:
             value = extra.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or isinstance(value, float) and not math.isfinite(value)):
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or isinstance(value, float)
+                and not math.isfinite(value)
+            ):
                 raise OpenAIError(400, f"`{name}` must be a finite number", param=name)
         unknown = set(extra) - set(self.UNSUPPORTED) - set(SERVER_FIELDS) - {"metadata", "store"}
         if unknown:
@@ -95,8 +124,14 @@ class _Common(BaseModel):
         # OpenAI's presence/frequency penalties and vLLM's/SGLang's min_p and repetition_penalty:
         # applied by engines that can (the agents refuse them where an engine cannot)
         server = {name: extra[name] for name in SERVER_FIELDS if extra.get(name) is not None}
-        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, **server}
+        return {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            **server,
+        }
 
     @property
     def stops(self) -> list[str]:
@@ -115,8 +150,9 @@ def resolve_target(engine: Engine, model: str) -> Target:
     """A pair by its name, or a single node as `node/<name>`."""
     target = _find_target(engine, model)
     if target is None:
-        raise OpenAIError(404, f"the model `{model}` does not exist (see GET /v1/models)", code="model_not_found",
-                          param="model")
+        raise OpenAIError(
+            404, f"the model `{model}` does not exist (see GET /v1/models)", code="model_not_found", param="model"
+        )
     return target
 
 
@@ -164,8 +200,12 @@ def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWr
         # body holds (only a body too large, or not JSON at all, is refused before the key is read).
         token = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
         if not api_key_valid(engine, token):
-            raise OpenAIError(401, "missing or wrong API key (create one in the panel's Settings)",
-                              kind="invalid_request_error", code="invalid_api_key")
+            raise OpenAIError(
+                401,
+                "missing or wrong API key (create one in the panel's Settings)",
+                kind="invalid_request_error",
+                code="invalid_api_key",
+            )
 
     async def json_only(request: Request) -> None:
         # FastAPI parses a body as JSON only under a JSON media type, and validates anything else
@@ -175,8 +215,11 @@ def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWr
         given = request.headers.get("content-type", "")
         media = given.split(";", 1)[0].strip().lower()
         if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-            raise OpenAIError(415, f"the body must be JSON sent with Content-Type: application/json "
-                                   f"(got {given or 'no Content-Type'})", code="unsupported_media_type")
+            raise OpenAIError(
+                415,
+                f"the body must be JSON sent with Content-Type: application/json (got {given or 'no Content-Type'})",
+                code="unsupported_media_type",
+            )
 
     api = APIRouter(dependencies=[Depends(authorize), Depends(json_only)])
 
@@ -187,8 +230,10 @@ def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWr
 
     @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "tandem"}
-                                           for n in model_names(engine)]}
+        return {
+            "object": "list",
+            "data": [{"id": n, "object": "model", "created": 0, "owned_by": "tandem"} for n in model_names(engine)],
+        }
 
     async def serve(body: _Common, chat: bool, request: Request):
         body.check()
@@ -211,9 +256,16 @@ def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWr
         scanner = _StopScanner(body.stops)
 
         def log(outcome: str, error: str = "") -> None:
-            request_log.finish(logged, route=stats.route, reason=stats.reason, ttft_ms=stats.ttft_ms,
-                               output_tokens=stats.output_tokens, bytes_moved=stats.bytes_moved, outcome=outcome,
-                               error=error)
+            request_log.finish(
+                logged,
+                route=stats.route,
+                reason=stats.reason,
+                ttft_ms=stats.ttft_ms,
+                output_tokens=stats.output_tokens,
+                bytes_moved=stats.bytes_moved,
+                outcome=outcome,
+                error=error,
+            )
 
         async def texts() -> AsyncIterator[str]:
             """Text deltas until the end, a stop string or an error (raised as RouteError)."""
@@ -235,16 +287,29 @@ def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWr
                 await events.aclose()  # a stop string or a client gone: abort both roles now
 
         def usage() -> dict:
-            return {"prompt_tokens": len(ids), "completion_tokens": stats.output_tokens,
-                    "total_tokens": len(ids) + stats.output_tokens}
+            return {
+                "prompt_tokens": len(ids),
+                "completion_tokens": stats.output_tokens,
+                "total_tokens": len(ids) + stats.output_tokens,
+            }
 
         def chunk(delta: str | None, finish: str | None) -> dict:
             if chat:
                 d = {} if delta is None else {"content": delta}
-                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                        "choices": [{"index": 0, "delta": d, "finish_reason": finish}]}
-            return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+                return {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": body.model,
+                    "choices": [{"index": 0, "delta": d, "finish_reason": finish}],
+                }
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}],
+            }
 
         if not body.stream:
             try:
@@ -253,11 +318,23 @@ def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWr
                 log("error", str(e))
                 raise OpenAIError(e.status, str(e), kind=e.kind, retry_after=e.retry_after) from e
             log("ok")
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                       "finish_reason": stats.finish_reason or "stop"} if chat else
-                      {"index": 0, "text": text, "logprobs": None, "finish_reason": stats.finish_reason or "stop"})
-            return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                    "model": body.model, "choices": [choice], "usage": usage()}
+            choice = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": stats.finish_reason or "stop",
+                }
+                if chat
+                else {"index": 0, "text": text, "logprobs": None, "finish_reason": stats.finish_reason or "stop"}
+            )
+            return {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [choice],
+                "usage": usage(),
+            }
 
         # Streaming: pull the first event before answering, so routing errors are real HTTP errors.
         gen = texts()
@@ -282,8 +359,16 @@ def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWr
                         yield _sse(chunk(delta, None))
                 yield _sse(chunk(None, stats.finish_reason or "stop"))
                 if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": created, "model": body.model, "choices": [], "usage": usage()})
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created,
+                            "model": body.model,
+                            "choices": [],
+                            "usage": usage(),
+                        }
+                    )
                 yield b"data: [DONE]\n\n"
                 outcome = "ok"
             except RouteError as e:

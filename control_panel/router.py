@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-from engine_adapters.sampling import non_default_fields
-from node_agent.client import AgentClient, AgentHTTPError, TransportError
+from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
+from tandem_protocol.sampling import non_default_fields
 
 
 class RouteError(Exception):
@@ -31,6 +31,7 @@ class RouteError(Exception):
 @dataclass(frozen=True)
 class Target:
     """Where a model name runs: a pair (prefill + decode) or one node."""
+
     name: str
     decode_url: str
     prefill_url: str | None = None
@@ -101,18 +102,21 @@ class Router:
         except TransportError as e:
             raise RouteError(f"the decoder of {target.name} is not reachable: {e}", 503) from e
 
-    async def run(self, target: Target, token_ids: list[int], sampling: dict,
-                  stats: RouteStats) -> AsyncIterator[dict]:
+    async def run(self, target: Target, token_ids: list[int], sampling: dict, stats: RouteStats) -> AsyncIterator[dict]:
         """NDJSON-style events from D: {"token", "text"} …, then {"done": true, ...}."""
         stats.prompt_tokens = len(token_ids)
         if target.prefill_url is None:
             stats.route = "node"
-            async for event in self._stream(target.decode_url, "/v1/generate",
-                                            {"token_ids": token_ids, "sampling": sampling}, stats):
+            async for event in self._stream(
+                target.decode_url, "/v1/generate", {"token_ids": token_ids, "sampling": sampling}, stats
+            ):
                 yield event
             return
         if len(token_ids) < target.local_threshold:
-            stats.route, stats.reason = "decode_alone", f"prompt of {len(token_ids)} tokens is under the pair's threshold"
+            stats.route, stats.reason = (
+                "decode_alone",
+                f"prompt of {len(token_ids)} tokens is under the pair's threshold",
+            )
             async for event in self._alone(target, token_ids, sampling, stats):
                 yield event
             return
@@ -124,28 +128,41 @@ class Router:
                 context = info.get("context_length") or 0
                 if context and token_ids and len(token_ids) + sampling["max_tokens"] > context:
                     # D would refuse it (400) after P had prefilled: refuse it before either starts
-                    raise RouteError(f"prompt of {len(token_ids)} tokens plus max_tokens {sampling['max_tokens']} "
-                                     f"exceeds the context length {context} of {target.name}", 400,
-                                     kind="invalid_request_error")
+                    raise RouteError(
+                        f"prompt of {len(token_ids)} tokens plus max_tokens {sampling['max_tokens']} "
+                        f"exceeds the context length {context} of {target.name}",
+                        400,
+                        kind="invalid_request_error",
+                    )
                 cannot = sorted(non_default_fields(sampling) - set(info.get("sampling", ())))
                 if cannot:  # refused before either role is scheduled
-                    raise RouteError(f"the decode engine of {target.name} ({info['engine']}) cannot apply "
-                                     f"{', '.join(cannot)}", 400, kind="invalid_request_error")
+                    raise RouteError(
+                        f"the decode engine of {target.name} ({info['engine']}) cannot apply {', '.join(cannot)}",
+                        400,
+                        kind="invalid_request_error",
+                    )
                 mode = info["decoder_modes"][0]
                 # compressed only where the decoder reads it (an older decoder: raw, as before)
                 encoding = target.page_encoding if target.page_encoding in info.get("page_encodings", ()) else "raw"
                 extra = {} if encoding == "raw" else {"page_encoding": encoding}
                 try:
-                    await p.create_handoff(room=room, token_ids=token_ids, sampling=sampling, mode=mode,
-                                           contract=info["contract"]["fingerprint"], **extra)
+                    await p.create_handoff(
+                        room=room,
+                        token_ids=token_ids,
+                        sampling=sampling,
+                        mode=mode,
+                        contract=info["contract"]["fingerprint"],
+                        **extra,
+                    )
                     break
                 except AgentHTTPError as e:
                     if e.status != 409 or fresh:  # 409: maybe the decoder changed since it was asked
                         raise
         except AgentHTTPError as e:
             if e.status == 429:
-                raise RouteError(f"the prefiller of {target.name} is busy: {e}", 429, retry_after=2.0,
-                                 kind="rate_limit_exceeded") from e
+                raise RouteError(
+                    f"the prefiller of {target.name} is busy: {e}", 429, retry_after=2.0, kind="rate_limit_exceeded"
+                ) from e
             if e.status in (400, 409, 413):
                 raise RouteError(str(e), 400, kind="invalid_request_error") from e
             async for event in self._fallback(target, token_ids, sampling, stats, f"prefiller failed: {e}"):
@@ -159,9 +176,18 @@ class Router:
         finished = False
         try:
             first = True
-            async for event in self._stream(target.decode_url, "/v1/decode",
-                                            {"room": room, "token_ids": token_ids, "sampling": sampling,
-                                             "mode": mode, "prefill_url": target.prefill_url}, stats):
+            async for event in self._stream(
+                target.decode_url,
+                "/v1/decode",
+                {
+                    "room": room,
+                    "token_ids": token_ids,
+                    "sampling": sampling,
+                    "mode": mode,
+                    "prefill_url": target.prefill_url,
+                },
+                stats,
+            ):
                 if first and "error" in event and target.fallback == "decode_alone":
                     # the P/D path failed before any token left: serve the request on D alone
                     reason = f"P/D transfer failed before the first token: {event['error']['message']}"
@@ -187,8 +213,9 @@ class Router:
             yield event
 
     async def _alone(self, target, token_ids, sampling, stats) -> AsyncIterator[dict]:
-        async for event in self._stream(target.decode_url, "/v1/generate",
-                                        {"token_ids": token_ids, "sampling": sampling}, stats):
+        async for event in self._stream(
+            target.decode_url, "/v1/generate", {"token_ids": token_ids, "sampling": sampling}, stats
+        ):
             yield event
 
     async def _stream(self, url: str, path: str, body: dict, stats: RouteStats) -> AsyncIterator[dict]:
@@ -203,7 +230,10 @@ class Router:
                     stats.finish_reason = event.get("finish_reason")
                 yield event
         except AgentHTTPError as e:
-            raise RouteError(str(e), 400 if e.status == 400 else 503,
-                             kind="invalid_request_error" if e.status == 400 else "route_error") from e
+            raise RouteError(
+                str(e),
+                400 if e.status == 400 else 503,
+                kind="invalid_request_error" if e.status == 400 else "route_error",
+            ) from e
         except TransportError as e:
             raise RouteError(f"{url} is not reachable: {e}", 503) from e

@@ -7,10 +7,10 @@ import time
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
-from engine_adapters.contract import ModelContract
-from engine_adapters.pages import ENCODINGS
-from node_agent.client import AgentClient, AgentHTTPError, TransportError
-from node_agent.discovery import Peer
+from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
+from tandem_protocol.contract import ModelContract
+from tandem_protocol.discovery import Peer
+from tandem_protocol.pages import ENCODINGS
 
 from .models import Node, Pair
 
@@ -53,8 +53,16 @@ async def add_node(engine: Engine, url: str, cluster_key: str, source: str = "ma
         return node
 
 
-async def configure_node(url: str, cluster_key: str, role: str, engine: str | None, model_path: str | None,
-                         context_length: int | None, staging_bytes: int | None, dry_run: bool) -> dict:
+async def configure_node(
+    url: str,
+    cluster_key: str,
+    role: str,
+    engine: str | None,
+    model_path: str | None,
+    context_length: int | None,
+    staging_bytes: int | None,
+    dry_run: bool,
+) -> dict:
     """Check (dry_run) or apply one node's part of a pair; returns the contract it would have (or
     has). Errors name the form field at fault (`prefill_model_path`, `decode_engine`, …)."""
     client = AgentClient(url, cluster_key)
@@ -62,8 +70,13 @@ async def configure_node(url: str, cluster_key: str, role: str, engine: str | No
         current = await client.info()
         if not engine and not model_path and context_length is None and staging_bytes is None:
             return current["contract"]  # the node keeps what it runs
-        out = await client.configure(engine=engine or current["engine"], model_path=model_path or current["model_path"],
-                                     context_length=context_length, staging_bytes=staging_bytes, dry_run=dry_run)
+        out = await client.configure(
+            engine=engine or current["engine"],
+            model_path=model_path or current["model_path"],
+            context_length=context_length,
+            staging_bytes=staging_bytes,
+            dry_run=dry_run,
+        )
         return out["contract"]
     except AgentHTTPError as e:
         field = e.detail.get("field")
@@ -75,22 +88,38 @@ async def configure_node(url: str, cluster_key: str, role: str, engine: str | No
         await client.aclose()
 
 
-async def create_pair(engine: Engine, cluster_key: str, name: str, prefill_url: str, decode_url: str,
-                      local_threshold: int = 0, fallback: str = "decode_alone", page_encoding: str = "raw", *,
-                      prefill_engine: str | None = None, prefill_model_path: str | None = None,
-                      decode_engine: str | None = None, decode_model_path: str | None = None,
-                      context_length: int | None = None, staging_bytes: int | None = None) -> Pair:
+async def create_pair(
+    engine: Engine,
+    cluster_key: str,
+    name: str,
+    prefill_url: str,
+    decode_url: str,
+    local_threshold: int = 0,
+    fallback: str = "decode_alone",
+    page_encoding: str = "raw",
+    *,
+    prefill_engine: str | None = None,
+    prefill_model_path: str | None = None,
+    decode_engine: str | None = None,
+    decode_model_path: str | None = None,
+    context_length: int | None = None,
+    staging_bytes: int | None = None,
+) -> Pair:
     """Pair two nodes under a model name: check both nodes' engine and model path, switch them
     if asked, then check that their contracts agree. Blank engine/path: what the node runs."""
     if not name or "/" in name:
         raise PanelError("a pair needs a name without '/' (it becomes the model name on the API)", ["name"])
     if page_encoding not in ENCODINGS:
         raise PanelError(f"unknown page encoding {page_encoding!r} ({' or '.join(ENCODINGS)})", ["page_encoding"])
-    nodes = [("prefill", prefill_url, prefill_engine, prefill_model_path, staging_bytes),
-             ("decode", decode_url, decode_engine, decode_model_path, None)]
+    nodes = [
+        ("prefill", prefill_url, prefill_engine, prefill_model_path, staging_bytes),
+        ("decode", decode_url, decode_engine, decode_model_path, None),
+    ]
     for dry_run in (True, False):  # check both nodes, and their contracts, before either loads anything
-        p_contract, d_contract = [await configure_node(url, cluster_key, role, eng, path, context_length, staging, dry_run)
-                                  for role, url, eng, path, staging in nodes]
+        p_contract, d_contract = [
+            await configure_node(url, cluster_key, role, eng, path, context_length, staging, dry_run)
+            for role, url, eng, path, staging in nodes
+        ]
         # names every differing field (weights, tokenizer, config, context_length, geometry)
         ModelContract.from_dict(d_contract).check_same(ModelContract.from_dict(p_contract))
     p_info, d_info = await agent_status(prefill_url, cluster_key), await agent_status(decode_url, cluster_key)
@@ -98,8 +127,15 @@ async def create_pair(engine: Engine, cluster_key: str, name: str, prefill_url: 
     d_node = await add_node(engine, decode_url, cluster_key)
     with Session(engine) as s:
         pair = s.exec(select(Pair).where(Pair.name == name)).first() or Pair(
-            name=name, prefill_node_id=p_node.id, decode_node_id=d_node.id, prefill_engine="", decode_engine="",
-            prefill_model_path="", decode_model_path="", context_length=0)
+            name=name,
+            prefill_node_id=p_node.id,
+            decode_node_id=d_node.id,
+            prefill_engine="",
+            decode_engine="",
+            prefill_model_path="",
+            decode_model_path="",
+            context_length=0,
+        )
         pair.prefill_node_id, pair.decode_node_id = p_node.id, d_node.id
         pair.prefill_engine, pair.decode_engine = p_info["engine"], d_info["engine"]
         pair.prefill_model_path, pair.decode_model_path = p_info["model_path"], d_info["model_path"]
@@ -128,8 +164,13 @@ def note_discovered(engine: Engine, peer: Peer, present: bool) -> None:
                 s.commit()
             return
         if node is None:
-            node = Node(name=peer.properties.get("name") or peer.service.split(".")[0], url=url, source="mdns",
-                        paired=False, node_id=node_id)
+            node = Node(
+                name=peer.properties.get("name") or peer.service.split(".")[0],
+                url=url,
+                source="mdns",
+                paired=False,
+                node_id=node_id,
+            )
         if not node.paired:  # a paired node's facts come from its authenticated /v1/status
             node.engine, node.model = peer.properties.get("engine", ""), peer.properties.get("model", "")
             node.contract, node.last_error = peer.properties.get("contract", ""), ""
@@ -152,5 +193,3 @@ def delete_row(engine: Engine, table: type, row_id: int) -> None:
         if row is not None:
             s.delete(row)
             s.commit()
-
-

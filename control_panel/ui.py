@@ -14,8 +14,8 @@ import hmac
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import jinja2
 from fastapi import APIRouter, Form, HTTPException, Request
@@ -23,12 +23,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response, Streamin
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from sqlmodel import Session, col, select
 
-from engine_adapters.errors import ContractMismatch
-from engine_adapters import ADAPTERS
-from engine_adapters.pages import PROTOCOL_VERSION
-from node_agent.client import AgentClient, AgentHTTPError, TransportError
-from node_agent.identity import key_matches
+from tandem_protocol import ENGINES
+from tandem_protocol.auth import key_matches
+from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
+from tandem_protocol.errors import ContractMismatch
+from tandem_protocol.pages import PROTOCOL_VERSION
 
+from . import services
 from .bench_results import latest_ttft
 from .db import set_setting
 from .i18n import COOKIE as LANG_COOKIE
@@ -36,12 +37,16 @@ from .i18n import LANGUAGES, Translator, load_all, pick_language
 from .login_limit import LoginLimiter
 from .models import ApiKey, Node, Pair, RequestLog
 from .openai_api import OpenAIError, resolve_target
-from .router import RouteError, RouteStats
-from .security import (admin_password_version, check_admin_password, create_api_key, set_admin_password,
-                       ui_session_secret)
-from . import services
 from .request_log import save as log_request
-from .services import delete_row, PanelError, add_node, create_pair
+from .router import RouteError, RouteStats
+from .security import (
+    admin_password_version,
+    check_admin_password,
+    create_api_key,
+    set_admin_password,
+    ui_session_secret,
+)
+from .services import PanelError, add_node, create_pair, delete_row
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"  # a symlink to the top-level templates/
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -58,17 +63,31 @@ def N_(message: str) -> str:
 FALLBACKS = {"decode_alone": N_("Decode alone (run on the decoder)"), "fail": N_("Fail the request")}
 PAGE_ENCODINGS = {"raw": N_("Raw FP16"), "zstd": N_("Compressed (zstd, lossless)")}
 ROUTES = {"pd": N_("prefill → decode"), "decode_alone": N_("decoder alone"), "node": N_("single node")}
-OUTCOMES = {"ok": N_("ok"), "error": N_("error"), "cancelled": N_("cancelled"), "running": N_("running"),
-            "interrupted": N_("interrupted")}
-CONTRACT_FIELDS = {"weights": N_("weights"), "tokenizer": N_("tokenizer"), "config": N_("model config"),
-                   "context_length": N_("context length")}
-HEALTH = {"ok": N_("healthy"), "unpaired": N_("not paired"), "timeout": N_("timeout"), "key_rejected": N_("key rejected (401)"),
-          "protocol": N_("protocol mismatch"), "unreachable": N_("unreachable"), "error": N_("error")}
+OUTCOMES = {
+    "ok": N_("ok"),
+    "error": N_("error"),
+    "cancelled": N_("cancelled"),
+    "running": N_("running"),
+    "interrupted": N_("interrupted"),
+}
+CONTRACT_FIELDS = {
+    "weights": N_("weights"),
+    "tokenizer": N_("tokenizer"),
+    "config": N_("model config"),
+    "context_length": N_("context length"),
+}
+HEALTH = {
+    "ok": N_("healthy"),
+    "unpaired": N_("not paired"),
+    "timeout": N_("timeout"),
+    "key_rejected": N_("key rejected (401)"),
+    "protocol": N_("protocol mismatch"),
+    "unreachable": N_("unreachable"),
+    "error": N_("error"),
+}
 
 
-
-_env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
-                          extensions=["jinja2.ext.i18n"])
+_env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True, extensions=["jinja2.ext.i18n"])
 _env.newstyle_gettext = True  # {% trans %} and _() format with %(name)s, like Translator.gettext
 
 
@@ -98,7 +117,7 @@ async def probe(url: str, key: str | None) -> dict:
             await asyncio.wait_for(client.healthz(), STATUS_TIMEOUT)
             return {"health": "unpaired", "detail": ""}
         status = await asyncio.wait_for(client.status(), STATUS_TIMEOUT)
-    except (asyncio.TimeoutError, TimeoutError) as e:
+    except TimeoutError as e:
         return {"health": "timeout", "detail": f"no answer within {STATUS_TIMEOUT:.0f} s" if not str(e) else str(e)}
     except AgentHTTPError as e:
         if e.status == 401:
@@ -111,13 +130,17 @@ async def probe(url: str, key: str | None) -> dict:
     finally:
         await client.aclose()
     if status.get("protocol_version") != PROTOCOL_VERSION:
-        return {"health": "protocol", "status": status,
-                "detail": f"agent speaks protocol {status.get('protocol_version')}, panel speaks {PROTOCOL_VERSION}"}
+        return {
+            "health": "protocol",
+            "status": status,
+            "detail": f"agent speaks protocol {status.get('protocol_version')}, panel speaks {PROTOCOL_VERSION}",
+        }
     return {"health": "ok", "status": status, "detail": ""}
 
 
-def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
-                   login_limiter: LoginLimiter | None = None) -> APIRouter:
+def make_ui_router(
+    engine, router, watcher=None, data_dir: Path | None = None, login_limiter: LoginLimiter | None = None
+) -> APIRouter:
     load_all()
     limiter = login_limiter or LoginLimiter()
     ui = APIRouter(include_in_schema=False)
@@ -167,8 +190,9 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
     def cookie_args(request: Request) -> dict:
         return {"httponly": True, "samesite": "lax", "secure": request.url.scheme == "https", "path": "/"}
 
-    def render(request: Request, name: str, status_code: int = 200, session: dict | None = None,
-               **context) -> HTMLResponse:
+    def render(
+        request: Request, name: str, status_code: int = 200, session: dict | None = None, **context
+    ) -> HTMLResponse:
         """A page; `session`: one signed in this very response (the request's is no longer valid)."""
         t = translator(request)
         data = session or session_of(request)
@@ -177,10 +201,25 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
         if token is None:
             token = new_anon = secrets.token_urlsafe(24)
         html = _env.get_template(name).render(
-            request=request, gettext=t.gettext, ngettext=t.ngettext, lang=t.lang, html_lang=t.html_lang,
-            languages=LANGUAGES, csrf=token, logged_in=data is not None, path=request.url.path,
-            N={"fallbacks": FALLBACKS, "encodings": PAGE_ENCODINGS, "routes": ROUTES, "outcomes": OUTCOMES, "fields": CONTRACT_FIELDS,
-               "health": HEALTH}, **context)
+            request=request,
+            gettext=t.gettext,
+            ngettext=t.ngettext,
+            lang=t.lang,
+            html_lang=t.html_lang,
+            languages=LANGUAGES,
+            csrf=token,
+            logged_in=data is not None,
+            path=request.url.path,
+            N={
+                "fallbacks": FALLBACKS,
+                "encodings": PAGE_ENCODINGS,
+                "routes": ROUTES,
+                "outcomes": OUTCOMES,
+                "fields": CONTRACT_FIELDS,
+                "health": HEALTH,
+            },
+            **context,
+        )
         response = HTMLResponse(html, status_code=status_code)
         if new_anon:
             response.set_cookie(ANON_COOKIE, anon.dumps(new_anon), max_age=SESSION_MAX_AGE, **cookie_args(request))
@@ -190,7 +229,9 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
         return response
 
     def safe_next(value: str | None) -> str:
-        return value if value and value.startswith("/") and not value.startswith("//") and "\\" not in value else "/nodes"
+        return (
+            value if value and value.startswith("/") and not value.startswith("//") and "\\" not in value else "/nodes"
+        )
 
     async def guard(request: Request):
         """Every UI route but /login and /lang: a page redirects to /login, htmx and fetch() get 401.
@@ -216,8 +257,13 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
         address = request.client.host if request.client else ""
         wait = limiter.retry_after(address)
         if wait is not None:  # the password is not even looked at
-            response = render(request, "login.html", status_code=429, next=safe_next(next),
-                              error=_("Too many failed attempts: wait %(seconds)s s, then try again.", seconds=wait))
+            response = render(
+                request,
+                "login.html",
+                status_code=429,
+                next=safe_next(next),
+                error=_("Too many failed attempts: wait %(seconds)s s, then try again.", seconds=wait),
+            )
             response.headers["Retry-After"] = str(wait)
             return response
         check_csrf(request, csrf)
@@ -232,7 +278,7 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
 
     @ui.post("/logout")
     async def logout(request: Request, csrf: str = Form("")):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         check_csrf(request, csrf)
         response = RedirectResponse("/login", status_code=303)
@@ -260,8 +306,7 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
     async def node_rows() -> list[dict]:
         nodes = nodes_list()
         # an unpaired node (found by mDNS) gets no key until the user pairs it: only its liveness
-        results = await asyncio.gather(*(probe(n.url, router.cluster_key if n.paired else None)
-                                         for n in nodes))
+        results = await asyncio.gather(*(probe(n.url, router.cluster_key if n.paired else None) for n in nodes))
         now = time.time()
         with Session(engine) as s:
             for n, r in zip(nodes, results):
@@ -277,31 +322,51 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
             st = r.get("status") or {}
             budget = st.get("budget") or {}
             cap, reserved = budget.get("capacity") or 0, budget.get("reserved") or 0
-            rows.append({"node": n, "health": r["health"], "detail": r["detail"], "status": st,
-                         "engine": st.get("engine") or n.engine, "model": st.get("model") or n.model,
-                         "accelerator": st.get("accelerator") or {},
-                         "contract": ((st.get("contract") or {}).get("fingerprint") or n.contract)[:12],
-                         "budget": {"capacity": cap, "reserved": reserved, "waiting": budget.get("waiting", 0),
-                                    "percent": round(100 * reserved / cap) if cap else 0},
-                         "open_handoffs": st.get("open_handoffs"), "totals": st.get("totals") or {}})
+            rows.append(
+                {
+                    "node": n,
+                    "health": r["health"],
+                    "detail": r["detail"],
+                    "status": st,
+                    "engine": st.get("engine") or n.engine,
+                    "model": st.get("model") or n.model,
+                    "accelerator": st.get("accelerator") or {},
+                    "contract": ((st.get("contract") or {}).get("fingerprint") or n.contract)[:12],
+                    "budget": {
+                        "capacity": cap,
+                        "reserved": reserved,
+                        "waiting": budget.get("waiting", 0),
+                        "percent": round(100 * reserved / cap) if cap else 0,
+                    },
+                    "open_handoffs": st.get("open_handoffs"),
+                    "totals": st.get("totals") or {},
+                }
+            )
         return rows
 
     @ui.get("/nodes")
     async def nodes_page(request: Request):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
-        return render(request, "nodes.html", rows=await node_rows(), error=None, added=None, url_value="",
-                      mdns=watcher is not None)
+        return render(
+            request,
+            "nodes.html",
+            rows=await node_rows(),
+            error=None,
+            added=None,
+            url_value="",
+            mdns=watcher is not None,
+        )
 
     @ui.get("/nodes/table")
     async def nodes_table(request: Request):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         return render(request, "_nodes_table.html", rows=await node_rows())
 
     @ui.post("/nodes")
     async def nodes_add(request: Request, url: str = Form(""), csrf: str = Form("")):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         check_csrf(request, csrf)
         _ = translator(request).gettext
@@ -320,13 +385,21 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
                 except PanelError as e:
                     error = _("Could not add %(url)s: %(reason)s", url=url, reason=str(e))
         if error:
-            return render(request, "nodes.html", status_code=400, rows=await node_rows(), error=error,
-                          added=None, url_value=url, mdns=watcher is not None)
+            return render(
+                request,
+                "nodes.html",
+                status_code=400,
+                rows=await node_rows(),
+                error=error,
+                added=None,
+                url_value=url,
+                mdns=watcher is not None,
+            )
         return RedirectResponse("/nodes", status_code=303)
 
     @ui.get("/nodes/{node_id}/pair")
     async def node_pair_page(request: Request, node_id: int):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         with Session(engine) as s:
             node = s.get(Node, node_id)
@@ -337,7 +410,7 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
     @ui.post("/nodes/{node_id}/pair")
     async def node_pair(request: Request, node_id: int, key: str = Form(""), csrf: str = Form("")):
         """Pair a node found by mDNS: the user vouches for it by giving the cluster key."""
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         check_csrf(request, csrf)
         _ = translator(request).gettext
@@ -364,8 +437,14 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
                 except PanelError as e:
                     error = _("Could not pair %(name)s: %(reason)s", name=node.name, reason=str(e))
         if error:
-            return render(request, "node_pair.html", status_code=400, node=node, error=error,
-                          panel_has_key=bool(router.cluster_key))
+            return render(
+                request,
+                "node_pair.html",
+                status_code=400,
+                node=node,
+                error=error,
+                panel_has_key=bool(router.cluster_key),
+            )
         return RedirectResponse("/nodes", status_code=303)
 
     # ---- pairs ---------------------------------------------------------------------------------
@@ -373,49 +452,72 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
     async def pairs_context() -> dict:
         with Session(engine) as s:
             nodes = {n.id: n for n in s.exec(select(Node).order_by(Node.name))}
-            pairs = [{"pair": p, "prefill": nodes.get(p.prefill_node_id), "decode": nodes.get(p.decode_node_id)}
-                     for p in s.exec(select(Pair).order_by(Pair.name))]
+            pairs = [
+                {"pair": p, "prefill": nodes.get(p.prefill_node_id), "decode": nodes.get(p.decode_node_id)}
+                for p in s.exec(select(Pair).order_by(Pair.name))
+            ]
         paired = [n for n in nodes.values() if n.paired]
         found = await asyncio.gather(*(node_models(n.url) for n in paired))
         model_paths = [(n.name, m["path"]) for n, models in zip(paired, found) for m in models if m["supported"]]
-        return {"pairs": pairs, "nodes": paired, "engines": list(ADAPTERS), "model_paths": model_paths}
+        return {"pairs": pairs, "nodes": paired, "engines": list(ENGINES), "model_paths": model_paths}
 
     async def node_models(url: str) -> list[dict]:
         """The checkpoints a node offers (for the pair form's model-path suggestions); [] if it does not answer."""
         client = AgentClient(url, router.cluster_key, timeout=STATUS_TIMEOUT)
         try:
             return (await asyncio.wait_for(client.local_models(), STATUS_TIMEOUT))["models"]
-        except (AgentHTTPError, asyncio.TimeoutError, *TransportError):
+        except (TimeoutError, AgentHTTPError, *TransportError):
             return []
         finally:
             await client.aclose()
 
     @ui.get("/pairs")
     async def pairs_page(request: Request):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         return render(request, "pairs.html", error=None, bad_fields=[], form={}, **(await pairs_context()))
 
     @ui.post("/pairs")
-    async def pairs_create(request: Request, name: str = Form(""), prefill: str = Form(""), decode: str = Form(""),
-                           prefill_engine: str = Form(""), prefill_model_path: str = Form(""),
-                           decode_engine: str = Form(""), decode_model_path: str = Form(""),
-                           context_length: str = Form(""), staging_mib: str = Form(""),
-                           threshold: str = Form("0"), fallback: str = Form("decode_alone"),
-                           page_encoding: str = Form("raw"), csrf: str = Form("")):
-        if (r := await guard(request)):
+    async def pairs_create(
+        request: Request,
+        name: str = Form(""),
+        prefill: str = Form(""),
+        decode: str = Form(""),
+        prefill_engine: str = Form(""),
+        prefill_model_path: str = Form(""),
+        decode_engine: str = Form(""),
+        decode_model_path: str = Form(""),
+        context_length: str = Form(""),
+        staging_mib: str = Form(""),
+        threshold: str = Form("0"),
+        fallback: str = Form("decode_alone"),
+        page_encoding: str = Form("raw"),
+        csrf: str = Form(""),
+    ):
+        if r := await guard(request):
             return r
         check_csrf(request, csrf)
         _ = translator(request).gettext
-        form = {"name": name.strip(), "prefill": prefill, "decode": decode, "threshold": threshold, "fallback": fallback,
-                "page_encoding": page_encoding,
-                "prefill_engine": prefill_engine, "prefill_model_path": prefill_model_path.strip(),
-                "decode_engine": decode_engine, "decode_model_path": decode_model_path.strip(),
-                "context_length": context_length.strip(), "staging_mib": staging_mib.strip()}
+        form = {
+            "name": name.strip(),
+            "prefill": prefill,
+            "decode": decode,
+            "threshold": threshold,
+            "fallback": fallback,
+            "page_encoding": page_encoding,
+            "prefill_engine": prefill_engine,
+            "prefill_model_path": prefill_model_path.strip(),
+            "decode_engine": decode_engine,
+            "decode_model_path": decode_model_path.strip(),
+            "context_length": context_length.strip(),
+            "staging_mib": staging_mib.strip(),
+        }
         error, bad = None, []
         numbers = {}
-        for key, message in (("context_length", _("The context length must be a whole number of tokens, 1 or more.")),
-                             ("staging_mib", _("The staging budget must be a whole number of MiB, 1 or more."))):
+        for key, message in (
+            ("context_length", _("The context length must be a whole number of tokens, 1 or more.")),
+            ("staging_mib", _("The staging budget must be a whole number of MiB, 1 or more.")),
+        ):
             if form[key] and (not form[key].isdigit() or int(form[key]) < 1):
                 error, bad = message, [key]
             numbers[key] = int(form[key]) if form[key].isdigit() and int(form[key]) >= 1 else None
@@ -443,29 +545,47 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
             try:
                 staging = numbers["staging_mib"] << 20 if numbers["staging_mib"] else None
                 try:
-                    await create_pair(engine, router.cluster_key, form["name"], p_node.url, d_node.url, limit,
-                                      fallback, page_encoding, prefill_engine=prefill_engine or None,
-                                      prefill_model_path=form["prefill_model_path"] or None,
-                                      decode_engine=decode_engine or None,
-                                      decode_model_path=form["decode_model_path"] or None,
-                                      context_length=numbers["context_length"], staging_bytes=staging)
+                    await create_pair(
+                        engine,
+                        router.cluster_key,
+                        form["name"],
+                        p_node.url,
+                        d_node.url,
+                        limit,
+                        fallback,
+                        page_encoding,
+                        prefill_engine=prefill_engine or None,
+                        prefill_model_path=form["prefill_model_path"] or None,
+                        decode_engine=decode_engine or None,
+                        decode_model_path=form["decode_model_path"] or None,
+                        context_length=numbers["context_length"],
+                        staging_bytes=staging,
+                    )
                 finally:
                     router.forget(p_node.url, d_node.url)  # their engines may have just changed
             except ContractMismatch as e:
                 names = ", ".join(_(CONTRACT_FIELDS.get(f, f)) for f in e.fields)
-                error = _("The two nodes do not run the same model: their contracts differ in %(fields)s.",
-                          fields=names)
+                error = _(
+                    "The two nodes do not run the same model: their contracts differ in %(fields)s.", fields=names
+                )
                 bad = ["prefill", "decode"] + [f"contract:{f}" for f in e.fields]
             except PanelError as e:
                 error, bad = _("Could not create the pair: %(reason)s", reason=str(e)), list(e.fields)
         if error:
-            return render(request, "pairs.html", status_code=400, error=error, bad_fields=bad, form=form,
-                          **(await pairs_context()))
+            return render(
+                request,
+                "pairs.html",
+                status_code=400,
+                error=error,
+                bad_fields=bad,
+                form=form,
+                **(await pairs_context()),
+            )
         return RedirectResponse("/pairs", status_code=303)
 
     @ui.post("/pairs/{pair_id}/delete")
     async def pairs_delete(request: Request, pair_id: int, csrf: str = Form("")):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         check_csrf(request, csrf)
         delete_row(engine, Pair, pair_id)
@@ -478,13 +598,13 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
 
     @ui.get("/playground")
     async def playground_page(request: Request):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         return render(request, "playground.html", models=model_names())
 
     @ui.post("/ui/playground/stream")
     async def playground_stream(request: Request):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         check_csrf(request, None)
         _ = translator(request).gettext
@@ -494,16 +614,23 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
             max_tokens = max(1, min(int(body.get("max_tokens") or 128), 2048))
             temperature = float(body.get("temperature") or 0.0)
         except (ValueError, KeyError, TypeError):
-            return Response(json.dumps({"error": _("Bad request.")}) + "\n", status_code=400,
-                            media_type="application/x-ndjson")
+            return Response(
+                json.dumps({"error": _("Bad request.")}) + "\n", status_code=400, media_type="application/x-ndjson"
+            )
         if not message.strip():
-            return Response(json.dumps({"error": _("Type a message first.")}) + "\n", status_code=400,
-                            media_type="application/x-ndjson")
+            return Response(
+                json.dumps({"error": _("Type a message first.")}) + "\n",
+                status_code=400,
+                media_type="application/x-ndjson",
+            )
         try:
             target = resolve_target(engine, model)
         except OpenAIError:
-            return Response(json.dumps({"error": _("Unknown model %(model)s.", model=model)}) + "\n",
-                            status_code=404, media_type="application/x-ndjson")
+            return Response(
+                json.dumps({"error": _("Unknown model %(model)s.", model=model)}) + "\n",
+                status_code=404,
+                media_type="application/x-ndjson",
+            )
 
         async def events() -> AsyncIterator[bytes]:
             stats = RouteStats()
@@ -511,8 +638,13 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
             outcome, error = "cancelled", ""
             try:
                 ids = await router.tokenize(target, [{"role": "user", "content": message}], None)
-                sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0, "top_k": 0,
-                            "seed": None}
+                sampling = {
+                    "max_tokens": max_tokens,
+                    "temperature": temperature,
+                    "top_p": 1.0,
+                    "top_k": 0,
+                    "seed": None,
+                }
                 gen = router.run(target, ids, sampling, stats)
                 try:
                     async for event in gen:
@@ -530,23 +662,48 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
                 elapsed = time.perf_counter() - stats.started
                 decode_s = elapsed - (stats.ttft_ms or 0) / 1000
                 tps = (stats.output_tokens - 1) / decode_s if stats.output_tokens > 1 and decode_s > 0 else None
-                log_request(engine, RequestLog(model=model, route=stats.route or "", reason=stats.reason,
-                                               prompt_tokens=len(ids), ttft_ms=stats.ttft_ms,
-                                               output_tokens=stats.output_tokens, bytes_moved=stats.bytes_moved,
-                                               outcome=outcome, error=error))
-            yield (json.dumps({"done": True, "route": stats.route, "reason": stats.reason,
-                               "prompt_tokens": len(ids), "output_tokens": stats.output_tokens,
-                               "ttft_ms": stats.ttft_ms, "tokens_per_s": tps, "bytes_moved": stats.bytes_moved,
-                               "bytes_label": _fmt_bytes(stats.bytes_moved)}) + "\n").encode()
+                log_request(
+                    engine,
+                    RequestLog(
+                        model=model,
+                        route=stats.route or "",
+                        reason=stats.reason,
+                        prompt_tokens=len(ids),
+                        ttft_ms=stats.ttft_ms,
+                        output_tokens=stats.output_tokens,
+                        bytes_moved=stats.bytes_moved,
+                        outcome=outcome,
+                        error=error,
+                    ),
+                )
+            yield (
+                json.dumps(
+                    {
+                        "done": True,
+                        "route": stats.route,
+                        "reason": stats.reason,
+                        "prompt_tokens": len(ids),
+                        "output_tokens": stats.output_tokens,
+                        "ttft_ms": stats.ttft_ms,
+                        "tokens_per_s": tps,
+                        "bytes_moved": stats.bytes_moved,
+                        "bytes_label": _fmt_bytes(stats.bytes_moved),
+                    }
+                )
+                + "\n"
+            ).encode()
 
-        return StreamingResponse(events(), media_type="application/x-ndjson",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(),
+            media_type="application/x-ndjson",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
 
     # ---- requests ------------------------------------------------------------------------------
 
     @ui.get("/requests")
     async def requests_page(request: Request):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         with Session(engine) as s:
             rows = list(s.exec(select(RequestLog).order_by(col(RequestLog.created).desc()).limit(200)))
@@ -557,47 +714,57 @@ def make_ui_router(engine, router, watcher=None, data_dir: Path | None = None,
 
     @ui.get("/help")
     async def help_page(request: Request):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         return render(request, "help.html", base_url=str(request.base_url).rstrip("/"))
 
     def settings_context(**extra) -> dict:
         with Session(engine) as s:
             keys = list(s.exec(select(ApiKey).order_by(col(ApiKey.created).desc())))
-        return {"keys": keys, "new_key": None, "key_error": None, "pw_error": None, "pw_ok": False,
-                "mdns": watcher is not None, "mdns_seen": len(watcher.peers) if watcher else 0, **extra}
+        return {
+            "keys": keys,
+            "new_key": None,
+            "key_error": None,
+            "pw_error": None,
+            "pw_ok": False,
+            "mdns": watcher is not None,
+            "mdns_seen": len(watcher.peers) if watcher else 0,
+            **extra,
+        }
 
     @ui.get("/settings")
     async def settings_page(request: Request):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         return render(request, "settings.html", **settings_context())
 
     @ui.post("/settings/keys")
     async def settings_new_key(request: Request, name: str = Form(""), csrf: str = Form("")):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         check_csrf(request, csrf)
         _ = translator(request).gettext
         name = name.strip()
         if not name:
-            return render(request, "settings.html", status_code=400,
-                          **settings_context(key_error=_("Give the key a name.")))
+            return render(
+                request, "settings.html", status_code=400, **settings_context(key_error=_("Give the key a name."))
+            )
         key = create_api_key(engine, name[:100])
         return render(request, "settings.html", **settings_context(new_key=key, new_key_name=name))
 
     @ui.post("/settings/keys/{key_id}/delete")
     async def settings_delete_key(request: Request, key_id: int, csrf: str = Form("")):
-        if (r := await guard(request)):
+        if r := await guard(request):
             return r
         check_csrf(request, csrf)
         delete_row(engine, ApiKey, key_id)
         return RedirectResponse("/settings", status_code=303)
 
     @ui.post("/settings/password")
-    async def settings_password(request: Request, current: str = Form(""), new: str = Form(""),
-                                confirm: str = Form(""), csrf: str = Form("")):
-        if (r := await guard(request)):
+    async def settings_password(
+        request: Request, current: str = Form(""), new: str = Form(""), confirm: str = Form(""), csrf: str = Form("")
+    ):
+        if r := await guard(request):
             return r
         check_csrf(request, csrf)
         _ = translator(request).gettext
@@ -633,8 +800,25 @@ def ttft_chart(rows: list[RequestLog], width: int = 720, height: int = 160) -> d
     for i, r in enumerate(rows):
         v = r.ttft_ms
         h = 0 if v is None else max(1.0, plot_h * v / top)
-        bars.append({"x": round(pad_left + i * step + step * 0.1, 1), "w": round(max(step * 0.8, 1), 1),
-                     "y": round(8 + plot_h - h, 1), "h": round(h, 1), "ms": v, "route": r.route,
-                     "outcome": r.outcome, "model": r.model})
-    return {"width": width, "height": height, "bars": bars, "top": round(top), "pad_left": pad_left,
-            "base_y": 8 + plot_h, "plot_w": plot_w, "empty": not any(v is not None for v in values)}
+        bars.append(
+            {
+                "x": round(pad_left + i * step + step * 0.1, 1),
+                "w": round(max(step * 0.8, 1), 1),
+                "y": round(8 + plot_h - h, 1),
+                "h": round(h, 1),
+                "ms": v,
+                "route": r.route,
+                "outcome": r.outcome,
+                "model": r.model,
+            }
+        )
+    return {
+        "width": width,
+        "height": height,
+        "bars": bars,
+        "top": round(top),
+        "pad_left": pad_left,
+        "base_y": 8 + plot_h,
+        "plot_w": plot_w,
+        "empty": not any(v is not None for v in values),
+    }

@@ -11,6 +11,8 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem_protocol import ENGINES
+
 if TYPE_CHECKING:
     from .base import EngineAdapter
 
@@ -21,9 +23,10 @@ ADAPTERS = {
     "vllm": "engine_adapters.vllm_adapter:VLLMAdapter",
     "sglang": "engine_adapters.sglang_adapter:SGLangAdapter",
 }
+assert tuple(ADAPTERS) == ENGINES, "tandem_protocol.ENGINES names the engines the panel offers"
 
 
-def adapter_class(engine: str) -> type["EngineAdapter"]:
+def adapter_class(engine: str) -> type[EngineAdapter]:
     try:
         module, cls = ADAPTERS[engine].split(":")
     except KeyError:
@@ -31,6 +34,6 @@ def adapter_class(engine: str) -> type["EngineAdapter"]:
     return getattr(importlib.import_module(module), cls)
 
 
-def load_adapter(engine: str, model_dir: str | Path, context_length: int | None = None, **kwargs) -> "EngineAdapter":
+def load_adapter(engine: str, model_dir: str | Path, context_length: int | None = None, **kwargs) -> EngineAdapter:
     """Start `engine` on the model in `model_dir`."""
     return adapter_class(engine)(model_dir, context_length, **kwargs)

@@ -1,7 +1,7 @@
 """The engine adapter contract.
 
 An adapter hosts one model on one engine (transformers, mlx-lm, …) and speaks three things:
-token ids, canonical KV pages (`engine_adapters.pages`) and requests. Everything above the
+token ids, canonical KV pages (`tandem_protocol.pages`) and requests. Everything above the
 adapters — the node agent, the panel — sees only this interface.
 
 An in-process adapter implements six *engine primitives*, always called on the adapter's own
@@ -48,21 +48,24 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from contextlib import aclosing
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Callable, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from tandem_protocol.contract import HashCache, Progress, compute_contract
+from tandem_protocol.errors import Cancelled, FrameError, RequestError
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone, kv_tokens
+from tandem_protocol.model_dir import inspect_model
+from tandem_protocol.pages import KVPage, make_page
+from tandem_protocol.sampling import OUTPUT_ONLY_FIELDS, SAMPLER_FIELDS, SamplingParams
+
 from . import failpoints
-from .contract import HashCache, Progress, compute_contract
-from .errors import Cancelled, FrameError, RequestError
-from .model_dir import inspect_model
-from .pages import KVPage, make_page
-from .sampling import OUTPUT_ONLY_FIELDS, SAMPLER_FIELDS, Sampler, SamplingParams
+from .sampler import Sampler
 
 IMPORT_AHEAD = 4  # pages a decoder may have received and checked but not yet imported
 
@@ -73,38 +76,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 T = TypeVar("T")
 
 
-class FirstTokenMode(str, Enum):
-    RECOMPUTE_LAST = "recompute-last"
-    COMMIT_FIRST = "commit-first"
-
-
-def kv_tokens(prompt_tokens: int, mode: FirstTokenMode) -> int:
-    """How many prompt tokens of KV move from prefiller to decoder in `mode`."""
-    if mode is FirstTokenMode.RECOMPUTE_LAST:
-        if prompt_tokens < 2:
-            raise RequestError(
-                "recompute-last mode needs a prompt of at least 2 tokens: the decoder recomputes the "
-                "last prompt token, so a 1-token prompt leaves no KV to transfer (use commit-first)"
-            )
-        return prompt_tokens - 1
-    return prompt_tokens
-
-
 @dataclass
 class EngineRequest:
     request_id: str
     token_ids: list[int]
     sampling: SamplingParams
     mode: FirstTokenMode = FirstTokenMode.COMMIT_FIRST
-
-
-@dataclass
-class PrefillDone:
-    first_token: int
-    kv_tokens: int
-    pages: int
-    prefill_seconds: float
-    finished_at: float = 0.0  # wall-clock time.time() when prefill finished (for overlap timelines)
 
 
 class EngineAdapter(ABC):
@@ -118,15 +95,21 @@ class EngineAdapter(ABC):
     sampling: ClassVar[frozenset[str]] = SAMPLER_FIELDS
     first_token_sampling: ClassVar[frozenset[str]] = SAMPLER_FIELDS | OUTPUT_ONLY_FIELDS
 
-    def __init__(self, model_dir: str | Path, context_length: int | None = None,
-                 hash_cache: HashCache | None = None, progress: Progress | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        context_length: int | None = None,
+        hash_cache: HashCache | None = None,
+        progress: Progress | None = None,
+    ):
         self.info = inspect_model(model_dir)
         self.model_dir = self.info.path
         max_context = self.info.max_context or context_length or 0
         self.context_length = int(context_length or max_context)
         if not 1 <= self.context_length <= max_context:
             raise RequestError(
-                f"context length {self.context_length} is outside 1..{max_context} (the model's maximum)")
+                f"context length {self.context_length} is outside 1..{max_context} (the model's maximum)"
+            )
         self.geometry = self.info.geometry
         self.contract = compute_contract(self.info, self.context_length, hash_cache, progress)
         self.eos_token_ids = self.info.eos_token_ids
@@ -169,7 +152,7 @@ class EngineAdapter(ABC):
     def export_finish(self, handle: Any) -> list[KVPage]:
         start, kv = handle
         P = self.geometry.page_tokens
-        return [make_page(self.geometry, (start + a) // P, kv[:, :, a:a + P]) for a in range(0, kv.shape[2], P)]
+        return [make_page(self.geometry, (start + a) // P, kv[:, :, a : a + P]) for a in range(0, kv.shape[2], P)]
 
     @abstractmethod
     def import_kv(self, session: Any, start: int, kv: np.ndarray) -> None: ...
@@ -188,7 +171,7 @@ class EngineAdapter(ABC):
         own KV pool here, so tests and users can see it return to baseline)."""
         return {}
 
-    def release(self, session: Any) -> None:
+    def release(self, session: Any) -> None:  # noqa: B027 (optional hook, not abstract)
         """Free the session's KV memory (engines with pooled memory override this)."""
 
     def _load_tokenizer(self):
@@ -250,18 +233,24 @@ class EngineAdapter(ABC):
         if generates:
             cannot = sorted(req.sampling.non_default() - self.sampling)
             if cannot:
-                raise RequestError(f"the decode engine ({self.name}) cannot apply {', '.join(cannot)}: leave "
-                                   f"{'them' if len(cannot) > 1 else 'it'} at the default or use another node")
+                raise RequestError(
+                    f"the decode engine ({self.name}) cannot apply {', '.join(cannot)}: leave "
+                    f"{'them' if len(cannot) > 1 else 'it'} at the default or use another node"
+                )
         elif req.mode is FirstTokenMode.COMMIT_FIRST:
             cannot = sorted(req.sampling.non_default() - self.first_token_sampling)
             if cannot:
-                raise RequestError(f"the prefill engine ({self.name}) samples the first token and cannot apply "
-                                   f"{', '.join(cannot)}: leave them at their defaults or use another prefill node")
+                raise RequestError(
+                    f"the prefill engine ({self.name}) samples the first token and cannot apply "
+                    f"{', '.join(cannot)}: leave them at their defaults or use another prefill node"
+                )
         need = len(ids) + (req.sampling.max_tokens if generates else 0)
         if need > self.context_length:
             raise RequestError(
-                f"prompt of {len(ids)} tokens" + (f" plus max_tokens {req.sampling.max_tokens}" if generates else "")
-                + f" exceeds the context length {self.context_length}")
+                f"prompt of {len(ids)} tokens"
+                + (f" plus max_tokens {req.sampling.max_tokens}" if generates else "")
+                + f" exceeds the context length {self.context_length}"
+            )
 
     def prefill_chunks(self, n: int) -> list[tuple[int, int]]:
         """The [start, end) spans a prompt of n tokens is computed in: prefill_chunk_tokens each,
@@ -310,8 +299,13 @@ class EngineAdapter(ABC):
                     for page in await self.on_engine(self.export_finish, exports.popleft()):
                         yield page
             first = Sampler(req.sampling)(logits)
-            yield PrefillDone(first_token=first, kv_tokens=export, pages=self.geometry.pages_for(export),
-                              prefill_seconds=time.perf_counter() - t0, finished_at=time.time())
+            yield PrefillDone(
+                first_token=first,
+                kv_tokens=export,
+                pages=self.geometry.pages_for(export),
+                prefill_seconds=time.perf_counter() - t0,
+                finished_at=time.time(),
+            )
         finally:
             self._cancels.pop(req.request_id, None)
             if session is not None:
@@ -349,18 +343,29 @@ class EngineAdapter(ABC):
             if session is not None:
                 await self._release(session)
 
-    async def _import_stream(self, req: EngineRequest, event: threading.Event, session: Any,
-                             stream: AsyncIterable[KVPage | PrefillDone], expected_tokens: int) -> PrefillDone:
+    async def _import_stream(
+        self,
+        req: EngineRequest,
+        event: threading.Event,
+        session: Any,
+        stream: AsyncIterable[KVPage | PrefillDone],
+        expected_tokens: int,
+    ) -> PrefillDone:
         """Write arriving pages into the session, checking order and counts; return the final item
         once every page is imported."""
         async with aclosing(self._import_pages(req, event, session, stream, expected_tokens)) as complete:
-            async for done in complete:
+            async for done in complete:  # noqa: B007 (the last item is the answer)
                 pass
         return done
 
-    async def _import_pages(self, req: EngineRequest, event: threading.Event, session: Any,
-                            stream: AsyncIterable[KVPage | PrefillDone], expected_tokens: int
-                            ) -> AsyncIterator[PrefillDone]:
+    async def _import_pages(
+        self,
+        req: EngineRequest,
+        event: threading.Event,
+        session: Any,
+        stream: AsyncIterable[KVPage | PrefillDone],
+        expected_tokens: int,
+    ) -> AsyncIterator[PrefillDone]:
         """Check arriving pages (order, counts, geometry) and hand each to the engine thread
         without waiting for it, up to IMPORT_AHEAD pages behind the stream. Yields the final item
         once, as soon as the whole stream has arrived and passed every check (imports may still
@@ -377,15 +382,19 @@ class EngineAdapter(ABC):
                     done = page
                     continue
                 if index >= expected_pages:
-                    raise FrameError(f"page stream carries more than the {expected_pages} pages a "
-                                     f"{expected_tokens}-token KV import needs")
+                    raise FrameError(
+                        f"page stream carries more than the {expected_pages} pages a "
+                        f"{expected_tokens}-token KV import needs"
+                    )
                 want_valid = min(P, expected_tokens - index * P)
                 if page.index != index:
                     raise FrameError(f"page {page.index} arrived where page {index} was expected (out of order)")
                 if page.valid_tokens != want_valid:
                     raise FrameError(f"page {index} holds {page.valid_tokens} tokens, expected {want_valid}")
                 if page.data.shape != self.geometry.page_shape:
-                    raise FrameError(f"page {index} has shape {page.data.shape}, this model needs {self.geometry.page_shape}")
+                    raise FrameError(
+                        f"page {index} has shape {page.data.shape}, this model needs {self.geometry.page_shape}"
+                    )
                 pending.append(asyncio.ensure_future(self.on_engine(self.import_kv, session, index * P, page.kv)))
                 index += 1
                 if len(pending) > IMPORT_AHEAD:
@@ -395,7 +404,9 @@ class EngineAdapter(ABC):
             if done is None:
                 raise FrameError("page stream ended without the prefiller's final frame: nothing was decoded")
             if done.kv_tokens != expected_tokens:
-                raise FrameError(f"prefiller exported {done.kv_tokens} tokens of KV, this decoder needs {expected_tokens}")
+                raise FrameError(
+                    f"prefiller exported {done.kv_tokens} tokens of KV, this decoder needs {expected_tokens}"
+                )
             yield done
             while pending:
                 await pending.popleft()
@@ -423,8 +434,15 @@ class EngineAdapter(ABC):
             if session is not None:
                 await self._release(session)
 
-    async def _continue(self, req: EngineRequest, event: threading.Event, session: Any,
-                        sampler: Sampler, token: int, emitted: bool = False) -> AsyncIterator[int]:
+    async def _continue(
+        self,
+        req: EngineRequest,
+        event: threading.Event,
+        session: Any,
+        sampler: Sampler,
+        token: int,
+        emitted: bool = False,
+    ) -> AsyncIterator[int]:
         """Yield `token` (unless the caller already has), then decode until a stop or max_tokens."""
         params = req.sampling
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)

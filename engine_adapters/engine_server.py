@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .errors import TandemError
+from tandem_protocol.errors import TandemError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,8 +26,10 @@ def engine_python(engine: str, env_var: str, venv: str, make_target: str) -> Pat
     explicit = os.environ.get(env_var)
     path = Path(explicit) if explicit else REPO / venv / "bin" / "python"
     if not path.exists():
-        raise TandemError(f"{engine} is not installed: no interpreter at {path} (run `make {make_target}`, "
-                          f"or point {env_var} at a Python with {engine} installed)")
+        raise TandemError(
+            f"{engine} is not installed: no interpreter at {path} (run `make {make_target}`, "
+            f"or point {env_var} at a Python with {engine} installed)"
+        )
     return path
 
 
@@ -90,9 +92,16 @@ class EngineServer:
         for attempt in range(1, self.port_attempts + 1):
             log = open(self.log_path, "ab")
             logged_before = log.tell()
-            self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO),
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                self.command(),
+                env=self.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=str(REPO),
+                preexec_fn=_die_with_parent,
+            )
             log.close()
             try:
                 self._wait_healthy()
@@ -105,16 +114,18 @@ class EngineServer:
                 sys.stderr.write(f"tandem: a port of {self.engine} was taken while it started; trying new ports\n")
                 self.pick_ports()
         if self._supervisor is None:
-            self._supervisor = threading.Thread(target=self._supervise, name=f"tandem-{self.engine}-supervisor",
-                                                daemon=True)
+            self._supervisor = threading.Thread(
+                target=self._supervise, name=f"tandem-{self.engine}-supervisor", daemon=True
+            )
             self._supervisor.start()
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise TandemError(f"{self.engine} exited with code {self.proc.returncode} while starting: "
-                                  f"{self.log_tail()}")
+                raise TandemError(
+                    f"{self.engine} exited with code {self.proc.returncode} while starting: {self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
                     if r.status == 200:
@@ -123,8 +134,7 @@ class EngineServer:
                 pass
             time.sleep(0.5)  # a process start-up has no event to wait on; half-second checks, bounded
         self.stop()
-        raise TandemError(f"{self.engine} did not become healthy within {self.start_timeout:.0f} s: "
-                          f"{self.log_tail()}")
+        raise TandemError(f"{self.engine} did not become healthy within {self.start_timeout:.0f} s: {self.log_tail()}")
 
     def _supervise(self) -> None:
         """Wait for the server to exit; unless we stopped it, start it again. Restarts happen on

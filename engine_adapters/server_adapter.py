@@ -12,17 +12,20 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import numpy as np
 
-from .base import EngineAdapter, EngineRequest, PrefillDone
+from tandem_protocol.errors import Cancelled, FrameError, RequestError, TandemError
+from tandem_protocol.handoff import PrefillDone
+from tandem_protocol.pages import KVPage, make_page
+from tandem_protocol.sampling import ALL_FIELDS
+
+from .base import EngineAdapter, EngineRequest
 from .bridge import END, Bridge, page_frame
 from .engine_server import EngineServer
-from .errors import Cancelled, FrameError, RequestError, TandemError
-from .pages import KVPage, make_page
-from .sampling import ALL_FIELDS
 
 
 class ServerAdapter(EngineAdapter):
@@ -86,8 +89,11 @@ class ServerAdapter(EngineAdapter):
         """Engine figures for the agent's status: the process (pid, restarts) and the server's
         Prometheus gauges named in `gauges` (metric -> key); nulls while it is down."""
         proc = self.server.proc
-        stats = {"restarts": self.server.restarts, "pid": proc.pid if proc and proc.poll() is None else None,
-                 **{key: None for key in gauges.values()}}
+        stats = {
+            "restarts": self.server.restarts,
+            "pid": proc.pid if proc and proc.poll() is None else None,
+            **{key: None for key in gauges.values()},
+        }
         text = await self.metrics()
         for line in (text or "").splitlines():
             metric = line.split("{", 1)[0].split(" ", 1)[0]
@@ -131,19 +137,26 @@ class ServerAdapter(EngineAdapter):
                     out.put_nowait(token)
             out.put_nowait(None)
             if pages is not None:
-                asyncio.get_running_loop().call_later(30, pages.put_nowait, FrameError(
-                    f"{label} finished the prefill but not all of its pages arrived"))
+                asyncio.get_running_loop().call_later(
+                    30, pages.put_nowait, FrameError(f"{label} finished the prefill but not all of its pages arrived")
+                )
         except asyncio.CancelledError:
             raise
         except Exception as e:  # connection refused or reset: the server is down or restarting
-            error = e if isinstance(e, TandemError) else TandemError(
-                f"{label} is not answering ({type(e).__name__}: {e}); log tail:\n{self.server.log_tail(5)}")
+            error = (
+                e
+                if isinstance(e, TandemError)
+                else TandemError(
+                    f"{label} is not answering ({type(e).__name__}: {e}); log tail:\n{self.server.log_tail(5)}"
+                )
+            )
             out.put_nowait(error)
             if pages is not None:
                 pages.put_nowait(error)
 
-    async def _relay_prefill(self, req: EngineRequest, incoming: asyncio.Queue, export: int, out: asyncio.Queue,
-                             t0: float) -> AsyncIterator[KVPage | PrefillDone]:
+    async def _relay_prefill(
+        self, req: EngineRequest, incoming: asyncio.Queue, export: int, out: asyncio.Queue, t0: float
+    ) -> AsyncIterator[KVPage | PrefillDone]:
         """The engine's exported pages from the bridge, checked for order and trimmed to `export`
         tokens (an engine that always exports the whole prompt, for a recompute-last decoder),
         then PrefillDone with the first token of the engine's answer (from `out`)."""
@@ -163,8 +176,9 @@ class ServerAdapter(EngineAdapter):
             finished_at, seconds = time.time(), time.perf_counter() - t0
             yield item
         first = await self._next(req, out)
-        yield PrefillDone(first_token=int(first), kv_tokens=export, pages=pages,
-                          prefill_seconds=seconds, finished_at=finished_at)
+        yield PrefillDone(
+            first_token=int(first), kv_tokens=export, pages=pages, prefill_seconds=seconds, finished_at=finished_at
+        )
 
     # ---- per-request bookkeeping -----------------------------------------------------------
     async def _next(self, req: EngineRequest, out: asyncio.Queue):

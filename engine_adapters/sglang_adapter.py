@@ -33,18 +33,20 @@ import secrets
 import shutil
 import subprocess
 import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterable, AsyncIterator, Callable
 
 import aiohttp
 
-from .base import EngineRequest, FirstTokenMode, PrefillDone, kv_tokens
+from tandem_protocol.errors import RequestError, TandemError
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone, kv_tokens
+from tandem_protocol.pages import KVPage
+from tandem_protocol.sampling import SERVER_FIELDS
+
+from .base import EngineRequest
 from .bridge import END, first_token_frame, page_frame
 from .engine_server import EngineServer, engine_python, free_port
-from .errors import RequestError, TandemError
-from .pages import KVPage
-from .sampling import SERVER_FIELDS
 from .server_adapter import ServerAdapter
 
 SGLANG_VERSION = "0.5.23"  # the release the transfer backend was written against
@@ -64,8 +66,10 @@ def sglang_environment() -> str:
     """'ok' text when SGLang's interpreter has the pinned release and sees Tandem's backend
     plugin, else what is wrong (the doctor)."""
     python = sglang_python()
-    code = ("import importlib.metadata as m\nprint(m.version('sglang'))\n"
-            "print(any(e.name == 'tandem' for e in m.entry_points(group='sglang.srt.plugins')))")
+    code = (
+        "import importlib.metadata as m\nprint(m.version('sglang'))\n"
+        "print(any(e.name == 'tandem' for e in m.entry_points(group='sglang.srt.plugins')))"
+    )
     run = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
     out = run.stdout.split()
     if len(out) != 2:
@@ -94,26 +98,63 @@ class SGLangServer(EngineServer):
         self.bootstrap_port = free_port()  # SGLang binds a bootstrap port even when it serves nobody
 
     def command(self) -> list[str]:
-        cmd = [str(sglang_python()), "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
-               "--served-model-name", "tandem", "--dtype", "float16", "--page-size", "64",
-               "--context-length", str(self.context_length), "--host", "127.0.0.1", "--port", str(self.port),
-               "--disaggregation-mode", self.role(), "--disaggregation-transfer-backend", "tandem",
-               "--disaggregation-bootstrap-port", str(self.bootstrap_port), "--enable-pd-role-switch",
-               # the decoder continues from the prefiller's KV alone: nothing shared between requests
-               "--disable-radix-cache", "--enable-metrics", "--skip-server-warmup",
-               # prefill in chunks of this many tokens, so pages leave while later chunks compute
-               "--chunked-prefill-size", os.environ.get("TANDEM_SGLANG_CHUNK_TOKENS", "512")]
+        cmd = [
+            str(sglang_python()),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(self.model_dir),
+            "--served-model-name",
+            "tandem",
+            "--dtype",
+            "float16",
+            "--page-size",
+            "64",
+            "--context-length",
+            str(self.context_length),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disaggregation-mode",
+            self.role(),
+            "--disaggregation-transfer-backend",
+            "tandem",
+            "--disaggregation-bootstrap-port",
+            str(self.bootstrap_port),
+            "--enable-pd-role-switch",
+            # the decoder continues from the prefiller's KV alone: nothing shared between requests
+            "--disable-radix-cache",
+            "--enable-metrics",
+            "--skip-server-warmup",
+            # prefill in chunks of this many tokens, so pages leave while later chunks compute
+            "--chunked-prefill-size",
+            os.environ.get("TANDEM_SGLANG_CHUNK_TOKENS", "512"),
+        ]
         if on_cpu():
-            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                    "--sleep-on-idle", "--max-total-tokens", os.environ.get("TANDEM_SGLANG_KV_TOKENS", "16384"),
-                    # a decoder's retraction backup otherwise pins a host pool with CUDA calls
-                    "--disaggregation-decode-retraction-backup", "cpu_tensor"]
+            cmd += [
+                "--device",
+                "cpu",
+                "--attention-backend",
+                "torch_native",
+                "--disable-cuda-graph",
+                "--sleep-on-idle",
+                "--max-total-tokens",
+                os.environ.get("TANDEM_SGLANG_KV_TOKENS", "16384"),
+                # a decoder's retraction backup otherwise pins a host pool with CUDA calls
+                "--disaggregation-decode-retraction-backup",
+                "cpu_tensor",
+            ]
         return cmd
 
     def environment(self) -> dict[str, str]:
-        env = {**super().environment(), "TANDEM_SGLANG_BRIDGE": str(self.bridge), "SGLANG_PLUGINS": "tandem",
-               # SGLang's decoder waits this long for a transfer to begin before failing it
-               "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": os.environ.get("TANDEM_SGLANG_WAIT_S", "300")}
+        env = {
+            **super().environment(),
+            "TANDEM_SGLANG_BRIDGE": str(self.bridge),
+            "SGLANG_PLUGINS": "tandem",
+            # SGLang's decoder waits this long for a transfer to begin before failing it
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": os.environ.get("TANDEM_SGLANG_WAIT_S", "300"),
+        }
         if on_cpu():
             # the CPU engine; and no early send of a chunked prompt's cached prefix, which waits
             # on a CUDA event (the regular per-chunk send moves the same pages)
@@ -145,7 +186,8 @@ class RoleGate:
             self._waiting.append(token)
             try:
                 await self._changed.wait_for(
-                    lambda: self._waiting[0] is token and (self.role == role or self.active == 0))
+                    lambda: self._waiting[0] is token and (self.role == role or self.active == 0)
+                )
                 if self.role != role:
                     await self._switch(role)
                     self.role = role
@@ -172,8 +214,9 @@ class SGLangAdapter(ServerAdapter):
         if role not in ROLES:
             raise TandemError(f"TANDEM_SGLANG_ROLE must be one of {', '.join(ROLES)}, not {role!r}")
         self.gate = RoleGate(role, self._switch_role)
-        return SGLangServer(self.model_dir, self.context_length, self.bridge.path, run_dir / "sglang.log",
-                            lambda: self.gate.role)
+        return SGLangServer(
+            self.model_dir, self.context_length, self.bridge.path, run_dir / "sglang.log", lambda: self.gate.role
+        )
 
     async def _switch_role(self, role: str) -> None:
         """Ask SGLang to flip roles. It refuses while a finished request is still being retired,
@@ -187,8 +230,9 @@ class SGLangAdapter(ServerAdapter):
                 async with self.http().post(self.server.url + "/pd_role_switch", json=body) as r:
                     answer = await r.json(content_type=None)
             except (aiohttp.ClientError, OSError) as e:  # down or restarting: the agent brings it back
-                raise TandemError(f"SGLang is not answering ({type(e).__name__}: {e}); log tail:\n"
-                                  f"{self.server.log_tail(5)}") from e
+                raise TandemError(
+                    f"SGLang is not answering ({type(e).__name__}: {e}); log tail:\n{self.server.log_tail(5)}"
+                ) from e
             if answer.get("success"):
                 return
             message = str(answer.get("message", answer))
@@ -199,12 +243,17 @@ class SGLangAdapter(ServerAdapter):
     async def engine_stats(self) -> dict:
         """SGLang's role, its token pool in use (from its /metrics: slots held by running,
         preallocated and transferring requests) and how often its process was restarted."""
-        stats = await self.server_stats({
-            "sglang:num_used_tokens": "kv_tokens_used", "sglang:token_usage": "kv_cache_usage",
-            "sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting",
-            "sglang:num_decode_prealloc_queue_reqs": "decode_prealloc",
-            "sglang:num_decode_transfer_queue_reqs": "decode_transfer",
-            "sglang:num_prefill_inflight_queue_reqs": "prefill_inflight"})
+        stats = await self.server_stats(
+            {
+                "sglang:num_used_tokens": "kv_tokens_used",
+                "sglang:token_usage": "kv_cache_usage",
+                "sglang:num_running_reqs": "running",
+                "sglang:num_queue_reqs": "waiting",
+                "sglang:num_decode_prealloc_queue_reqs": "decode_prealloc",
+                "sglang:num_decode_transfer_queue_reqs": "decode_transfer",
+                "sglang:num_prefill_inflight_queue_reqs": "prefill_inflight",
+            }
+        )
         return {**stats, "role": self.gate.role, "role_switches": self.gate.switches}
 
     def accelerator(self) -> dict:
@@ -215,14 +264,26 @@ class SGLangAdapter(ServerAdapter):
     # ---- talking to SGLang --------------------------------------------------------------------
     def _body(self, req: EngineRequest, max_tokens: int, room: int, stream: bool) -> dict:
         s = req.sampling
-        params = {"max_new_tokens": max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                  "top_k": self._top_k(s), "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
-                  "skip_special_tokens": False}
+        params = {
+            "max_new_tokens": max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": self._top_k(s),
+            "stop_token_ids": list(s.stop_token_ids),
+            "ignore_eos": s.ignore_eos,
+            "skip_special_tokens": False,
+        }
         params.update({name: getattr(s, name) for name in SERVER_FIELDS})
         if s.seed is not None:
             params["sampling_seed"] = s.seed
-        return {"input_ids": req.token_ids, "sampling_params": params, "stream": stream,
-                "bootstrap_host": "127.0.0.1", "bootstrap_port": self.server.bootstrap_port, "bootstrap_room": room}
+        return {
+            "input_ids": req.token_ids,
+            "sampling_params": params,
+            "stream": stream,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": self.server.bootstrap_port,
+            "bootstrap_room": room,
+        }
 
     generate_path = "/generate"
 
@@ -265,8 +326,10 @@ class SGLangAdapter(ServerAdapter):
 
     async def decode(self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone]) -> AsyncIterator[int]:
         if req.mode not in self.decoder_modes:
-            raise RequestError(f"SGLang decodes in commit-first mode only (it continues from the prefiller's "
-                               f"first token and never recomputes a prompt token), not {req.mode.value}")
+            raise RequestError(
+                f"SGLang decodes in commit-first mode only (it continues from the prefiller's "
+                f"first token and never recomputes a prompt token), not {req.mode.value}"
+            )
         self.validate(req, generates=True)
         expected = kv_tokens(len(req.token_ids), req.mode)
         room = _room()
@@ -276,7 +339,9 @@ class SGLangAdapter(ServerAdapter):
         try:
             async with self.gate.hold("decode"):
                 out: asyncio.Queue = asyncio.Queue()
-                task = asyncio.create_task(self._tokens(self._body(req, req.sampling.max_tokens, room, stream=True), out))
+                task = asyncio.create_task(
+                    self._tokens(self._body(req, req.sampling.max_tokens, room, stream=True), out)
+                )
                 event = self._cancels[req.request_id]
                 done = await self._import_stream(req, event, str(room), stream, expected)
                 box.outgoing.put(first_token_frame(done.first_token))
@@ -287,8 +352,9 @@ class SGLangAdapter(ServerAdapter):
             self.bridge.close_room(str(room))
             self._end(req, task)
 
-    async def decode_step_logprobs(self, token_ids: list[int], first_token: int, pages: list[KVPage],
-                                   top: int = 20) -> dict[int, float]:
+    async def decode_step_logprobs(
+        self, token_ids: list[int], first_token: int, pages: list[KVPage], top: int = 20
+    ) -> dict[int, float]:
         """SGLang's top log-probabilities at its first decode step (the token after `first_token`)
         with the whole prompt's KV taken from `pages` — how the cross-engine rules are measured
         with SGLang as the decoder (its API exposes log-probabilities, not logits)."""
@@ -298,9 +364,15 @@ class SGLangAdapter(ServerAdapter):
             box.outgoing.put(page_frame(page))
         box.outgoing.put(first_token_frame(first_token))
         box.outgoing.put(END)
-        body = {"input_ids": token_ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-                "return_logprob": True, "top_logprobs_num": top, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": self.server.bootstrap_port, "bootstrap_room": room}
+        body = {
+            "input_ids": token_ids,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": top,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": self.server.bootstrap_port,
+            "bootstrap_room": room,
+        }
         try:
             async with self.gate.hold("decode"):
                 async with self.http().post(self.server.url + "/generate", json=body) as r:
@@ -313,7 +385,9 @@ class SGLangAdapter(ServerAdapter):
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
         """The engine alone: SGLang prefills, then SGLang decodes from its own pages."""
-        prefill_req = EngineRequest(f"{req.request_id}/prefill", req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST)
+        prefill_req = EngineRequest(
+            f"{req.request_id}/prefill", req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST
+        )
         decode_req = EngineRequest(req.request_id, req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST)
         self.validate(req, generates=True)
         items = [item async for item in self.prefill(prefill_req)]
@@ -342,4 +416,3 @@ def _check_finish(data: dict) -> None:
     reason = (data.get("meta_info") or {}).get("finish_reason") or {}
     if isinstance(reason, dict) and reason.get("type") == "abort":
         raise TandemError(f"SGLang aborted the request: {reason.get('message', reason)}")
-

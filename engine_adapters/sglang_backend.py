@@ -35,17 +35,21 @@ import os
 import socket
 import threading
 from types import SimpleNamespace
-from typing import Optional
 
 import numpy as np
-
-from sglang.srt.disaggregation.base.conn import (BaseKVBootstrapServer, BaseKVManager, BaseKVReceiver,
-                                                 BaseKVSender, KVArgs, KVPoll)
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+)
 
 from engine_adapters import bridge
-from engine_adapters.model_dir import inspect_model
-from engine_adapters.pages import make_page
 from engine_adapters.sglang_pool import MetadataRows, PoolPages
+from tandem_protocol.model_dir import inspect_model
+from tandem_protocol.pages import make_page
 
 logger = logging.getLogger("sglang.tandem_backend")
 
@@ -71,9 +75,12 @@ def register() -> None:
         enum._member_names_.append("TANDEM")
         add_disagg_transfer_backend_choices([BACKEND])
 
-    classes = {utils.KVClassType.MANAGER: TandemKVManager, utils.KVClassType.SENDER: TandemKVSender,
-               utils.KVClassType.RECEIVER: TandemKVReceiver,
-               utils.KVClassType.BOOTSTRAP_SERVER: TandemBootstrapServer}
+    classes = {
+        utils.KVClassType.MANAGER: TandemKVManager,
+        utils.KVClassType.SENDER: TandemKVSender,
+        utils.KVClassType.RECEIVER: TandemKVReceiver,
+        utils.KVClassType.BOOTSTRAP_SERVER: TandemBootstrapServer,
+    }
 
     def get_kv_class(original, transfer_backend, class_type):
         if getattr(transfer_backend, "value", transfer_backend) == BACKEND and class_type in classes:
@@ -96,7 +103,7 @@ class TandemKVManager(BaseKVManager):
     is_dummy_cp_rank = False
     attn_cp_size, attn_cp_rank = 1, 0
 
-    def __init__(self, args: KVArgs, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
+    def __init__(self, args: KVArgs, disaggregation_mode, server_args, is_mla_backend: bool | None = False):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if is_mla_backend:
             raise ValueError("Tandem pages carry per-head K and V; MLA models are not supported")
@@ -114,8 +121,15 @@ class TandemKVManager(BaseKVManager):
         info = SimpleNamespace(dp_size=1, follow_bootstrap_room=True)
         self.prefill_info_table = _EveryAddress(info)
         self.transfer_infos: dict = {}
-        logger.info("Tandem backend (%s): %d layers, %d KV heads, head dim %d, pool on %s, bridge %s", self.mode,
-                    self.pool.layers, self.pool.heads, self.pool.head_dim, self.pool.device, self.bridge_path)
+        logger.info(
+            "Tandem backend (%s): %d layers, %d KV heads, head dim %d, pool on %s, bridge %s",
+            self.mode,
+            self.pool.layers,
+            self.pool.heads,
+            self.pool.head_dim,
+            self.pool.device,
+            self.bridge_path,
+        )
 
     def register_to_bootstrap(self):
         pass
@@ -168,14 +182,21 @@ class _Transfer:
 class TandemKVSender(_Transfer, BaseKVSender):
     """Prefill side: pages leave as SGLang hands them over."""
 
-    def __init__(self, mgr: TandemKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False, *args, **kwargs):
+    def __init__(
+        self,
+        mgr: TandemKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+        *args,
+        **kwargs,
+    ):
         self.kv_mgr, self.room = mgr, bootstrap_room
         self.state, self.reason = KVPoll.WaitingForInput, ""
-        self.pages_total: Optional[int] = None
+        self.pages_total: int | None = None
         self.pages_sent = 0
         self.bytes_sent = 0
-        self.conn: Optional[socket.socket] = None
+        self.conn: socket.socket | None = None
         try:
             self.conn = bridge.connect(mgr.bridge_path, "export", str(bootstrap_room))
         except OSError as e:
@@ -191,13 +212,13 @@ class TandemKVSender(_Transfer, BaseKVSender):
             self.conn.close()
             self.conn = None
 
-    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+    def init(self, num_kv_indices: int, aux_index: int | None = None):
         self.pages_total = num_kv_indices
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk
 
-    def send(self, kv_indices, state_indices=None, num_kv_tokens: Optional[int] = None, **kwargs):
+    def send(self, kv_indices, state_indices=None, num_kv_tokens: int | None = None, **kwargs):
         if self.state == KVPoll.Failed:
             return
         indices = [int(i) for i in np.asarray(kv_indices).reshape(-1)]
@@ -224,7 +245,7 @@ class TandemKVSender(_Transfer, BaseKVSender):
     def pop_decode_prefix_len(self) -> int:
         return 0
 
-    def get_max_transfer_tokens(self) -> Optional[int]:
+    def get_max_transfer_tokens(self) -> int | None:
         return None
 
     def get_transfer_metric(self):
@@ -243,17 +264,16 @@ class TandemKVSender(_Transfer, BaseKVSender):
 class TandemKVReceiver(_Transfer, BaseKVReceiver):
     """Decode side: a worker thread fills the slots SGLang allocated, page by page as they arrive."""
 
-    def __init__(self, mgr: TandemKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None,
-                 *args, **kwargs):
+    def __init__(self, mgr: TandemKVManager, bootstrap_addr: str, bootstrap_room: int | None = None, *args, **kwargs):
         self.kv_mgr, self.room = mgr, bootstrap_room
         self.state, self.reason = KVPoll.Bootstrapping, ""
-        self.conclude_state: Optional[KVPoll] = None
+        self.conclude_state: KVPoll | None = None
         self.abort_notified = False
         self.require_staging = False
         self.bootstrap_infos = None
         self._aborted = threading.Event()
-        self._conn: Optional[socket.socket] = None
-        self._worker: Optional[threading.Thread] = None
+        self._conn: socket.socket | None = None
+        self._worker: threading.Thread | None = None
 
     @property
     def is_abort_release_safe(self) -> bool:
@@ -267,13 +287,14 @@ class TandemKVReceiver(_Transfer, BaseKVReceiver):
         if self.state == KVPoll.Bootstrapping:
             self.state = KVPoll.WaitingForInput
 
-    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices=None, **kwargs):
+    def send_metadata(self, kv_indices, aux_index: int | None = None, state_indices=None, **kwargs):
         if self.state == KVPoll.Failed:
             return
         pages = [int(i) for i in np.asarray(kv_indices).reshape(-1)]
         self.state = KVPoll.Transferring
-        self._worker = threading.Thread(target=self._receive, args=(pages, aux_index), daemon=True,
-                                        name=f"tandem-receive-{self.room}")
+        self._worker = threading.Thread(
+            target=self._receive, args=(pages, aux_index), daemon=True, name=f"tandem-receive-{self.room}"
+        )
         self._worker.start()
 
     def _receive(self, pages: list[int], aux_index: int) -> None:
@@ -288,8 +309,10 @@ class TandemKVReceiver(_Transfer, BaseKVReceiver):
                 if item is None or isinstance(item, int):
                     raise RuntimeError(f"the Tandem agent ended the pages at {index} of {len(pages)}")
                 if item.index != index or item.data.shape != pool.geometry.page_shape:
-                    raise RuntimeError(f"page {item.index} of shape {item.data.shape} does not fit slot {index} "
-                                       f"(expected {pool.geometry.page_shape})")
+                    raise RuntimeError(
+                        f"page {item.index} of shape {item.data.shape} does not fit slot {index} "
+                        f"(expected {pool.geometry.page_shape})"
+                    )
                 pool.write(slot_page, item.kv)
             first = bridge.read_item(stream)
             if not isinstance(first, int):

@@ -10,7 +10,7 @@ import ctypes
 import numpy as np
 import torch
 
-from engine_adapters.pages import PageGeometry
+from tandem_protocol.pages import PageGeometry
 
 
 def _tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -36,14 +36,18 @@ class PoolPages:
             raise ValueError(f"Tandem reads SGLang's slot-major (NHD) KV pool, not {args.kv_layout}")
         item = geometry.page_tokens * geometry.kv_heads * geometry.head_dim * 2
         if len(args.kv_data_ptrs) != 2 * geometry.layers or set(args.kv_item_lens) != {item}:
-            raise ValueError(f"SGLang's KV pool ({len(args.kv_data_ptrs)} buffers of {set(args.kv_item_lens)}-byte "
-                             f"pages) is not the model's {geometry.layers} layers x K,V x {item}-byte FP16 pages")
+            raise ValueError(
+                f"SGLang's KV pool ({len(args.kv_data_ptrs)} buffers of {set(args.kv_item_lens)}-byte "
+                f"pages) is not the model's {geometry.layers} layers x K,V x {item}-byte FP16 pages"
+            )
         self.geometry = geometry
         self.layers, self.page_tokens = geometry.layers, geometry.page_tokens
         self.heads, self.head_dim = geometry.kv_heads, geometry.head_dim
         self.device = device
-        self.buffers = [_tensor_at(ptr, size, torch.float16, device).view(-1, self.heads, self.head_dim)
-                        for ptr, size in zip(args.kv_data_ptrs, args.kv_data_lens)]
+        self.buffers = [
+            _tensor_at(ptr, size, torch.float16, device).view(-1, self.heads, self.head_dim)
+            for ptr, size in zip(args.kv_data_ptrs, args.kv_data_lens)
+        ]
 
     def read(self, page: int, valid: int) -> np.ndarray:
         """[layers, 2, valid, heads, dim] of pool page `page`."""

@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
+from tandem_protocol.pages import KVPage
+
 from .base import EngineAdapter
-from .pages import KVPage
 
 CUDA_PREFILL_CHUNK_TOKENS = 2048  # measured on an H200: bench/results/gpu-h200-prefill-chunks-*.txt
 
@@ -89,8 +90,9 @@ class TorchAdapter(EngineAdapter):
 
     def new_session(self, capacity: int) -> Cache:
         g = self.geometry
-        return Cache(layers=[_FP16KVLayer(g.kv_heads, g.head_dim, capacity, self.dtype, self.device)
-                             for _ in range(g.layers)])
+        return Cache(
+            layers=[_FP16KVLayer(g.kv_heads, g.head_dim, capacity, self.dtype, self.device) for _ in range(g.layers)]
+        )
 
     @torch.inference_mode()
     def _run(self, session: Cache, token_ids: list[int]):
@@ -124,8 +126,9 @@ class TorchAdapter(EngineAdapter):
         # contiguous slice of the host copy and no page is copied again on the host.
         g, n = self.geometry, end - start
         pages = -(-n // g.page_tokens)
-        kv = torch.zeros(g.layers * 2, g.kv_heads, pages * g.page_tokens, g.head_dim, dtype=torch.float16,
-                         device=self.device)
+        kv = torch.zeros(
+            g.layers * 2, g.kv_heads, pages * g.page_tokens, g.head_dim, dtype=torch.float16, device=self.device
+        )
         kv[:, :, :n] = self._gather(session, start, end)
         kv = kv.view(g.layers, 2, g.kv_heads, pages, g.page_tokens, g.head_dim).permute(3, 0, 1, 4, 2, 5).contiguous()
         host = torch.empty(kv.shape, dtype=torch.float16, pin_memory=True)  # torch's caching host allocator

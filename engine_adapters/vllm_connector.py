@@ -35,13 +35,11 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 
 from engine_adapters import bridge
-from engine_adapters.pages import KVPage, PageGeometry, make_page
+from tandem_protocol.pages import KVPage, PageGeometry, make_page
 
 logger = init_logger("vllm.tandem_connector")  # a vllm.* logger, so worker processes' lines show
 
@@ -90,11 +88,15 @@ class StridedLayout:
 
     def __init__(self, tensor: torch.Tensor, block_size: int):
         if tensor.dim() != 4 or tensor.shape[2] != block_size or tensor.shape[3] % 2:
-            raise RuntimeError(f"unknown vLLM KV cache view {tuple(tensor.shape)} (expected [blocks, heads, "
-                               f"{block_size}, 2*head_dim]): this vLLM version is not supported")
+            raise RuntimeError(
+                f"unknown vLLM KV cache view {tuple(tensor.shape)} (expected [blocks, heads, "
+                f"{block_size}, 2*head_dim]): this vLLM version is not supported"
+            )
         if tensor.dtype != torch.float16:
-            raise RuntimeError(f"Tandem moves FP16 pages; this vLLM caches KV as {tensor.dtype} "
-                               "(start it with --dtype float16 and no KV quantization)")
+            raise RuntimeError(
+                f"Tandem moves FP16 pages; this vLLM caches KV as {tensor.dtype} "
+                "(start it with --dtype float16 and no KV quantization)"
+            )
         self.heads, self.block_size, self.head_dim = tensor.shape[1], block_size, tensor.shape[3] // 2
 
     def read(self, cache: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,15 +119,19 @@ class CacheLayout:
     def __init__(self, tensor: torch.Tensor, block_size: int):
         nb, heads, bs, two_d = tensor.shape
         if tensor.dtype != torch.float16 or tensor.device.type != "cpu" or bs != block_size or two_d % 2:
-            raise RuntimeError(f"Tandem's vLLM connector reads FP16 CPU_ATTN caches [blocks, heads, {block_size}, "
-                               f"2*head_dim]; this cache is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}")
+            raise RuntimeError(
+                f"Tandem's vLLM connector reads FP16 CPU_ATTN caches [blocks, heads, {block_size}, "
+                f"2*head_dim]; this cache is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
+            )
         self.heads, self.block_size, self.head_dim = heads, bs, two_d // 2
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         self.isa = _get_attn_isa(torch.float16, bs, self.head_dim)
         if self.isa != "vec":
-            raise RuntimeError(f"vLLM packs this CPU's KV cache with the {self.isa!r} kernel layout, which Tandem "
-                               "cannot read yet (only 'vec', AVX2/AVX-512 FP16); refusing rather than moving garbage")
+            raise RuntimeError(
+                f"vLLM packs this CPU's KV cache with the {self.isa!r} kernel layout, which Tandem "
+                "cannot read yet (only 'vec', AVX2/AVX-512 FP16); refusing rather than moving garbage"
+            )
         self._probe()
 
     def read(self, cache: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,8 +158,10 @@ class CacheLayout:
         self.write(scratch, k, v, torch.arange(self.block_size, 2 * self.block_size, dtype=torch.long))
         rk, rv = self.read(scratch, 1)
         if not (torch.equal(rk, k) and torch.equal(rv, v)):
-            raise RuntimeError("vLLM's CPU KV cache layout is not the one Tandem reads (probe mismatch): "
-                               "this vLLM version is not supported")
+            raise RuntimeError(
+                "vLLM's CPU KV cache layout is not the one Tandem reads (probe mismatch): "
+                "this vLLM version is not supported"
+            )
 
 
 # ---- the connector ---------------------------------------------------------------------------
@@ -187,8 +195,9 @@ class TandemConnector(KVConnectorBase_V1):
         if not room:
             return
         if params.get("tandem_load") and num_external_tokens > 0:
-            self._new_loads.append(LoadItem(request.request_id, room, list(blocks.get_block_ids()[0]),
-                                            int(params["tandem_load"])))
+            self._new_loads.append(
+                LoadItem(request.request_id, room, list(blocks.get_block_ids()[0]), int(params["tandem_load"]))
+            )
         if params.get("tandem_save") and request.request_id not in self._saves:
             self._saves[request.request_id] = {"room": room, "tokens": int(params["tandem_save"]), "blocks": []}
 
@@ -273,8 +282,9 @@ class TandemConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, TandemMeta):
             for item in meta.loads:
-                threading.Thread(target=self._load, args=(item,), name=f"tandem-load-{item.room[:8]}",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._load, args=(item,), name=f"tandem-load-{item.room[:8]}", daemon=True
+                ).start()
 
     def _load(self, item: LoadItem) -> None:
         P = self.block_size
@@ -286,13 +296,19 @@ class TandemConnector(KVConnectorBase_V1):
                     page = bridge.read_item(stream)
                     if not isinstance(page, KVPage):
                         raise ConnectionError(f"the agent ended room {item.room}'s pages at {index} of {pages}")
-                    if page.index != index or page.valid_tokens != min(P, item.tokens - index * P) \
-                            or page.data.shape != self.geometry.page_shape:
-                        raise ValueError(f"page {page.index} ({page.valid_tokens} tokens, shape {page.data.shape}) "
-                                         f"does not fit slot {index} of a {item.tokens}-token load")
+                    if (
+                        page.index != index
+                        or page.valid_tokens != min(P, item.tokens - index * P)
+                        or page.data.shape != self.geometry.page_shape
+                    ):
+                        raise ValueError(
+                            f"page {page.index} ({page.valid_tokens} tokens, shape {page.data.shape}) "
+                            f"does not fit slot {index} of a {item.tokens}-token load"
+                        )
                     kv = torch.from_numpy(np.ascontiguousarray(page.kv))  # [layers, 2, valid, heads, dim]
-                    slots = torch.tensor([item.block_ids[index] * P + t for t in range(page.valid_tokens)],
-                                         dtype=torch.long)
+                    slots = torch.tensor(
+                        [item.block_ids[index] * P + t for t in range(page.valid_tokens)], dtype=torch.long
+                    )
                     for i, cache in enumerate(self._layers):
                         self._layout.write(cache, kv[i, 0], kv[i, 1], slots)
             failed = False

@@ -30,9 +30,10 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal
+from typing import Literal
 
 import numpy as np
 import psutil
@@ -44,23 +45,23 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from engine_adapters import ADAPTERS
-from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone
-from engine_adapters.contract import HashCache, compute_contract, token_digest
-from engine_adapters.errors import (Cancelled, ContractMismatch, FrameError, RequestError, TandemError,
-                                    UnsupportedModel)
-from engine_adapters.pages import ENCODINGS, PROTOCOL_VERSION, FrameExpectation, KVPage, encode_frame, make_page
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineAdapter, EngineRequest
+from tandem_protocol.auth import key_matches
+from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
+from tandem_protocol.contract import HashCache, compute_contract, token_digest
+from tandem_protocol.errors import Cancelled, ContractMismatch, FrameError, RequestError, TandemError, UnsupportedModel
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone
+from tandem_protocol.http_server import PageStreamResponse
+from tandem_protocol.pages import ENCODINGS, PROTOCOL_VERSION, FrameExpectation, KVPage, encode_frame, make_page
+from tandem_protocol.paths import hash_cache_path
+from tandem_protocol.sampling import SamplingParams
+from tandem_protocol.wire import PeerError, done_frame
 
 from .budget import BudgetExceeded, BudgetTimeout, StagingBudget
-from .client import AgentClient, AgentHTTPError, TransportError
 from .engine_slot import EngineBusy, EngineLoading, EngineSlot, Loader
-from .model_roots import ModelPathError, check_model, list_models
 from .handoffs import HandoffError, HandoffManager
-from .http_server import PageStreamResponse
-from .identity import key_matches
 from .metrics import Metrics
-from .settings import hash_cache_path
-from .wire import PeerError, done_frame
+from .model_roots import ModelPathError, check_model, list_models
 
 log = logging.getLogger("tandem.agent")
 
@@ -90,7 +91,7 @@ class SamplingBody(BaseModel):
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=-2**63, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     min_p: float = Field(0.0, ge=0, le=1)
@@ -104,6 +105,7 @@ class SamplingBody(BaseModel):
 
 class RoomBody(BaseModel):
     """What both roles of a P/D request are told: the room, the prompt, sampling and mode."""
+
     room: str = Field(pattern=r"^[0-9a-f]{32}$")
     token_ids: list[int]
     sampling: SamplingBody = Field(default_factory=SamplingBody)
@@ -115,13 +117,16 @@ class HandoffBody(RoomBody):
     protocol_version: int = PROTOCOL_VERSION
     wait_timeout: float = Field(30.0, ge=0, le=3600)
     page_encoding: Literal["raw", "zstd"] = Field(
-        "raw", description="how pages travel: raw FP16, or byte planes + zstd (lossless; see /v1/info page_encodings)")
+        "raw", description="how pages travel: raw FP16, or byte planes + zstd (lossless; see /v1/info page_encodings)"
+    )
 
 
 class BenchLinkBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    peer: str = Field(description="base URL of the agent to pull from (it shares this cluster key)",
-                      pattern=r"^https?://[^\s/]+(/.*)?$")
+    peer: str = Field(
+        description="base URL of the agent to pull from (it shares this cluster key)",
+        pattern=r"^https?://[^\s/]+(/.*)?$",
+    )
     megabytes: int = Field(64, ge=1, le=4096, description="how much to pull, in MB (10^6 bytes)")
 
 
@@ -158,9 +163,18 @@ class TokenizeBody(BaseModel):
 
 
 # ---- errors ----------------------------------------------------------------------------------
-_STATUS = [(BudgetExceeded, 413), (BudgetTimeout, 429), (ContractMismatch, 409), (UnsupportedModel, 400),
-           (RequestError, 400), (Cancelled, 499), (FrameError, 502), (PeerError, 502), (EngineBusy, 409),
-           (EngineLoading, 503)]
+_STATUS = [
+    (BudgetExceeded, 413),
+    (BudgetTimeout, 429),
+    (ContractMismatch, 409),
+    (UnsupportedModel, 400),
+    (RequestError, 400),
+    (Cancelled, 499),
+    (FrameError, 502),
+    (PeerError, 502),
+    (EngineBusy, 409),
+    (EngineLoading, 503),
+]
 
 
 def error_body(e: Exception) -> dict:
@@ -190,13 +204,12 @@ class _Incremental:
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        before = self.adapter.detokenize(self.ids[self.prefix:self.read])
-        text = self.adapter.detokenize(self.ids[self.prefix:])
+        before = self.adapter.detokenize(self.ids[self.prefix : self.read])
+        text = self.adapter.detokenize(self.ids[self.prefix :])
         if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before):]
-
+        return text[len(before) :]
 
 
 def process_memory() -> dict:
@@ -211,6 +224,7 @@ def process_memory() -> dict:
             pass
     return {"rss_bytes": me.memory_info().rss, "children_rss_bytes": children}
 
+
 def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, loader: Loader | None = None) -> FastAPI:
     """The agent's ASGI app. `discovery` (optional) is started and stopped with the app; `loader`
     (optional) lets a panel switch this node's engine or model (POST /v1/config)."""
@@ -218,9 +232,13 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
     budget = StagingBudget(config.staging_bytes)
     slot = EngineSlot(adapter, loader)
     handoffs = HandoffManager(slot, budget, metrics, ttl=config.handoff_ttl)
-    metrics.bind(capacity=lambda: budget.capacity, reserved=lambda: budget.reserved,
-                 waiting=lambda: budget.waiting, open_handoffs=lambda: len(handoffs.handoffs),
-                 active=lambda: slot.adapter.active_requests if slot.ready else 0)
+    metrics.bind(
+        capacity=lambda: budget.capacity,
+        reserved=lambda: budget.reserved,
+        waiting=lambda: budget.waiting,
+        open_handoffs=lambda: len(handoffs.handoffs),
+        active=lambda: slot.adapter.active_requests if slot.ready else 0,
+    )
     peers: dict[str, AgentClient] = {}  # one pooled HTTP client per prefiller: connections are reused
     started = time.time()
 
@@ -239,8 +257,14 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
                 await client.aclose()
 
     # The OpenAPI document is served behind the key (/v1/openapi.json): only /healthz is open.
-    app = FastAPI(title="Tandem node agent", version=str(PROTOCOL_VERSION), lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="Tandem node agent",
+        version=str(PROTOCOL_VERSION),
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.slot, app.state.budget, app.state.handoffs, app.state.metrics = slot, budget, handoffs, metrics
 
     @app.exception_handler(TandemError)
@@ -261,27 +285,34 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         # What FastAPI raises itself (a body that is not UTF-8, an unknown path or method): the
         # agent's error shape, like every other refusal, instead of FastAPI's {"detail": ...}
         kind = "RequestError" if e.status_code == 400 else "HTTPError"
-        return JSONResponse({"error": {"type": kind, "message": str(e.detail)}}, status_code=e.status_code,
-                            headers=e.headers)
+        return JSONResponse(
+            {"error": {"type": kind, "message": str(e.detail)}}, status_code=e.status_code, headers=e.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError):
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-        return JSONResponse({"error": {"type": "RequestError", "message": f"invalid request: {problems}"}},
-                            status_code=400)
+        return JSONResponse(
+            {"error": {"type": "RequestError", "message": f"invalid request: {problems}"}}, status_code=400
+        )
 
     async def require_key(authorization: str | None = Header(None), x_tandem_protocol: int | None = Header(None)):
         token = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
         if not key_matches(token, config.cluster_key):
             raise _Unauthorized()
         if x_tandem_protocol is not None and x_tandem_protocol != PROTOCOL_VERSION:
-            raise RequestError(f"peer speaks Tandem protocol {x_tandem_protocol}, this agent speaks "
-                               f"{PROTOCOL_VERSION}: run the same Tandem version on both machines")
+            raise RequestError(
+                f"peer speaks Tandem protocol {x_tandem_protocol}, this agent speaks "
+                f"{PROTOCOL_VERSION}: run the same Tandem version on both machines"
+            )
 
     @app.exception_handler(_Unauthorized)
     async def unauthorized(request: Request, e: _Unauthorized):
-        return JSONResponse({"error": {"type": "Unauthorized", "message": "missing or wrong cluster key"}},
-                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return JSONResponse(
+            {"error": {"type": "Unauthorized", "message": "missing or wrong cluster key"}},
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
     @app.get("/healthz")
     async def healthz():
@@ -290,23 +321,51 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
     api = APIRouter(dependencies=[Depends(require_key)])
 
     def info() -> dict:
-        base = {"node_id": config.node_id, "name": config.name, "protocol_version": PROTOCOL_VERSION,
-                "state": "ready" if slot.ready else "loading", "model_roots": [str(r) for r in config.model_roots],
-                "switchable": loader is not None}
+        base = {
+            "node_id": config.node_id,
+            "name": config.name,
+            "protocol_version": PROTOCOL_VERSION,
+            "state": "ready" if slot.ready else "loading",
+            "model_roots": [str(r) for r in config.model_roots],
+            "switchable": loader is not None,
+        }
         if not slot.ready:
-            return {**base, "engine": None, "model": slot.loading, "contract": None, "decoder_modes": [],
-                    "accelerator": {}, "page_bytes": 0, "context_length": 0, "last_error": slot.last_error}
+            return {
+                **base,
+                "engine": None,
+                "model": slot.loading,
+                "contract": None,
+                "decoder_modes": [],
+                "accelerator": {},
+                "page_bytes": 0,
+                "context_length": 0,
+                "last_error": slot.last_error,
+            }
         a = slot.adapter
-        return {**base, "engine": a.name, "model": config.model_name or a.model_dir.name, "model_path": str(a.model_dir),
-                "contract": a.contract.to_dict(), "decoder_modes": [m.value for m in a.decoder_modes],
-                "first_token_sampling": sorted(a.first_token_sampling), "sampling": sorted(a.sampling),
-                "accelerator": a.accelerator(), "page_bytes": a.geometry.page_bytes,
-                "context_length": a.context_length, "vocab_size": a.info.vocab_size,
-                "page_encodings": sorted(ENCODINGS)}
+        return {
+            **base,
+            "engine": a.name,
+            "model": config.model_name or a.model_dir.name,
+            "model_path": str(a.model_dir),
+            "contract": a.contract.to_dict(),
+            "decoder_modes": [m.value for m in a.decoder_modes],
+            "first_token_sampling": sorted(a.first_token_sampling),
+            "sampling": sorted(a.sampling),
+            "accelerator": a.accelerator(),
+            "page_bytes": a.geometry.page_bytes,
+            "context_length": a.context_length,
+            "vocab_size": a.info.vocab_size,
+            "page_encodings": sorted(ENCODINGS),
+        }
 
     def idle() -> bool:
-        return not handoffs.handoffs and not handoffs.waiting and budget.reserved == 0 and \
-            budget.waiting == 0 and slot.adapter.active_requests == 0
+        return (
+            not handoffs.handoffs
+            and not handoffs.waiting
+            and budget.reserved == 0
+            and budget.waiting == 0
+            and slot.adapter.active_requests == 0
+        )
 
     @api.get("/v1/info")
     async def get_info():
@@ -319,24 +378,39 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
     @api.get("/v1/status")
     async def get_status():
         v = Metrics.value
-        return {**info(), "uptime_seconds": round(time.time() - started, 1),
-                "budget": {"capacity": budget.capacity, "reserved": budget.reserved, "waiting": budget.waiting,
-                           "waiting_bytes": budget.waiting_bytes},
-                "open_handoffs": len(handoffs.handoffs), "handoffs": handoffs.describe(),
-                "active_requests": slot.adapter.active_requests,
-                "engine_stats": await slot.adapter.engine_stats(),
-                "process": process_memory(),
-                "totals": {"prefills_started": handoffs.prefill_calls,
-                           "handoffs_created": v(metrics.handoffs_created),"pages_sent": v(metrics.pages_sent), "bytes_sent": v(metrics.bytes_sent),
-                           "pages_received": v(metrics.pages_received), "bytes_received": v(metrics.bytes_received),
-                           "imported_tokens": v(metrics.imported_tokens),
-                           "generated_tokens": v(metrics.generated_tokens)}}
+        return {
+            **info(),
+            "uptime_seconds": round(time.time() - started, 1),
+            "budget": {
+                "capacity": budget.capacity,
+                "reserved": budget.reserved,
+                "waiting": budget.waiting,
+                "waiting_bytes": budget.waiting_bytes,
+            },
+            "open_handoffs": len(handoffs.handoffs),
+            "handoffs": handoffs.describe(),
+            "active_requests": slot.adapter.active_requests,
+            "engine_stats": await slot.adapter.engine_stats(),
+            "process": process_memory(),
+            "totals": {
+                "prefills_started": handoffs.prefill_calls,
+                "handoffs_created": v(metrics.handoffs_created),
+                "pages_sent": v(metrics.pages_sent),
+                "bytes_sent": v(metrics.bytes_sent),
+                "pages_received": v(metrics.pages_received),
+                "bytes_received": v(metrics.bytes_received),
+                "imported_tokens": v(metrics.imported_tokens),
+                "generated_tokens": v(metrics.generated_tokens),
+            },
+        }
 
     @api.get("/v1/models/local")
     async def local_models():
         """Checkpoints in this node's model roots, for a panel's model picker."""
-        return {"roots": [str(r) for r in config.model_roots],
-                "models": await asyncio.to_thread(list_models, config.model_roots)}
+        return {
+            "roots": [str(r) for r in config.model_roots],
+            "models": await asyncio.to_thread(list_models, config.model_roots),
+        }
 
     @api.post("/v1/config")
     async def configure(body: ConfigBody):
@@ -351,20 +425,32 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         except ModelPathError as e:
             raise ConfigError(str(e), "model_path") from None
         if body.context_length is not None and not 1 <= body.context_length <= model.max_context:
-            raise ConfigError(f"context length {body.context_length} is outside 1..{model.max_context} "
-                              f"for {model.path.name}", "context_length")
+            raise ConfigError(
+                f"context length {body.context_length} is outside 1..{model.max_context} for {model.path.name}",
+                "context_length",
+            )
         context_length = body.context_length or model.max_context  # blank: the model's own
         if body.dry_run:  # the contract the node would have, so a panel compares pairs before loading
             contract = await asyncio.to_thread(compute_contract, model, context_length, HashCache(hash_cache_path()))
-            return {"ok": True, "changed": False, "model_path": str(model.path), "max_context": model.max_context,
-                    "contract": contract.to_dict()}
+            return {
+                "ok": True,
+                "changed": False,
+                "model_path": str(model.path),
+                "max_context": model.max_context,
+                "contract": contract.to_dict(),
+            }
         changed = await slot.replace(body.engine, model.path, context_length, idle)
         if changed:
             config.model_name = model.path.name
             if discovery is not None:
                 a, accel = slot.adapter, slot.adapter.accelerator()
-                await discovery.update(engine=a.name, model=config.model_name, contract=a.contract.fingerprint,
-                                       accel=accel["kind"], accel_name=accel.get("name", ""))
+                await discovery.update(
+                    engine=a.name,
+                    model=config.model_name,
+                    contract=a.contract.fingerprint,
+                    accel=accel["kind"],
+                    accel_name=accel.get("name", ""),
+                )
         if body.staging_bytes is not None and body.staging_bytes != budget.capacity:
             budget.resize(body.staging_bytes)
             changed = True
@@ -379,7 +465,11 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         if (body.messages is None) == (body.prompt is None):
             raise RequestError("give exactly one of `messages` (chat) or `prompt` (plain text)")
         try:
-            ids = slot.adapter.chat_token_ids(body.messages) if body.messages is not None else slot.adapter.encode(body.prompt)
+            ids = (
+                slot.adapter.chat_token_ids(body.messages)
+                if body.messages is not None
+                else slot.adapter.encode(body.prompt)
+            )
         except Exception as e:  # template errors name the problem
             raise RequestError(f"cannot tokenize: {e}") from e
         return {"token_ids": ids}
@@ -387,13 +477,23 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
     @api.post("/v1/handoffs", status_code=201)
     async def create_handoff(body: HandoffBody):
         if body.protocol_version != PROTOCOL_VERSION:
-            raise RequestError(f"decoder speaks Tandem protocol {body.protocol_version}, this prefiller speaks "
-                               f"{PROTOCOL_VERSION}")
+            raise RequestError(
+                f"decoder speaks Tandem protocol {body.protocol_version}, this prefiller speaks {PROTOCOL_VERSION}"
+            )
         if body.contract != slot.adapter.contract.fingerprint:
-            raise ContractMismatch(["contract fingerprint"], f"decoder's {body.contract[:16]}… differs from this "
-                                   f"prefiller's {slot.adapter.contract.fingerprint[:16]}…: compare /v1/info of both nodes")
-        h = await handoffs.create(body.room, body.token_ids, body.sampling.params(), body.mode, body.wait_timeout,
-                                  encoding=ENCODINGS[body.page_encoding])
+            raise ContractMismatch(
+                ["contract fingerprint"],
+                f"decoder's {body.contract[:16]}… differs from this "
+                f"prefiller's {slot.adapter.contract.fingerprint[:16]}…: compare /v1/info of both nodes",
+            )
+        h = await handoffs.create(
+            body.room,
+            body.token_ids,
+            body.sampling.params(),
+            body.mode,
+            body.wait_timeout,
+            encoding=ENCODINGS[body.page_encoding],
+        )
         pages, nbytes = handoffs.page_bytes_for(len(body.token_ids), body.mode)
         return {"room": h.room, "pages": pages, "reserved_bytes": nbytes}
 
@@ -406,8 +506,9 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
     async def cancel_handoff(room: str):
         return {"room": room, "cancelled": await handoffs.cancel(room)}
 
-    async def token_lines(req: EngineRequest, tokens: AsyncIterator[int], kind: str, t0: float,
-                          extra: dict) -> AsyncIterator[bytes]:
+    async def token_lines(
+        req: EngineRequest, tokens: AsyncIterator[int], kind: str, t0: float, extra: dict
+    ) -> AsyncIterator[bytes]:
         text = _Incremental(slot.adapter)
         outcome, count, ttft, last = "error", 0, None, None
         try:
@@ -418,18 +519,33 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
                     count, last = count + 1, token
                     metrics.generated_tokens.inc()
                     yield (json.dumps({"token": token, "text": text.add(token)}) + "\n").encode()
-            stops = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else slot.adapter.eos_token_ids)
+            stops = set(req.sampling.stop_token_ids) | (
+                set() if req.sampling.ignore_eos else slot.adapter.eos_token_ids
+            )
             finish = "stop" if last in stops or count < req.sampling.max_tokens else "length"
             outcome = "ok"
-            yield (json.dumps({"done": True, "finish_reason": finish, "prompt_tokens": len(req.token_ids),
-                               "completion_tokens": count, "ttft_seconds": ttft, **extra}) + "\n").encode()
+            yield (
+                json.dumps(
+                    {
+                        "done": True,
+                        "finish_reason": finish,
+                        "prompt_tokens": len(req.token_ids),
+                        "completion_tokens": count,
+                        "ttft_seconds": ttft,
+                        **extra,
+                    }
+                )
+                + "\n"
+            ).encode()
         except (TandemError, AgentHTTPError) as e:
             outcome = "cancelled" if isinstance(e, Cancelled) else "failed"
             yield (json.dumps(error_body(e)) + "\n").encode()
         except Exception as e:  # a bug or an engine failing in a way nobody foresaw: still a last line
             log.exception("%s request %s failed", kind, req.request_id)
             outcome = "failed"
-            yield (json.dumps({"error": {"type": "engine_error", "message": f"{type(e).__name__}: {e}"}}) + "\n").encode()
+            yield (
+                json.dumps({"error": {"type": "engine_error", "message": f"{type(e).__name__}: {e}"}}) + "\n"
+            ).encode()
         finally:
             metrics.requests.labels(kind=kind, outcome=outcome).inc()
 
@@ -437,8 +553,10 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
     async def generate(body: GenerateBody):
         req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling.params())
         slot.adapter.validate(req, generates=True)
-        return StreamingResponse(token_lines(req, slot.adapter.generate(req), "generate", time.perf_counter(), {}),
-                                 media_type="application/x-ndjson")
+        return StreamingResponse(
+            token_lines(req, slot.adapter.generate(req), "generate", time.perf_counter(), {}),
+            media_type="application/x-ndjson",
+        )
 
     def peer(url: str) -> AgentClient:
         url = url.rstrip("/")
@@ -452,10 +570,21 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
             raise RequestError(f"{slot.adapter.name} cannot decode in {body.mode.value} mode")
         req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling.params(), body.mode)
         slot.adapter.validate(req, generates=True)
-        expect = FrameExpectation(slot.adapter.contract.fingerprint_bytes, bytes.fromhex(body.room),
-                                  token_digest(body.token_ids), slot.adapter.geometry)
-        stats = {"pages": 0, "wire_bytes": 0, "kv_tokens": 0, "prefill_seconds": None,
-                 "first_page_at": None, "last_page_at": None, "prefill_finished_at": None}
+        expect = FrameExpectation(
+            slot.adapter.contract.fingerprint_bytes,
+            bytes.fromhex(body.room),
+            token_digest(body.token_ids),
+            slot.adapter.geometry,
+        )
+        stats = {
+            "pages": 0,
+            "wire_bytes": 0,
+            "kv_tokens": 0,
+            "prefill_seconds": None,
+            "first_page_at": None,
+            "last_page_at": None,
+            "prefill_finished_at": None,
+        }
         prefiller = peer(body.prefill_url)
 
         async def pages() -> AsyncIterator[KVPage | PrefillDone]:
@@ -471,15 +600,22 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
                             metrics.pages_received.inc()
                             metrics.imported_tokens.inc(item.valid_tokens)
                         else:
-                            stats.update(kv_tokens=item.kv_tokens, prefill_seconds=item.prefill_seconds,
-                                         prefill_finished_at=item.finished_at)
+                            stats.update(
+                                kv_tokens=item.kv_tokens,
+                                prefill_seconds=item.prefill_seconds,
+                                prefill_finished_at=item.finished_at,
+                            )
                         yield item
             except TransportError as e:
-                raise FrameError(f"the page stream from {body.prefill_url} broke off ({type(e).__name__}: {e}) "
-                                 f"after {stats['pages']} whole page(s): nothing was decoded") from e
+                raise FrameError(
+                    f"the page stream from {body.prefill_url} broke off ({type(e).__name__}: {e}) "
+                    f"after {stats['pages']} whole page(s): nothing was decoded"
+                ) from e
 
-        return StreamingResponse(token_lines(req, slot.adapter.decode(req, pages()), "decode", time.perf_counter(), stats),
-                                 media_type="application/x-ndjson")
+        return StreamingResponse(
+            token_lines(req, slot.adapter.decode(req, pages()), "decode", time.perf_counter(), stats),
+            media_type="application/x-ndjson",
+        )
 
     @api.delete("/v1/requests/{request_id}")
     async def cancel_request(request_id: str):
@@ -497,10 +633,10 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         async def frames() -> AsyncIterator[bytes]:
             for i in range(count):
                 page.index = i
-                yield encode_frame(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16,
-                                   payload_state=hashed)
-            yield done_frame(PrefillDone(first_token=0, kv_tokens=count * g.page_tokens, pages=count,
-                                         prefill_seconds=0.0))
+                yield encode_frame(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16, payload_state=hashed)
+            yield done_frame(
+                PrefillDone(first_token=0, kv_tokens=count * g.page_tokens, pages=count, prefill_seconds=0.0)
+            )
 
         return PageStreamResponse(frames())
 
@@ -525,8 +661,13 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
             seconds = time.perf_counter() - t0
         except TransportError as e:
             raise FrameError(f"could not pull pages from {body.peer}: {type(e).__name__}: {e}") from e
-        return {"peer": body.peer, "bytes": stream.bytes_read, "seconds": seconds,
-                "bytes_per_second": stream.bytes_read / seconds, "rtt_seconds": sorted(rtts)[2]}
+        return {
+            "peer": body.peer,
+            "bytes": stream.bytes_read,
+            "seconds": seconds,
+            "bytes_per_second": stream.bytes_read / seconds,
+            "rtt_seconds": sorted(rtts)[2],
+        }
 
     app.include_router(api)
     return app

@@ -13,7 +13,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass
 
-from engine_adapters.errors import TandemError
+from tandem_protocol.errors import TandemError
 
 
 class BudgetExceeded(TandemError):
@@ -31,7 +31,7 @@ class BudgetTimeout(TandemError):
 class Reservation:
     """Bytes held against the budget; `release` is idempotent."""
 
-    def __init__(self, budget: "StagingBudget", nbytes: int):
+    def __init__(self, budget: StagingBudget, nbytes: int):
         self.budget = budget
         self.nbytes = nbytes
         self.released = False
@@ -68,7 +68,8 @@ class StagingBudget:
         if nbytes > self.capacity:
             raise BudgetExceeded(
                 f"this prompt needs {nbytes:,} bytes of KV staging but the node's whole budget is "
-                f"{self.capacity:,} bytes: raise --staging-bytes or send a shorter prompt")
+                f"{self.capacity:,} bytes: raise --staging-bytes or send a shorter prompt"
+            )
 
     async def reserve(self, nbytes: int, timeout: float | None = None) -> Reservation:
         """Wait (FIFO) until `nbytes` fit, at most `timeout` seconds; return the reservation."""
@@ -80,7 +81,7 @@ class StagingBudget:
         self._waiters.append(waiter)
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+        except (TimeoutError, asyncio.CancelledError) as e:
             if waiter.future.done() and not waiter.future.cancelled():
                 waiter.future.result().release()  # granted at the moment we gave up
             else:
@@ -91,7 +92,8 @@ class StagingBudget:
                 raise BudgetTimeout(
                     f"the staging budget stayed busy for {timeout:.1f} s ({self.reserved:,} of "
                     f"{self.capacity:,} bytes reserved, {len(self._waiters)} waiting)",
-                    retry_after=max(1.0, timeout or 1.0)) from None
+                    retry_after=max(1.0, timeout or 1.0),
+                ) from None
             raise
 
     def resize(self, capacity: int) -> None:
@@ -103,8 +105,11 @@ class StagingBudget:
         for waiter in [w for w in self._waiters if w.nbytes > capacity]:
             self._waiters.remove(waiter)
             if not waiter.future.done():
-                waiter.future.set_exception(BudgetExceeded(
-                    f"the staging budget shrank to {capacity:,} bytes, below this request's {waiter.nbytes:,}"))
+                waiter.future.set_exception(
+                    BudgetExceeded(
+                        f"the staging budget shrank to {capacity:,} bytes, below this request's {waiter.nbytes:,}"
+                    )
+                )
         self._wake()
 
     def _give_back(self, nbytes: int) -> None:

@@ -16,10 +16,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from engine_adapters.pages import PROTOCOL_VERSION
+from tandem_protocol.pages import PROTOCOL_VERSION
+from tandem_protocol.paths import data_dir, hash_cache_path
 
 from .identity import cluster_key, key_path, node_id, set_cluster_key
-from .settings import data_dir, hash_cache_path
 
 # On Ctrl-C or SIGTERM, requests still streaming after this long are cancelled (each releases what
 # it holds on the way out) instead of being waited for: a token stream can run for minutes.
@@ -30,8 +30,22 @@ console = Console()
 DEFAULT_PORT = 7411
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
-          "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -61,32 +75,38 @@ def resolve_model(model: str | None) -> Path:
 
 
 @app.command()
-def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
-          model: str = typer.Option(None, help="Model directory or registered name (default: embedded SmolLM2)."),
-          context_length: int = typer.Option(None, help="Context length (default: the model's)."),
-          staging_bytes: str = typer.Option("512MiB", help="KV staging budget, e.g. 512MiB or 2GB."),
-          host: str = typer.Option("0.0.0.0", help="Address to listen on."),
-          port: int = typer.Option(DEFAULT_PORT, help="Port to listen on."),
-          name: str = typer.Option(None, help="Human-readable node name (default: the host name)."),
-          mdns: bool = typer.Option(True, help="Announce this agent on the LAN with mDNS."),
-          mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all)."),
-          handoff_ttl: float = typer.Option(60.0, help="Seconds before unread pages expire."),
-          stall_timeout: float = typer.Option(60.0, help="Seconds a page stream may move no byte before "
-                                              "both ends give it up (a pulled cable, a frozen peer)."),
-          device: str = typer.Option(None, help="torch only: cuda, cuda:N or cpu."),
-          tls_cert: Path = typer.Option(None, help="TLS certificate (PEM) to serve HTTPS."),
-          tls_key: Path = typer.Option(None, help="TLS private key (PEM)."),
-          model_root: list[Path] = typer.Option(None, help="Directory a panel may load models from (repeatable; "
-                                                "default: $TANDEM_HOME/models, registered models and --model).")) -> None:
+def serve(
+    engine: str = typer.Option("torch", help="Engine: torch or mlx."),
+    model: str = typer.Option(None, help="Model directory or registered name (default: embedded SmolLM2)."),
+    context_length: int = typer.Option(None, help="Context length (default: the model's)."),
+    staging_bytes: str = typer.Option("512MiB", help="KV staging budget, e.g. 512MiB or 2GB."),
+    host: str = typer.Option("0.0.0.0", help="Address to listen on."),
+    port: int = typer.Option(DEFAULT_PORT, help="Port to listen on."),
+    name: str = typer.Option(None, help="Human-readable node name (default: the host name)."),
+    mdns: bool = typer.Option(True, help="Announce this agent on the LAN with mDNS."),
+    mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all)."),
+    handoff_ttl: float = typer.Option(60.0, help="Seconds before unread pages expire."),
+    stall_timeout: float = typer.Option(
+        60.0, help="Seconds a page stream may move no byte before both ends give it up (a pulled cable, a frozen peer)."
+    ),
+    device: str = typer.Option(None, help="torch only: cuda, cuda:N or cpu."),
+    tls_cert: Path = typer.Option(None, help="TLS certificate (PEM) to serve HTTPS."),
+    tls_key: Path = typer.Option(None, help="TLS private key (PEM)."),
+    model_root: list[Path] = typer.Option(
+        None,
+        help="Directory a panel may load models from (repeatable; "
+        "default: $TANDEM_HOME/models, registered models and --model).",
+    ),
+) -> None:
     """Host one engine and serve prefill/decode to peers."""
     import uvicorn
 
     from engine_adapters import load_adapter
-    from engine_adapters.contract import HashCache
+    from tandem_protocol.contract import HashCache
+    from tandem_protocol.discovery import Announcer, announced_properties, lan_addresses
+    from tandem_protocol.http_server import PageStreamProtocol
 
     from .app import AgentConfig, create_app
-    from .discovery import Announcer, announced_properties, lan_addresses
-    from .http_server import PageStreamProtocol
     from .model_roots import default_roots
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -100,32 +120,49 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
     sock.bind((host, port))
     sock.listen(1024)
     port = sock.getsockname()[1]
+
     def loader(engine: str, path: Path, context_length: int | None):
         kwargs = {"device": device} if device and engine == "torch" else {}
         return load_adapter(engine, path, context_length, hash_cache=HashCache(hash_cache_path()), **kwargs)
 
     with console.status(f"loading {engine} on {path.name}…"):
         adapter = loader(engine, path, context_length)
-    config = AgentConfig(node_id=node_id(), name=name or socket.gethostname(), cluster_key=cluster_key(),
-                         staging_bytes=parse_size(staging_bytes), handoff_ttl=handoff_ttl, model_name=path.name,
-                         stall_timeout=stall_timeout,
-                         url=f"{'https' if tls_cert else 'http'}://{host}:{port}",
-                         model_roots=default_roots(path) + [p.expanduser().resolve() for p in model_root or []])
+    config = AgentConfig(
+        node_id=node_id(),
+        name=name or socket.gethostname(),
+        cluster_key=cluster_key(),
+        staging_bytes=parse_size(staging_bytes),
+        handoff_ttl=handoff_ttl,
+        model_name=path.name,
+        stall_timeout=stall_timeout,
+        url=f"{'https' if tls_cert else 'http'}://{host}:{port}",
+        model_roots=default_roots(path) + [p.expanduser().resolve() for p in model_root or []],
+    )
     announcer = None
     if mdns:
         addresses = [host] if host not in ("0.0.0.0", "") else lan_addresses()
-        announcer = Announcer(announced_properties(config, adapter, tls_cert is not None), port, addresses,
-                              mdns_interface or None)
+        announcer = Announcer(
+            announced_properties(config, adapter, tls_cert is not None), port, addresses, mdns_interface or None
+        )
     scheme = "https" if tls_cert else "http"
-    console.print(f"[bold]Tandem agent[/] {config.name} ({config.node_id[:8]}) · {adapter.name} · {path.name} · "
-                  f"contract {adapter.contract.fingerprint[:16]} · {scheme}://{host}:{port} · "
-                  f"key: `tandem agent key`" + (" · mDNS on" if mdns else ""))
+    console.print(
+        f"[bold]Tandem agent[/] {config.name} ({config.node_id[:8]}) · {adapter.name} · {path.name} · "
+        f"contract {adapter.contract.fingerprint[:16]} · {scheme}://{host}:{port} · "
+        f"key: `tandem agent key`" + (" · mDNS on" if mdns else "")
+    )
     agent = create_app(adapter, config, announcer, loader)
     try:
-        server = uvicorn.Server(uvicorn.Config(
-            agent, log_level="warning", http=PageStreamProtocol.with_stall_timeout(stall_timeout),
-            timeout_keep_alive=75, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-            ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                agent,
+                log_level="warning",
+                http=PageStreamProtocol.with_stall_timeout(stall_timeout),
+                timeout_keep_alive=75,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+                ssl_certfile=str(tls_cert) if tls_cert else None,
+                ssl_keyfile=str(tls_key) if tls_key else None,
+            )
+        )
         server.run(sockets=[sock])
     finally:
         if agent.state.slot.ready:  # the engine now serving (a panel may have switched it)
@@ -133,8 +170,10 @@ def serve(engine: str = typer.Option("torch", help="Engine: torch or mlx."),
 
 
 @app.command()
-def key(set_: str = typer.Option(None, "--set", help="Use this cluster key (share one key across a cluster)."),
-        path_only: bool = typer.Option(False, "--path", help="Print where the key is kept.")) -> None:
+def key(
+    set_: str = typer.Option(None, "--set", help="Use this cluster key (share one key across a cluster)."),
+    path_only: bool = typer.Option(False, "--path", help="Print where the key is kept."),
+) -> None:
     """Show (or set) this node's cluster key."""
     if set_:
         set_cluster_key(set_)
@@ -142,9 +181,14 @@ def key(set_: str = typer.Option(None, "--set", help="Use this cluster key (shar
 
 
 def _client(url: str) -> httpx.Client:
-    return httpx.Client(base_url=url.rstrip("/"), timeout=10,
-                        headers={"Authorization": f"Bearer {os.environ.get('TANDEM_CLUSTER_KEY') or cluster_key()}",
-                                 "X-Tandem-Protocol": str(PROTOCOL_VERSION)})
+    return httpx.Client(
+        base_url=url.rstrip("/"),
+        timeout=10,
+        headers={
+            "Authorization": f"Bearer {os.environ.get('TANDEM_CLUSTER_KEY') or cluster_key()}",
+            "X-Tandem-Protocol": str(PROTOCOL_VERSION),
+        },
+    )
 
 
 def _rtt_ms(url: str, tries: int = 5) -> float:
@@ -168,12 +212,17 @@ def status(url: str = typer.Argument(f"http://127.0.0.1:{DEFAULT_PORT}", help="A
     s = r.json()
     table = Table(show_header=False)
     b = s["budget"]
-    rows = [("node", f"{s['name']} ({s['node_id'][:8]})"), ("engine", s["engine"]),
-            ("accelerator", f"{s['accelerator']['kind']} · {s['accelerator'].get('name', '')}"),
-            ("model", f"{s['model']} (context {s['context_length']})"), ("contract", s["contract"]["fingerprint"]),
-            ("protocol", str(s["protocol_version"])),
-            ("budget", f"{b['reserved']:,} of {b['capacity']:,} bytes reserved, {b['waiting']} waiting"),
-            ("open handoffs", str(s["open_handoffs"])), ("active requests", str(s["active_requests"]))]
+    rows = [
+        ("node", f"{s['name']} ({s['node_id'][:8]})"),
+        ("engine", s["engine"]),
+        ("accelerator", f"{s['accelerator']['kind']} · {s['accelerator'].get('name', '')}"),
+        ("model", f"{s['model']} (context {s['context_length']})"),
+        ("contract", s["contract"]["fingerprint"]),
+        ("protocol", str(s["protocol_version"])),
+        ("budget", f"{b['reserved']:,} of {b['capacity']:,} bytes reserved, {b['waiting']} waiting"),
+        ("open handoffs", str(s["open_handoffs"])),
+        ("active requests", str(s["active_requests"])),
+    ]
     rows += [(k.replace("_", " "), f"{v:,.0f}") for k, v in s["totals"].items()]
     for k, v in rows:
         table.add_row(k, v)
@@ -181,10 +230,12 @@ def status(url: str = typer.Argument(f"http://127.0.0.1:{DEFAULT_PORT}", help="A
 
 
 @app.command()
-def peers(seconds: float = typer.Option(3.0, help="How long to listen."),
-          interface: list[str] = typer.Option(None, help="Interface address(es) to browse on.")) -> None:
+def peers(
+    seconds: float = typer.Option(3.0, help="How long to listen."),
+    interface: list[str] = typer.Option(None, help="Interface address(es) to browse on."),
+) -> None:
     """Find agents on the LAN by mDNS and measure their round-trip time."""
-    from .discovery import browse
+    from tandem_protocol.discovery import browse
 
     with console.status(f"listening for agents for {seconds:.0f} s…"):
         found = asyncio.run(browse(seconds, interface or None))
@@ -195,15 +246,24 @@ def peers(seconds: float = typer.Option(3.0, help="How long to listen."),
         except httpx.HTTPError as e:
             rtt = f"unreachable ({type(e).__name__})"
         pr = p.properties
-        table.add_row(pr.get("name", "?"), p.url, pr.get("engine", "?"),
-                      f"{pr.get('accel', '?')} {pr.get('accel_name', '')}".strip(), pr.get("model", "?"),
-                      pr.get("contract", "")[:16], pr.get("proto", "?"), rtt)
+        table.add_row(
+            pr.get("name", "?"),
+            p.url,
+            pr.get("engine", "?"),
+            f"{pr.get('accel', '?')} {pr.get('accel_name', '')}".strip(),
+            pr.get("model", "?"),
+            pr.get("contract", "")[:16],
+            pr.get("proto", "?"),
+            rtt,
+        )
     console.print(table if found else "[yellow]no agents answered[/]")
 
 
 @app.command("bench-link")
-def bench_link(url: str = typer.Argument(..., help="Agent URL to pull synthetic pages from."),
-               pages: int = typer.Option(200, help="How many pages to pull.")) -> None:
+def bench_link(
+    url: str = typer.Argument(..., help="Agent URL to pull synthetic pages from."),
+    pages: int = typer.Option(200, help="How many pages to pull."),
+) -> None:
     """Measure page throughput and round-trip time to an agent."""
     rtt = _rtt_ms(url)
     with _client(url) as c:
@@ -216,17 +276,20 @@ def bench_link(url: str = typer.Argument(..., help="Agent URL to pull synthetic 
             for chunk in r.iter_raw():
                 total += len(chunk)
         seconds = time.perf_counter() - t0
-    console.print(f"{url}: rtt {rtt:.2f} ms · {pages} pages, {total / 1e6:.1f} MB in {seconds:.2f} s · "
-                  f"{total / seconds / 1e6:.0f} MB/s")
+    console.print(
+        f"{url}: rtt {rtt:.2f} ms · {pages} pages, {total / 1e6:.1f} MB in {seconds:.2f} s · "
+        f"{total / seconds / 1e6:.0f} MB/s"
+    )
 
 
 @app.command()
-def doctor(model: str = typer.Option(None, help="Model directory or name to check (default: embedded)."),
-           port: int = typer.Option(DEFAULT_PORT, help="Port the agent would listen on.")) -> None:
+def doctor(
+    model: str = typer.Option(None, help="Model directory or name to check (default: embedded)."),
+    port: int = typer.Option(DEFAULT_PORT, help="Port the agent would listen on."),
+) -> None:
     """Check this machine: versions, engines, accelerators, model, data dir, port, network."""
     from engine_adapters.doctor import accelerators, engine_imports, package_versions
-
-    from .discovery import lan_addresses
+    from tandem_protocol.discovery import lan_addresses
 
     def section(title: str, rows: list[tuple[str, str]]) -> None:
         table = Table(title=title, show_header=False, title_justify="left")
@@ -241,15 +304,24 @@ def doctor(model: str = typer.Option(None, help="Model directory or name to chec
     section("accelerators", list(accelerators().items()))
     try:
         path = resolve_model(model)
-        from engine_adapters.contract import HashCache, compute_contract
-        from engine_adapters.model_dir import inspect_model
+        from tandem_protocol.contract import HashCache, compute_contract
+        from tandem_protocol.model_dir import inspect_model
 
         info = inspect_model(path)
         contract = compute_contract(info, info.max_context, HashCache(hash_cache_path()))
-        section("model", [("path", str(path)), ("type", info.model_type),
-                          ("geometry", f"{info.geometry.layers} layers × {info.geometry.kv_heads} KV heads × "
-                                       f"{info.geometry.head_dim}, {info.geometry.page_bytes:,} bytes/page"),
-                          ("contract", contract.fingerprint)])
+        section(
+            "model",
+            [
+                ("path", str(path)),
+                ("type", info.model_type),
+                (
+                    "geometry",
+                    f"{info.geometry.layers} layers × {info.geometry.kv_heads} KV heads × "
+                    f"{info.geometry.head_dim}, {info.geometry.page_bytes:,} bytes/page",
+                ),
+                ("contract", contract.fingerprint),
+            ],
+        )
     except Exception as e:
         section("model", [("problem", f"[red]{e}[/]")])
     with socket.socket() as s:
@@ -258,5 +330,13 @@ def doctor(model: str = typer.Option(None, help="Model directory or name to chec
             port_state = "[green]free[/]"
         except OSError as e:
             port_state = f"[yellow]in use ({e.strerror})[/]"
-    section("node", [("data dir", str(data_dir())), ("node id", node_id()), ("cluster key file", str(key_path())),
-                     (f"port {port}", port_state), ("mDNS interfaces", ", ".join(lan_addresses()) or "none")])
+    section(
+        "node",
+        [
+            ("data dir", str(data_dir())),
+            ("node id", node_id()),
+            ("cluster key file", str(key_path())),
+            (f"port {port}", port_state),
+            ("mDNS interfaces", ", ".join(lan_addresses()) or "none"),
+        ],
+    )

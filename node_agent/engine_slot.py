@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from engine_adapters.base import EngineAdapter
-from engine_adapters.errors import TandemError
+from tandem_protocol.errors import TandemError
 
 log = logging.getLogger("tandem.agent")
 
@@ -73,8 +73,9 @@ class EngineSlot:
                     log.warning("loading %s on %s failed (%s); reloading %s", engine, path, e, old_spec[0])
                     self.last_error = f"loading {engine} on {path} failed: {e}"
                     self._adapter = await asyncio.to_thread(self._loader, *old_spec)
-                    raise TandemError(self.last_error + f" (the node went back to {old_spec[0]} on "
-                                      f"{Path(old_spec[1]).name})") from e
+                    raise TandemError(
+                        self.last_error + f" (the node went back to {old_spec[0]} on {Path(old_spec[1]).name})"
+                    ) from e
             finally:
                 self.loading = None
             return True

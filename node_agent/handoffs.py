@@ -18,20 +18,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, kv_tokens
-from engine_adapters.contract import token_digest
-from engine_adapters.errors import Cancelled, TandemError
-from engine_adapters.pages import RAW, KVPage, encode_frame
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineAdapter, EngineRequest
+from tandem_protocol.contract import token_digest
+from tandem_protocol.errors import Cancelled, TandemError
+from tandem_protocol.handoff import FirstTokenMode, kv_tokens
+from tandem_protocol.pages import RAW, KVPage, encode_frame
+from tandem_protocol.sampling import SamplingParams
+from tandem_protocol.wire import DONE_MAGIC, done_frame, error_frame
 
 from .budget import Reservation, StagingBudget
 from .engine_slot import EngineSlot
 from .metrics import Metrics
-from .wire import DONE_MAGIC, done_frame, error_frame
 
 log = logging.getLogger("tandem.handoffs")
 
@@ -76,8 +77,15 @@ class HandoffManager:
         pages = self.adapter.geometry.pages_for(kv_tokens(prompt_tokens, mode))
         return pages, pages * self.adapter.geometry.page_bytes
 
-    async def create(self, room: str, token_ids: list[int], sampling: SamplingParams, mode: FirstTokenMode,
-                     wait_timeout: float, encoding: int = RAW) -> Handoff:
+    async def create(
+        self,
+        room: str,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        mode: FirstTokenMode,
+        wait_timeout: float,
+        encoding: int = RAW,
+    ) -> Handoff:
         if room in self.handoffs:
             raise HandoffError(f"room {room} already has a handoff on this node", 409)
         request = EngineRequest(f"handoff-{room}", list(token_ids), sampling, mode)
@@ -113,8 +121,16 @@ class HandoffManager:
                     if isinstance(item, KVPage) and h.encoding == RAW:  # header + a view of the page's buffer
                         h.frames.put_nowait(encode_frame(item, contract=contract, room=room_bytes, tokens=digest))
                     elif isinstance(item, KVPage):  # compressed in a worker thread: the loop keeps serving
-                        h.frames.put_nowait(await asyncio.to_thread(
-                            encode_frame, item, contract=contract, room=room_bytes, tokens=digest, encoding=h.encoding))
+                        h.frames.put_nowait(
+                            await asyncio.to_thread(
+                                encode_frame,
+                                item,
+                                contract=contract,
+                                room=room_bytes,
+                                tokens=digest,
+                                encoding=h.encoding,
+                            )
+                        )
                     else:
                         h.state = "prefilled"
                         h.frames.put_nowait(done_frame(item))
@@ -207,7 +223,15 @@ class HandoffManager:
 
     def describe(self) -> list[dict]:
         now = time.monotonic()
-        return [{"room": h.room, "state": h.state, "prompt_tokens": len(h.request.token_ids),
-                 "reserved_bytes": h.reservation.nbytes, "pages_sent": h.pages_sent,
-                 "age_seconds": round(now - h.created, 3), "reader_attached": h.reader_attached}
-                for h in self.handoffs.values()]
+        return [
+            {
+                "room": h.room,
+                "state": h.state,
+                "prompt_tokens": len(h.request.token_ids),
+                "reserved_bytes": h.reservation.nbytes,
+                "pages_sent": h.pages_sent,
+                "age_seconds": round(now - h.created, 3),
+                "reader_attached": h.reader_attached,
+            }
+            for h in self.handoffs.values()
+        ]

@@ -8,13 +8,12 @@ recoverable (`tandem agent key` shows it), so it is stored as is, not hashed.
 
 from __future__ import annotations
 
-import hmac
 import os
 import secrets
 import uuid
 from pathlib import Path
 
-from .settings import data_dir
+from tandem_protocol.paths import data_dir
 
 
 def _read_or_create(path: Path, make) -> str:
@@ -40,7 +39,9 @@ def key_path(home: Path | None = None) -> Path:
 
 def cluster_key(home: Path | None = None) -> str:
     """`$TANDEM_CLUSTER_KEY` if set, else the key file (created on first use)."""
-    return os.environ.get("TANDEM_CLUSTER_KEY") or _read_or_create(key_path(home), lambda: "tdm_" + secrets.token_urlsafe(32))
+    return os.environ.get("TANDEM_CLUSTER_KEY") or _read_or_create(
+        key_path(home), lambda: "tdm_" + secrets.token_urlsafe(32)
+    )
 
 
 def set_cluster_key(key: str, home: Path | None = None) -> None:
@@ -51,8 +52,3 @@ def set_cluster_key(key: str, home: Path | None = None) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
-
-
-def key_matches(presented: str | None, key: str) -> bool:
-    """Constant-time comparison, so response timing reveals nothing about the key."""
-    return presented is not None and hmac.compare_digest(presented.encode(), key.encode())

@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone
-from engine_adapters.contract import token_digest
-from engine_adapters.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineAdapter, EngineRequest
+from tandem_protocol.contract import token_digest
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone
+from tandem_protocol.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
+from tandem_protocol.sampling import SamplingParams
 
 _QUEUE_PAGES = 64
 
@@ -33,17 +34,23 @@ class PairStats:
     page_arrivals: list[float] = field(default_factory=list)  # perf_counter() as each page was imported
 
 
-async def run_pair(prefiller: EngineAdapter, decoder: EngineAdapter, token_ids: list[int],
-                   sampling: SamplingParams, mode: FirstTokenMode | None = None,
-                   stats: PairStats | None = None) -> AsyncIterator[int]:
+async def run_pair(
+    prefiller: EngineAdapter,
+    decoder: EngineAdapter,
+    token_ids: list[int],
+    sampling: SamplingParams,
+    mode: FirstTokenMode | None = None,
+    stats: PairStats | None = None,
+) -> AsyncIterator[int]:
     """Stream the tokens of a P/D request: `prefiller` runs the prompt, `decoder` the answer."""
     decoder.contract.check_same(prefiller.contract)
     mode = mode or decoder.decoder_modes[0]
     stats = stats if stats is not None else PairStats()
     request_id = uuid.uuid4().hex
     room, digest = uuid.uuid4().bytes, token_digest(token_ids)
-    expect = FrameExpectation(contract=decoder.contract.fingerprint_bytes, room=room, tokens=digest,
-                              geometry=decoder.geometry)
+    expect = FrameExpectation(
+        contract=decoder.contract.fingerprint_bytes, room=room, tokens=digest, geometry=decoder.geometry
+    )
     # Distinct ids per role: one engine may serve both roles of a pair.
     p_req = EngineRequest(f"{request_id}-p", list(token_ids), sampling, mode)
     d_req = EngineRequest(f"{request_id}-d", list(token_ids), sampling, mode)
@@ -55,7 +62,9 @@ async def run_pair(prefiller: EngineAdapter, decoder: EngineAdapter, token_ids: 
             async with aclosing(prefiller.prefill(p_req)) as items:
                 async for item in items:
                     if isinstance(item, KVPage):
-                        frame = frame_bytes(item, contract=prefiller.contract.fingerprint_bytes, room=room, tokens=digest)
+                        frame = frame_bytes(
+                            item, contract=prefiller.contract.fingerprint_bytes, room=room, tokens=digest
+                        )
                         stats.wire_bytes += len(frame)
                         await wire.put(frame)
                     else:

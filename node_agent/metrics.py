@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
@@ -19,21 +19,33 @@ class Metrics:
         self.imported_tokens = Counter("tandem_imported_tokens", "Prompt tokens of KV imported", registry=r)
         self.generated_tokens = Counter("tandem_generated_tokens", "Tokens generated", registry=r)
         self.handoffs_created = Counter("tandem_handoffs_created", "Handoffs created", registry=r)
-        self.handoffs_finished = Counter("tandem_handoffs_finished", "Handoffs ended, by outcome",
-                                         ["outcome"], registry=r)
-        self.requests = Counter("tandem_requests", "Decode and generate requests, by outcome",
-                                ["kind", "outcome"], registry=r)
+        self.handoffs_finished = Counter(
+            "tandem_handoffs_finished", "Handoffs ended, by outcome", ["outcome"], registry=r
+        )
+        self.requests = Counter(
+            "tandem_requests", "Decode and generate requests, by outcome", ["kind", "outcome"], registry=r
+        )
         self.prefill_seconds = Histogram(
-            "tandem_handoff_prefill_seconds", "Prefill time of handoffs on this engine (its own clock)", registry=r,
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+            "tandem_handoff_prefill_seconds",
+            "Prefill time of handoffs on this engine (its own clock)",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
         self.budget_capacity = Gauge("tandem_budget_capacity_bytes", "Staging budget capacity", registry=r)
         self.budget_reserved = Gauge("tandem_budget_reserved_bytes", "Staging bytes reserved", registry=r)
         self.budget_waiting = Gauge("tandem_budget_waiting_requests", "Requests waiting for budget", registry=r)
         self.open_handoffs = Gauge("tandem_open_handoffs", "Handoffs holding pages", registry=r)
         self.active_requests = Gauge("tandem_engine_active_requests", "Requests holding engine memory", registry=r)
 
-    def bind(self, *, capacity: Callable[[], float], reserved: Callable[[], float], waiting: Callable[[], float],
-             open_handoffs: Callable[[], float], active: Callable[[], float]) -> None:
+    def bind(
+        self,
+        *,
+        capacity: Callable[[], float],
+        reserved: Callable[[], float],
+        waiting: Callable[[], float],
+        open_handoffs: Callable[[], float],
+        active: Callable[[], float],
+    ) -> None:
         """Gauges read live values when scraped."""
         self.budget_capacity.set_function(capacity)
         self.budget_reserved.set_function(reserved)

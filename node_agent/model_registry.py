@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .settings import data_dir
+from tandem_protocol.paths import data_dir
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,10 @@ class ModelRegistry:
         return RegisteredModel(name, Path(entry["path"]), contract, entry["added"])
 
     def all(self) -> list[RegisteredModel]:
-        return [RegisteredModel(n, Path(e["path"]), e["contract"], e["added"])
-                for n, e in sorted(self._read()["models"].items())]
+        return [
+            RegisteredModel(n, Path(e["path"]), e["contract"], e["added"])
+            for n, e in sorted(self._read()["models"].items())
+        ]
 
     def get(self, name: str) -> RegisteredModel:
         for model in self.all():

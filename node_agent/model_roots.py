@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine_adapters.errors import TandemError, UnsupportedModel
-from engine_adapters.model_dir import ModelInfo, inspect_model
+from tandem_protocol.errors import TandemError, UnsupportedModel
+from tandem_protocol.model_dir import ModelInfo, inspect_model
+from tandem_protocol.paths import data_dir
 
 from .model_registry import ModelRegistry
-from .settings import data_dir
 
 
 class ModelPathError(TandemError):
@@ -44,8 +44,10 @@ def confine(path: str, roots: list[Path]) -> Path:
         raise ModelPathError(f"model path {path!r} must be absolute (a directory on this node)")
     real = p.resolve()  # follows symlinks and removes `..` before the check
     if not _inside(real, roots):
-        raise ModelPathError(f"{path} is outside this node's model roots ({', '.join(map(str, roots))}); "
-                             "start the agent with --model-root to allow another directory")
+        raise ModelPathError(
+            f"{path} is outside this node's model roots ({', '.join(map(str, roots))}); "
+            "start the agent with --model-root to allow another directory"
+        )
     if not real.is_dir():
         raise ModelPathError(f"{path} does not exist on this node")
     return real

@@ -41,18 +41,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import numpy as np
 import typer
 
 from control_panel.bench_results import LATEST_TTFT
-from engine_adapters.pages import HEADER_SIZE
-from node_agent.settings import data_dir
+from tandem_protocol.pages import HEADER_SIZE
+from tandem_protocol.paths import data_dir
 
 from .processes import ServiceProcess
 from .progress import console
@@ -122,8 +122,14 @@ def shaped_link(rate_mbytes: float, delay_ms: float = 0.0) -> Iterator[Link]:
             delayed.append(_shape(ns, dev, rate, delay_ms))
         for i, addr in ((1, "10.241.3.1"), (2, "10.241.3.2")):
             _sh("ip", "route", "replace", f"{addr}/32", "via", f"10.241.{i}.2")
-        yield Link("shaped", (Place(a, "0.0.0.0", "10.241.3.1"), Place(b, "0.0.0.0", "10.241.3.2")),
-                   rate_mbytes, delay_ms if all(delayed) else 0.0, created, [(a, la), (b, lb)])
+        yield Link(
+            "shaped",
+            (Place(a, "0.0.0.0", "10.241.3.1"), Place(b, "0.0.0.0", "10.241.3.2")),
+            rate_mbytes,
+            delay_ms if all(delayed) else 0.0,
+            created,
+            [(a, la), (b, lb)],
+        )
     finally:
         for addr in ("10.241.3.1", "10.241.3.2"):
             subprocess.run(["ip", "route", "del", f"{addr}/32"], capture_output=True)
@@ -136,8 +142,13 @@ def _shape(ns: str, dev: str, rate: str, delay_ms: float) -> bool:
     under a netem delay where one is asked for and the kernel has netem. True if delayed."""
     add = ("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev)
     tbf = ("tbf", "rate", rate, "burst", "256kb", "latency", "50ms")
-    if delay_ms > 0 and subprocess.run([*add, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms"],
-                                       capture_output=True).returncode == 0:
+    if (
+        delay_ms > 0
+        and subprocess.run(
+            [*add, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms"], capture_output=True
+        ).returncode
+        == 0
+    ):
         _sh(*add, "parent", "1:1", "handle", "10:", *tbf)
         return True
     _sh(*add, "root", *tbf)
@@ -173,8 +184,8 @@ print(sorted(times)[len(times) // 2])
 _PAGES = """
 import asyncio, sys, time
 import uvloop
-from engine_adapters.pages import FrameExpectation, PageGeometry
-from node_agent.client import AgentClient
+from tandem_protocol.pages import FrameExpectation, PageGeometry
+from tandem_protocol.client import AgentClient
 url, key, count, contract, layers, heads, dim = sys.argv[1:8]
 async def main():
     client = AgentClient(url, key)
@@ -209,28 +220,42 @@ def _in(place: Place, code: str, *args: str, cpus: str | None = None) -> list[st
 def raw_tcp(src: Place, dst: Place, megabytes: int, cpus: tuple[str | None, str | None]) -> dict:
     """Bytes per second of a plain TCP copy from `src` to `dst` (the link's raw throughput), and
     the median TCP round trip of one byte."""
-    sink = subprocess.Popen(_in(dst, _SINK, dst.addr, cpus=cpus[1]),
-                            stdout=subprocess.PIPE, text=True)
+    sink = subprocess.Popen(_in(dst, _SINK, dst.addr, cpus=cpus[1]), stdout=subprocess.PIPE, text=True)
     port = sink.stdout.readline().strip()
     subprocess.run(_in(src, _SOURCE, dst.addr, port, str(megabytes), cpus=cpus[0]), check=True)
     n, seconds = sink.stdout.readline().split()
     sink.wait()
     echo = subprocess.Popen(_in(dst, _ECHO, dst.addr), stdout=subprocess.PIPE, text=True)
     port = echo.stdout.readline().strip()
-    rtt = float(subprocess.run(_in(src, _RTT, dst.addr, port), check=True, capture_output=True,
-                               text=True).stdout.strip())
+    rtt = float(
+        subprocess.run(_in(src, _RTT, dst.addr, port), check=True, capture_output=True, text=True).stdout.strip()
+    )
     echo.kill()
     return {"bytes_per_second": int(n) / float(seconds), "bytes": int(n), "rtt_seconds": rtt}
 
 
-def page_stream(p: "Agent", d_place: Place, key: str, megabytes: int, cpus: str | None) -> dict:
+def page_stream(p: Agent, d_place: Place, key: str, megabytes: int, cpus: str | None) -> dict:
     """Bytes per second of the product's own page stream from P's agent to D's place: synthetic
     pages (GET /v1/bench/pages) through the decoder's receiver, every frame checked."""
     c = p.info["contract"]
     count = -(-megabytes * 1_000_000 // int(p.info["page_bytes"])) + 1
-    out = subprocess.run(_in(d_place, _PAGES, p.url, key, str(count), c["fingerprint"], str(c["layers"]),
-                             str(c["kv_heads"]), str(c["head_dim"]), cpus=cpus),
-                         check=True, capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        _in(
+            d_place,
+            _PAGES,
+            p.url,
+            key,
+            str(count),
+            c["fingerprint"],
+            str(c["layers"]),
+            str(c["kv_heads"]),
+            str(c["head_dim"]),
+            cpus=cpus,
+        ),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     n, seconds = int(out[0]), float(out[1])
     return {"bytes_per_second": n / seconds, "bytes": n}
 
@@ -256,10 +281,18 @@ class Cluster:
 
 
 @contextmanager
-def cluster(model: Path, engines: tuple[str, str], link: Link, home: Path, key: str, pin: bool,
-            directions: list[tuple[int, int]], envs: tuple[dict, dict] = ({}, {}), zstd: bool = False,
-            cores_each: int = 1
-            ) -> Iterator[Cluster]:
+def cluster(
+    model: Path,
+    engines: tuple[str, str],
+    link: Link,
+    home: Path,
+    key: str,
+    pin: bool,
+    directions: list[tuple[int, int]],
+    envs: tuple[dict, dict] = ({}, {}),
+    zstd: bool = False,
+    cores_each: int = 1,
+) -> Iterator[Cluster]:
     """Two agents (one per place) and a panel with a pair per direction, named "P->D" after the
     agents (a-ENGINE, b-ENGINE)."""
     cores = os.cpu_count() or 1
@@ -269,21 +302,45 @@ def cluster(model: Path, engines: tuple[str, str], link: Link, home: Path, key: 
             name = f"{'ab'[i]}-{engine}"
             first = (i * cores_each) % cores
             cpus = (str(first) if cores_each == 1 else f"{first}-{min(first + cores_each, cores) - 1}") if pin else None
-            proc = ServiceProcess(["agent", "serve", "--engine", engine, "--model", str(model), "--host", place.host,
-                                   "--port", "0", "--no-mdns", "--name", name],
-                                  env={"TANDEM_HOME": str(home / name), "TANDEM_CLUSTER_KEY": key, **envs[i]},
-                                  netns=place.netns, cpus=cpus)
+            proc = ServiceProcess(
+                [
+                    "agent",
+                    "serve",
+                    "--engine",
+                    engine,
+                    "--model",
+                    str(model),
+                    "--host",
+                    place.host,
+                    "--port",
+                    "0",
+                    "--no-mdns",
+                    "--name",
+                    name,
+                ],
+                env={"TANDEM_HOME": str(home / name), "TANDEM_CLUSTER_KEY": key, **envs[i]},
+                netns=place.netns,
+                cpus=cpus,
+            )
             stack.callback(proc.stop)
             procs.append((proc, place, name, engine, cpus))
         for proc, place, name, engine, cpus in procs:
             port = proc.wait_ready(600).rsplit(":", 1)[1]
             agents.append(Agent(name, engine, f"http://{place.addr}:{port}", cpus, pid=proc.proc.pid))
-        pairs = [a for p, d in directions
-                 for a in ("--pair", f"{agents[p].name}->{agents[d].name}={agents[p].url},{agents[d].url}")]
-        pairs += [a for p, d in (directions if zstd else [])  # the same pairs with compressed pages
-                  for a in ("--pair", f"{agents[p].name}->{agents[d].name}+zstd={agents[p].url},{agents[d].url},zstd")]
-        panel = ServiceProcess(["panel", "--port", "0", "--no-mdns", "--api-key", "bench", *pairs],
-                               env={"TANDEM_HOME": str(home / "panel"), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"})
+        pairs = [
+            a
+            for p, d in directions
+            for a in ("--pair", f"{agents[p].name}->{agents[d].name}={agents[p].url},{agents[d].url}")
+        ]
+        pairs += [
+            a
+            for p, d in (directions if zstd else [])  # the same pairs with compressed pages
+            for a in ("--pair", f"{agents[p].name}->{agents[d].name}+zstd={agents[p].url},{agents[d].url},zstd")
+        ]
+        panel = ServiceProcess(
+            ["panel", "--port", "0", "--no-mdns", "--api-key", "bench", *pairs],
+            env={"TANDEM_HOME": str(home / "panel"), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"},
+        )
         stack.callback(panel.stop)
         url = panel.wait_ready()
         api_key = panel.lines_matching("API key")[-1].rsplit(": ", 1)[1].strip()
@@ -338,7 +395,10 @@ def decode_step_seconds(agent: Agent, key: str, vocab: int) -> float:
     gaps = []
     with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=600) as c:
         for seed in range(3):
-            body = {"token_ids": prompt_ids(32, 10_000 + seed, vocab), "sampling": {"max_tokens": 12, "ignore_eos": True}}
+            body = {
+                "token_ids": prompt_ids(32, 10_000 + seed, vocab),
+                "sampling": {"max_tokens": 12, "ignore_eos": True},
+            }
             stamps = []
             with c.stream("POST", agent.url + "/v1/generate", json=body) as r:
                 for line in r.iter_lines():
@@ -359,8 +419,17 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, enco
         t0 = time.time()
         info = c.get(d.url + "/v1/info").json()
         mode, room = info["decoder_modes"][0], uuid.uuid4().hex
-        r = c.post(p.url + "/v1/handoffs", json={"room": room, "token_ids": ids, "sampling": sampling, "mode": mode,
-                                                 "contract": info["contract"]["fingerprint"], "page_encoding": encoding})
+        r = c.post(
+            p.url + "/v1/handoffs",
+            json={
+                "room": room,
+                "token_ids": ids,
+                "sampling": sampling,
+                "mode": mode,
+                "contract": info["contract"]["fingerprint"],
+                "page_encoding": encoding,
+            },
+        )
         r.raise_for_status()
         t_handoff = time.time()
         first, done, last = None, None, ""
@@ -375,13 +444,20 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, enco
     if done is None or first is None or done.get("prefill_finished_at") is None:
         return {"error": last[:500] or f"HTTP {r.status_code}"}  # reported in the output, the run goes on
     prefill_start = done["prefill_finished_at"] - done["prefill_seconds"]
-    parts = {"router: D info + handoff on P": t_handoff - t0,
-             "P: from handoff to prefill start": prefill_start - t_handoff,
-             "P: prefill": done["prefill_seconds"],
-             "wire: last page after prefill end": done["last_page_at"] - done["prefill_finished_at"],
-             "D: first token after last page": first - done["last_page_at"]}
-    return {"total_seconds": first - t0, "parts": parts, "pages": done["pages"], "wire_bytes": done["wire_bytes"],
-            "first_page_before_prefill_end_seconds": done["prefill_finished_at"] - done["first_page_at"]}
+    parts = {
+        "router: D info + handoff on P": t_handoff - t0,
+        "P: from handoff to prefill start": prefill_start - t_handoff,
+        "P: prefill": done["prefill_seconds"],
+        "wire: last page after prefill end": done["last_page_at"] - done["prefill_finished_at"],
+        "D: first token after last page": first - done["last_page_at"],
+    }
+    return {
+        "total_seconds": first - t0,
+        "parts": parts,
+        "pages": done["pages"],
+        "wire_bytes": done["wire_bytes"],
+        "first_page_before_prefill_end_seconds": done["prefill_finished_at"] - done["first_page_at"],
+    }
 
 
 def summary(values: list[float]) -> dict:
@@ -390,33 +466,40 @@ def summary(values: list[float]) -> dict:
 
 # ---- the command ------------------------------------------------------------------------------
 def bench_ttft(
-        lengths: str = typer.Option(DEFAULT_LENGTHS, help="Prompt lengths in tokens, comma-separated."),
-        samples: int = typer.Option(5, min=1, help="Measured requests per cell (after the warm-up)."),
-        warmup: int = typer.Option(1, min=0, help="Unmeasured requests per cell first."),
-        max_tokens: int = typer.Option(32, min=1, help="Output tokens per request."),
-        prefill: str = typer.Option("torch", help="Engine of agent A."),
-        decode: str = typer.Option("mlx", help="Engine of agent B."),
-        direction: str = typer.Option("both", help="P->D directions: a2b (A prefills), b2a, or both."),
-        link: str = typer.Option("loopback", help="loopback, or shaped (namespaces + tc tbf; needs root)."),
-        rate: float = typer.Option(85.0, help="Shaped link rate in MB/s."),
-        delay_ms: float = typer.Option(0.3, help="Shaped link delay each way in ms (netem; skipped, and said so, "
-                                                 "where the kernel has none)."),
-        pin: bool = typer.Option(True, help="Pin each agent to its own CPU."),
-        cores_per_agent: int = typer.Option(1, min=1, help="CPUs each pinned agent gets (1 on a 2-core machine; "
-                                                                "more on a GPU host)."),
-        out: Path = typer.Option(Path("bench/results"), help="Where the JSON, markdown and PNG go."),
-        model_dir: Path = typer.Option(None, "--model", help="Model directory (default: the embedded model)."),
-        b_cpu_only: bool = typer.Option(False, help="Hide GPUs from agent B (e.g. CUDA prefill -> CPU decode)."),
-        panel_dir: Path = typer.Option(None, help="Data dir of the panel that shows the result (default: "
-                                                       "$TANDEM_HOME/panel, the panel on this machine)."),
-        zstd: bool = typer.Option(False, help="Also run every P->D direction with compressed pages (byte planes + zstd)."),
-        panel: str = typer.Option(None, help="Benchmark this running panel's models instead of starting a cluster. "
-                                             "Run it on the panel's machine: pairs and nodes are read from --panel-dir."),
-        api_key: str = typer.Option(None, envvar="TANDEM_API_KEY", help="With --panel: an API key of that panel."),
-        models: str = typer.Option(None, help="With --panel: the models to measure, comma-separated (default: all)."),
+    lengths: str = typer.Option(DEFAULT_LENGTHS, help="Prompt lengths in tokens, comma-separated."),
+    samples: int = typer.Option(5, min=1, help="Measured requests per cell (after the warm-up)."),
+    warmup: int = typer.Option(1, min=0, help="Unmeasured requests per cell first."),
+    max_tokens: int = typer.Option(32, min=1, help="Output tokens per request."),
+    prefill: str = typer.Option("torch", help="Engine of agent A."),
+    decode: str = typer.Option("mlx", help="Engine of agent B."),
+    direction: str = typer.Option("both", help="P->D directions: a2b (A prefills), b2a, or both."),
+    link: str = typer.Option("loopback", help="loopback, or shaped (namespaces + tc tbf; needs root)."),
+    rate: float = typer.Option(85.0, help="Shaped link rate in MB/s."),
+    delay_ms: float = typer.Option(
+        0.3, help="Shaped link delay each way in ms (netem; skipped, and said so, where the kernel has none)."
+    ),
+    pin: bool = typer.Option(True, help="Pin each agent to its own CPU."),
+    cores_per_agent: int = typer.Option(
+        1, min=1, help="CPUs each pinned agent gets (1 on a 2-core machine; more on a GPU host)."
+    ),
+    out: Path = typer.Option(Path("bench/results"), help="Where the JSON, markdown and PNG go."),
+    model_dir: Path = typer.Option(None, "--model", help="Model directory (default: the embedded model)."),
+    b_cpu_only: bool = typer.Option(False, help="Hide GPUs from agent B (e.g. CUDA prefill -> CPU decode)."),
+    panel_dir: Path = typer.Option(
+        None,
+        help="Data dir of the panel that shows the result (default: $TANDEM_HOME/panel, the panel on this machine).",
+    ),
+    zstd: bool = typer.Option(False, help="Also run every P->D direction with compressed pages (byte planes + zstd)."),
+    panel: str = typer.Option(
+        None,
+        help="Benchmark this running panel's models instead of starting a cluster. "
+        "Run it on the panel's machine: pairs and nodes are read from --panel-dir.",
+    ),
+    api_key: str = typer.Option(None, envvar="TANDEM_API_KEY", help="With --panel: an API key of that panel."),
+    models: str = typer.Option(None, help="With --panel: the models to measure, comma-separated (default: all)."),
 ) -> None:
     """Measure time to first token, engines alone and P->D, against the physical bound."""
-    from engine_adapters.model_dir import inspect_model
+    from tandem_protocol.model_dir import inspect_model
 
     from .model_cmd import ensure_embedded_model
 
@@ -424,9 +507,19 @@ def bench_ttft(
     if panel:
         if not api_key:
             raise typer.BadParameter("--panel needs --api-key (or TANDEM_API_KEY): the panel's OpenAI API wants one")
-        result = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(), "panel": panel,
-                  "cpu_count": os.cpu_count(), "lengths": sizes, "samples": samples, "warmup": warmup,
-                  "max_tokens": max_tokens, "link": "panel", "pinned": False, "cells": []}
+        result = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "host": platform.node(),
+            "panel": panel,
+            "cpu_count": os.cpu_count(),
+            "lengths": sizes,
+            "samples": samples,
+            "warmup": warmup,
+            "max_tokens": max_tokens,
+            "link": "panel",
+            "pinned": False,
+            "cells": [],
+        }
         bench_running_panel(result, panel.rstrip("/"), api_key, panel_dir or data_dir() / "panel", models)
         return report(result, out, panel_dir)
     dirs = {"a2b": [(0, 1)], "b2a": [(1, 0)], "both": [(0, 1), (1, 0)]}.get(direction)
@@ -438,35 +531,51 @@ def bench_ttft(
     key = "tdm_bench-" + secrets.token_hex(16)
     home = data_dir() / "bench" / secrets.token_hex(3)
     link_cm = shaped_link(rate, delay_ms) if link == "shaped" else loopback_link()
-    result: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(), "model": str(model),
-                    "cpu_count": os.cpu_count(), "lengths": sizes, "samples": samples, "warmup": warmup,
-                    "max_tokens": max_tokens, "link": link, "pinned": pin, "cells": []}
+    result: dict = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host": platform.node(),
+        "model": str(model),
+        "cpu_count": os.cpu_count(),
+        "lengths": sizes,
+        "samples": samples,
+        "warmup": warmup,
+        "max_tokens": max_tokens,
+        "link": link,
+        "pinned": pin,
+        "cells": [],
+    }
     envs = ({}, {"CUDA_VISIBLE_DEVICES": ""} if b_cpu_only else {})
     with link_cm as net, cluster(model, (prefill, decode), net, home, key, pin, dirs, envs, zstd, cores_per_agent) as c:
         panel, api_key, agents = c.url, c.api_key, c.agents
-        result["agents"] = [{"name": a.name, "engine": a.engine, "url": a.url, "cpus": a.cpus,
-                             "accelerator": a.info.get("accelerator")} for a in agents]
+        result["agents"] = [
+            {"name": a.name, "engine": a.engine, "url": a.url, "cpus": a.cpus, "accelerator": a.info.get("accelerator")}
+            for a in agents
+        ]
         vocab = inspect_model(model).vocab_size
         with console.status("measuring the link (raw TCP, both ways) and one decode step per engine…"):
             mb = 64 if link == "shaped" else 512
             result["link_measured"] = {
-                f"{agents[p].name}->{agents[d].name}": raw_tcp(net.places[p], net.places[d], mb,
-                                                               (agents[p].cpus, agents[d].cpus))
-                for p, d in dirs}
+                f"{agents[p].name}->{agents[d].name}": raw_tcp(
+                    net.places[p], net.places[d], mb, (agents[p].cpus, agents[d].cpus)
+                )
+                for p, d in dirs
+            }
             for p, d in dirs:  # the page stream on the same link, same size, same pinning
                 measured = result["link_measured"][f"{agents[p].name}->{agents[d].name}"]
                 measured["page_stream"] = page_stream(agents[p], net.places[d], key, mb, agents[d].cpus)
-                measured["page_stream_over_raw_tcp"] = (measured["page_stream"]["bytes_per_second"]
-                                                        / measured["bytes_per_second"])
+                measured["page_stream_over_raw_tcp"] = (
+                    measured["page_stream"]["bytes_per_second"] / measured["bytes_per_second"]
+                )
             if rate and link == "shaped":
                 result["link_measured"]["configured_rate_bytes_per_second"] = rate * 1e6
                 result["link_measured"]["asked_delay_ms"] = delay_ms
                 result["link_measured"]["emulated_delay_ms"] = net.delay_ms
             steps = {a.name: decode_step_seconds(a, key, vocab) for a in agents}
-        columns = [(f"node/{a.name}", None, a, "raw") for a in agents] + \
-                  [(f"{agents[p].name}->{agents[d].name}{suffix}", agents[p], agents[d], encoding)
-                   for encoding, suffix in ([("raw", ""), ("zstd", "+zstd")] if zstd else [("raw", "")])
-                   for p, d in dirs]
+        columns = [(f"node/{a.name}", None, a, "raw") for a in agents] + [
+            (f"{agents[p].name}->{agents[d].name}{suffix}", agents[p], agents[d], encoding)
+            for encoding, suffix in ([("raw", ""), ("zstd", "+zstd")] if zstd else [("raw", "")])
+            for p, d in dirs
+        ]
         measure(result, panel, api_key, key, columns, steps, vocab)
     report(result, out, panel_dir)
 
@@ -501,7 +610,9 @@ def bench_running_panel(result: dict, panel: str, api_key: str, panel_dir: Path,
             agent = Agent(node.name, node.engine, node.url.rstrip("/"), None)
             r = httpx.get(agent.url + "/v1/info", headers={"Authorization": f"Bearer {key}"}, timeout=30)
             if r.status_code != 200 or r.json().get("state") != "ready":
-                raise typer.BadParameter(f"agent {node.name} at {agent.url} is not ready: {r.status_code} {r.text[:200]}")
+                raise typer.BadParameter(
+                    f"agent {node.name} at {agent.url} is not ready: {r.status_code} {r.text[:200]}"
+                )
             agent.info = r.json()
             agent.engine = agent.info.get("engine") or node.engine
             agents[node.id] = agent
@@ -511,19 +622,29 @@ def bench_running_panel(result: dict, panel: str, api_key: str, panel_dir: Path,
     if wanted:
         unknown = sorted(set(wanted) - {c[0] for c in columns})
         if unknown:
-            raise typer.BadParameter(f"the panel has no model {', '.join(unknown)} (it has {', '.join(c[0] for c in columns)})")
+            raise typer.BadParameter(
+                f"the panel has no model {', '.join(unknown)} (it has {', '.join(c[0] for c in columns)})"
+            )
         columns = [c for c in columns if c[0] in wanted]
     used = {id(a): a for c in columns for a in c[1:3] if a is not None}.values()
-    result["agents"] = [{"name": a.name, "engine": a.engine, "url": a.url, "cpus": None,
-                         "accelerator": a.info.get("accelerator")} for a in used]
+    result["agents"] = [
+        {"name": a.name, "engine": a.engine, "url": a.url, "cpus": None, "accelerator": a.info.get("accelerator")}
+        for a in used
+    ]
     with console.status("measuring each pair's link (its decoder pulls pages from its prefiller) and decode steps…"):
         result["link_measured"] = {}
         for _, p, d, _ in columns:
             if p is not None and f"{p.name}->{d.name}" not in result["link_measured"]:
-                r = httpx.post(d.url + "/v1/bench/link", json={"peer": p.url, "megabytes": 64},
-                               headers={"Authorization": f"Bearer {key}"}, timeout=600)
+                r = httpx.post(
+                    d.url + "/v1/bench/link",
+                    json={"peer": p.url, "megabytes": 64},
+                    headers={"Authorization": f"Bearer {key}"},
+                    timeout=600,
+                )
                 if r.status_code != 200:
-                    raise RuntimeError(f"{d.name} could not measure its link from {p.name}: {r.status_code} {r.text[:300]}")
+                    raise RuntimeError(
+                        f"{d.name} could not measure its link from {p.name}: {r.status_code} {r.text[:300]}"
+                    )
                 result["link_measured"][f"{p.name}->{d.name}"] = {**r.json(), "method": "page stream"}
         vocab = min(int(a.info["vocab_size"]) for a in used)
         steps = {a.name: decode_step_seconds(a, key, vocab) for a in used if any(c[2] is a for c in columns)}
@@ -565,20 +686,24 @@ def measure(result: dict, panel: str, api_key: str, key: str, columns: list[tupl
                         # TTFT less P's prefill of that same request (its own clock): what the
                         # product adds, free of the prefill's run-to-run spread on a busy machine
                         cell["ttft_minus_own_prefill"] = summary(overheads) if overheads else None
-                        cell["trace"] = trace_pd(p_agent, d_agent, key, prompt_ids(n, 30_000 + n, vocab), max_tokens,
-                                                 encoding)
+                        cell["trace"] = trace_pd(
+                            p_agent, d_agent, key, prompt_ids(n, 30_000 + n, vocab), max_tokens, encoding
+                        )
                         if "wire_bytes" in cell["trace"]:  # what the pages took on the wire, framed
                             raw = cell["trace"]["pages"] * (int(p_agent.info["page_bytes"]) + HEADER_SIZE)
                             cell["trace"]["wire_ratio"] = raw / cell["trace"]["wire_bytes"]
                         if "parts" in cell["trace"]:  # what the panel adds on top of the agents' own path
-                            cell["trace"]["parts"]["panel and client"] = \
+                            cell["trace"]["parts"]["panel and client"] = (
                                 cell["ttft"]["median"] - cell["trace"]["total_seconds"]
-                        cell["bound"] = bound_terms(p_agent, d_agent, n, result["link_measured"],
-                                                    steps[d_agent.name], alone)
+                            )
+                        cell["bound"] = bound_terms(
+                            p_agent, d_agent, n, result["link_measured"], steps[d_agent.name], alone
+                        )
                         cell["ttft_over_bound"] = cell["ttft"]["median"] / cell["bound"]["seconds"]
                         cell["ttft_minus_bound_ms"] = (cell["ttft"]["median"] - cell["bound"]["seconds"]) * 1000
-                        cell["ttft_over_bound_with_d_step"] = (cell["ttft"]["median"]
-                                                               / cell["bound"]["with_d_step_seconds"])
+                        cell["ttft_over_bound_with_d_step"] = (
+                            cell["ttft"]["median"] / cell["bound"]["with_d_step_seconds"]
+                        )
                     result["cells"].append(cell)
     finally:
         http.close()
@@ -598,56 +723,87 @@ def bound_terms(p: Agent, d: Agent, n: int, link: dict, step: float, prefill_alo
     # recompute-last: D runs the last prompt token (one decode step) before its first token;
     # commit-first: the first token is P's, D has it as soon as the last page has arrived
     d_step = step if mode == "recompute-last" else 0.0
-    return {"prefill_seconds": prefill, "prefill_alone_samples": prefill_alone, "kv_bytes": kv_bytes, "pages": pages, "mode": mode,
-            "transfer_seconds": transfer, "decode_step_seconds": d_step, "seconds": max(prefill, transfer) + d_step,
-            # the issue's formula as written: D's decode step added in either mode (looser in commit-first)
-            "d_step_measured_seconds": step, "with_d_step_seconds": max(prefill, transfer) + step}
+    return {
+        "prefill_seconds": prefill,
+        "prefill_alone_samples": prefill_alone,
+        "kv_bytes": kv_bytes,
+        "pages": pages,
+        "mode": mode,
+        "transfer_seconds": transfer,
+        "decode_step_seconds": d_step,
+        "seconds": max(prefill, transfer) + d_step,
+        # the issue's formula as written: D's decode step added in either mode (looser in commit-first)
+        "d_step_measured_seconds": step,
+        "with_d_step_seconds": max(prefill, transfer) + step,
+    }
 
 
 # ---- output ---------------------------------------------------------------------------------
 def markdown_table(result: dict) -> str:
-    rows = ["| tokens | column | TTFT median ms (min–max) | bound ms | TTFT ÷ bound | TTFT − bound ms | "
-            "P prefill ms | KV MB | transfer ms | D step ms | TTFT ÷ (bound + D step) | "
-            "TTFT − P's prefill of the same request, median ms (min–max) |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| tokens | column | TTFT median ms (min–max) | bound ms | TTFT ÷ bound | TTFT − bound ms | "
+        "P prefill ms | KV MB | transfer ms | D step ms | TTFT ÷ (bound + D step) | "
+        "TTFT − P's prefill of the same request, median ms (min–max) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in result["cells"]:
         t = c["ttft"]
         cell = f"| {c['tokens']} | {c['column']} | {t['median'] * 1000:.0f} ({t['min'] * 1000:.0f}–{t['max'] * 1000:.0f}) |"
         b = c.get("bound")
         if b:
             o = c.get("ttft_minus_own_prefill")
-            cell += (f" {b['seconds'] * 1000:.0f} | {c['ttft_over_bound']:.2f} | {c['ttft_minus_bound_ms']:+.0f} |"
-                     f" {b['prefill_seconds'] * 1000:.0f} | {b['kv_bytes'] / 1e6:.1f} | {b['transfer_seconds'] * 1000:.0f} |"
-                     f" {b['decode_step_seconds'] * 1000:.0f} |"
-                     + (f" {c['ttft_over_bound_with_d_step']:.2f} |" if "ttft_over_bound_with_d_step" in c else " |")
-                     + (f" {o['median'] * 1000:+.1f} ({o['min'] * 1000:+.1f}–{o['max'] * 1000:+.1f}) |" if o else " |"))
+            cell += (
+                f" {b['seconds'] * 1000:.0f} | {c['ttft_over_bound']:.2f} | {c['ttft_minus_bound_ms']:+.0f} |"
+                f" {b['prefill_seconds'] * 1000:.0f} | {b['kv_bytes'] / 1e6:.1f} | {b['transfer_seconds'] * 1000:.0f} |"
+                f" {b['decode_step_seconds'] * 1000:.0f} |"
+                + (f" {c['ttft_over_bound_with_d_step']:.2f} |" if "ttft_over_bound_with_d_step" in c else " |")
+                + (f" {o['median'] * 1000:+.1f} ({o['min'] * 1000:+.1f}–{o['max'] * 1000:+.1f}) |" if o else " |")
+            )
         else:
             cell += " | | | | | | | | |"
         rows.append(cell)
-    link = ", ".join(f"{k}: {v['bytes_per_second'] / 1e6:.0f} MB/s {v.get('method', 'raw TCP')}, "
-                     f"RTT {v['rtt_seconds'] * 1e3:.2f} ms"
-                     + (f", page stream {v['page_stream']['bytes_per_second'] / 1e6:.0f} MB/s = "
-                        f"{v['page_stream_over_raw_tcp']:.2f}x raw TCP" if "page_stream" in v else "")
-                     for k, v in result["link_measured"].items() if isinstance(v, dict))
+    link = ", ".join(
+        f"{k}: {v['bytes_per_second'] / 1e6:.0f} MB/s {v.get('method', 'raw TCP')}, "
+        f"RTT {v['rtt_seconds'] * 1e3:.2f} ms"
+        + (
+            f", page stream {v['page_stream']['bytes_per_second'] / 1e6:.0f} MB/s = "
+            f"{v['page_stream_over_raw_tcp']:.2f}x raw TCP"
+            if "page_stream" in v
+            else ""
+        )
+        for k, v in result["link_measured"].items()
+        if isinstance(v, dict)
+    )
     traces = [c for c in result["cells"] if c.get("trace", {}).get("parts")]
     failed = [c for c in result["cells"] if c.get("trace", {}).get("error")]
     if traces:
         names = list(traces[0]["trace"]["parts"])
-        rows += ["", "Where the time of one P/D request goes (ms; one traced request per cell, agents' clocks)", "",
-                 "| tokens | column | " + " | ".join(names) + " | raw FP16 bytes ÷ wire bytes |",
-                 "|---:|---|" + "---:|" * (len(names) + 1)]
+        rows += [
+            "",
+            "Where the time of one P/D request goes (ms; one traced request per cell, agents' clocks)",
+            "",
+            "| tokens | column | " + " | ".join(names) + " | raw FP16 bytes ÷ wire bytes |",
+            "|---:|---|" + "---:|" * (len(names) + 1),
+        ]
         for c in traces:
-            rows.append(f"| {c['tokens']} | {c['column']} | "
-                        + " | ".join(f"{c['trace']['parts'][k] * 1000:.1f}" for k in names)
-                        + f" | {c['trace'].get('wire_ratio', 0):.2f} |")
+            rows.append(
+                f"| {c['tokens']} | {c['column']} | "
+                + " | ".join(f"{c['trace']['parts'][k] * 1000:.1f}" for k in names)
+                + f" | {c['trace'].get('wire_ratio', 0):.2f} |"
+            )
     for c in failed:
         rows.append(f"\nThe traced request at {c['tokens']} tokens, {c['column']}, failed: {c['trace']['error']}")
     lm = result["link_measured"]
     if "asked_delay_ms" in lm:
-        link += (f"; delay each way {lm['emulated_delay_ms']} ms (netem)" if lm["emulated_delay_ms"]
-                 else f"; delay {lm['asked_delay_ms']} ms asked, not emulated (no netem on this kernel)")
-    head = (f"TTFT through the panel ({result['link']} link; {link}; agents pinned: {result['pinned']}; "
-            f"{result['samples']} samples after {result['warmup']} warm-up, {result['max_tokens']} tokens)\n\n")
+        link += (
+            f"; delay each way {lm['emulated_delay_ms']} ms (netem)"
+            if lm["emulated_delay_ms"]
+            else f"; delay {lm['asked_delay_ms']} ms asked, not emulated (no netem on this kernel)"
+        )
+    head = (
+        f"TTFT through the panel ({result['link']} link; {link}; agents pinned: {result['pinned']}; "
+        f"{result['samples']} samples after {result['warmup']} warm-up, {result['max_tokens']} tokens)\n\n"
+    )
     return head + "\n".join(rows) + "\n"
 
 
@@ -690,4 +846,3 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-

@@ -8,21 +8,23 @@ import time
 import typer
 
 from engine_adapters import load_adapter
-from engine_adapters.base import FirstTokenMode
-from engine_adapters.contract import HashCache
-from engine_adapters.sampling import SamplingParams
 from node_agent.inprocess import PairStats, run_pair
-from node_agent.settings import hash_cache_path
+from tandem_protocol.contract import HashCache
+from tandem_protocol.handoff import FirstTokenMode
+from tandem_protocol.paths import hash_cache_path
+from tandem_protocol.sampling import SamplingParams
 
 from .model_cmd import ensure_embedded_model
 from .progress import console
 
 
-def demo(prompt: str = typer.Option("Explain in three sentences why the sky is blue.", help="The user message."),
-         prefill: str = typer.Option("torch", help="Engine that runs the prompt."),
-         decode: str = typer.Option("mlx", help="Engine that writes the answer."),
-         mode: FirstTokenMode = typer.Option(None, help="First-token mode (default: the decoder's choice)."),
-         max_tokens: int = typer.Option(128, help="Longest answer in tokens.")) -> None:
+def demo(
+    prompt: str = typer.Option("Explain in three sentences why the sky is blue.", help="The user message."),
+    prefill: str = typer.Option("torch", help="Engine that runs the prompt."),
+    decode: str = typer.Option("mlx", help="Engine that writes the answer."),
+    mode: FirstTokenMode = typer.Option(None, help="First-token mode (default: the decoder's choice)."),
+    max_tokens: int = typer.Option(128, help="Longest answer in tokens."),
+) -> None:
     """Stream a chat answer: PREFILL runs the prompt, its KV moves as pages, DECODE answers."""
     path = ensure_embedded_model()
     cache = HashCache(hash_cache_path())
@@ -39,7 +41,7 @@ def demo(prompt: str = typer.Option("Explain in three sentences why the sky is b
         async for token in run_pair(p, d, ids, SamplingParams(max_tokens=max_tokens), mode, stats):
             out.append(token)
             text = d.detokenize(out)
-            console.print(text[len(shown):], end="", markup=False, highlight=False)
+            console.print(text[len(shown) :], end="", markup=False, highlight=False)
             shown = text
         return out
 
@@ -56,4 +58,5 @@ def demo(prompt: str = typer.Option("Explain in three sentences why the sky is b
         f"\n\n[dim]{prefill} -> {decode} ({(mode or d.decoder_modes[0]).value}) · prompt {len(ids)} tokens · "
         f"TTFT {stats.ttft_seconds * 1000:.0f} ms · prefill {stats.prefill_seconds * 1000:.0f} ms · "
         f"moved {stats.pages} pages, {stats.wire_bytes:,} bytes ({stats.kv_tokens} tokens of KV) · "
-        f"{len(out)} tokens at {decode_rate:.1f} tok/s[/]")
+        f"{len(out)} tokens at {decode_rate:.1f} tok/s[/]"
+    )

@@ -9,8 +9,11 @@ from node_agent import cli as agent_cli
 
 from . import bench_ttft, demo_cmd, model_cmd, up_cmd
 
-app = typer.Typer(help="Tandem: one LLM service from the machines on your desk (prefill/decode disaggregation).",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Tandem: one LLM service from the machines on your desk (prefill/decode disaggregation).",
+    no_args_is_help=True,
+    add_completion=False,
+)
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(agent_cli.app, name="agent")
 app.command("panel")(panel_cli.panel)

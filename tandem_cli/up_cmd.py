@@ -18,17 +18,19 @@ import httpx
 import typer
 
 from node_agent.identity import cluster_key
-from node_agent.settings import data_dir
+from tandem_protocol.paths import data_dir
 
 from .model_cmd import ensure_embedded_model
 from .processes import ServiceProcess
 from .progress import console
 
 
-def up(prefill: str = typer.Option("torch", help="Engine of the prefill agent."),
-       decode: str = typer.Option("mlx", help="Engine of the decode agent."),
-       panel_port: int = typer.Option(8080, help="Panel port."),
-       ask: str = typer.Option("What is the capital of France?", help="Example question asked once at start.")) -> None:
+def up(
+    prefill: str = typer.Option("torch", help="Engine of the prefill agent."),
+    decode: str = typer.Option("mlx", help="Engine of the decode agent."),
+    panel_port: int = typer.Option(8080, help="Panel port."),
+    ask: str = typer.Option("What is the capital of France?", help="Example question asked once at start."),
+) -> None:
     """Run two local agents and the panel, paired, on the embedded model."""
     model = ensure_embedded_model()
     key = cluster_key()
@@ -37,31 +39,69 @@ def up(prefill: str = typer.Option("torch", help="Engine of the prefill agent.")
     services: list[ServiceProcess] = []
     try:
         with console.status(f"starting the {prefill} and {decode} agents…"):
-            agents = [ServiceProcess(["agent", "serve", "--engine", engine, "--model", str(model), "--host", "127.0.0.1",
-                                      "--port", "0", "--no-mdns", "--name", f"{role}-{engine}"],
-                                     env={**env, "TANDEM_HOME": str(home / "agents" / role)})
-                      for role, engine in (("prefill", prefill), ("decode", decode))]
+            agents = [
+                ServiceProcess(
+                    [
+                        "agent",
+                        "serve",
+                        "--engine",
+                        engine,
+                        "--model",
+                        str(model),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        "0",
+                        "--no-mdns",
+                        "--name",
+                        f"{role}-{engine}",
+                    ],
+                    env={**env, "TANDEM_HOME": str(home / "agents" / role)},
+                )
+                for role, engine in (("prefill", prefill), ("decode", decode))
+            ]
             services += agents
             p_url, d_url = (a.wait_ready() for a in agents)
         api_key_name = f"make-run-{secrets.token_hex(2)}"
         with console.status("starting the panel…"):
-            panel = ServiceProcess(["panel", "--port", str(panel_port), "--api-key", api_key_name,
-                                    "--pair", f"smollm2={p_url},{d_url}", "--pair", f"smollm2-reverse={d_url},{p_url}"],
-                                   env={**env, "COLUMNS": "300"})
+            panel = ServiceProcess(
+                [
+                    "panel",
+                    "--port",
+                    str(panel_port),
+                    "--api-key",
+                    api_key_name,
+                    "--pair",
+                    f"smollm2={p_url},{d_url}",
+                    "--pair",
+                    f"smollm2-reverse={d_url},{p_url}",
+                ],
+                env={**env, "COLUMNS": "300"},
+            )
             services.append(panel)
             panel_url = panel.wait_ready()
         api_key = panel.lines_matching("API key")[-1].rsplit(": ", 1)[1].strip()
         password = panel.lines_matching("admin password")
         console.print(f"\n[bold green]Tandem is up[/]  panel {panel_url}  ·  OpenAI API {panel_url}/v1")
-        console.print(f"  prefill agent {p_url} ({prefill}) -> decode agent {d_url} ({decode}), model "
-                      "[bold]smollm2[/] (and [bold]smollm2-reverse[/])")
-        console.print("  admin password: " + (password[-1].rsplit(": ", 1)[1].strip() if password else
-                      "unchanged since the first start (`tandem panel --reset-admin-password` sets a new one)"))
+        console.print(
+            f"  prefill agent {p_url} ({prefill}) -> decode agent {d_url} ({decode}), model "
+            "[bold]smollm2[/] (and [bold]smollm2-reverse[/])"
+        )
+        console.print(
+            "  admin password: "
+            + (
+                password[-1].rsplit(": ", 1)[1].strip()
+                if password
+                else "unchanged since the first start (`tandem panel --reset-admin-password` sets a new one)"
+            )
+        )
         console.print(f"  API key: {api_key}")
         example(panel_url, api_key, ask)
-        console.print(f"\n  curl {panel_url}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
-                      "-H 'Content-Type: application/json' -d '{\"model\": \"smollm2\", \"stream\": true, "
-                      "\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'")
+        console.print(
+            f"\n  curl {panel_url}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
+            '-H \'Content-Type: application/json\' -d \'{"model": "smollm2", "stream": true, '
+            '"messages": [{"role": "user", "content": "Hello!"}]}\''
+        )
         console.print("\nCtrl-C stops everything.")
         stop = threading.Event()
         # SIGINT too, explicitly: a shell starts background jobs with SIGINT ignored, and Python
@@ -81,12 +121,23 @@ def up(prefill: str = typer.Option("torch", help="Engine of the prefill agent.")
 
 def example(panel_url: str, api_key: str, question: str) -> None:
     """One streamed answer through the pair, with its time to first token."""
-    body = {"model": "smollm2", "stream": True, "max_tokens": 64, "temperature": 0,
-            "messages": [{"role": "user", "content": question}], "stream_options": {"include_usage": True}}
+    body = {
+        "model": "smollm2",
+        "stream": True,
+        "max_tokens": 64,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": question}],
+        "stream_options": {"include_usage": True},
+    }
     console.print(f"\n  [bold]user[/] {question}\n  [bold]assistant[/] ", end="")
     t0, ttft = time.perf_counter(), None
-    with httpx.stream("POST", f"{panel_url}/v1/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {api_key}"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{panel_url}/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {api_key}"},
+    ) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

@@ -19,24 +19,52 @@ TEST_KEY = "tdm_test-cluster-key-0123456789abcdef"
 class AgentProcess(ServiceProcess):
     """One agent in its own process and data dir, on a free port. Use as a context manager."""
 
-    def __init__(self, engine: str, model: Path, home: Path, *args: str, host: str = "127.0.0.1",
-                 netns: str | None = None, key: str = TEST_KEY, env: dict[str, str] | None = None, port: int = 0):
+    def __init__(
+        self,
+        engine: str,
+        model: Path,
+        home: Path,
+        *args: str,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+        key: str = TEST_KEY,
+        env: dict[str, str] | None = None,
+        port: int = 0,
+    ):
         home.mkdir(parents=True, exist_ok=True)
         self.engine, self.host, self.key = engine, host, key
         ca = (env or {}).get("TANDEM_CA_FILE")
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca) if ca else True
         extra = [] if "--mdns" in args else ["--no-mdns"]
-        super().__init__(["agent", "serve", "--engine", engine, "--model", str(model), "--host", host, "--port", str(port),
-                          "--name", f"{engine}-{home.name}", *args, *extra],
-                         env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, **(env or {})}, netns=netns)
+        super().__init__(
+            [
+                "agent",
+                "serve",
+                "--engine",
+                engine,
+                "--model",
+                str(model),
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--name",
+                f"{engine}-{home.name}",
+                *args,
+                *extra,
+            ],
+            env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, **(env or {})},
+            netns=netns,
+        )
 
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60,
-                            verify=self.verify)
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60, verify=self.verify
+        )
 
     def status(self) -> dict:
         with self.client() as c:
@@ -44,7 +72,7 @@ class AgentProcess(ServiceProcess):
             r.raise_for_status()
             return r.json()
 
-    def __enter__(self) -> "AgentProcess":
+    def __enter__(self) -> AgentProcess:
         self.wait_ready()
         return self
 
@@ -67,9 +95,11 @@ def settle(*agents: AgentProcess, timeout: float = 15.0) -> None:
     disconnect is asynchronous, so this allows a moment."""
     deadline = time.monotonic() + timeout
     while True:
-        busy = [(s["name"], s["budget"]["reserved"], s["open_handoffs"], s["active_requests"])
-                for s in (a.status() for a in agents)
-                if s["budget"]["reserved"] or s["open_handoffs"] or s["active_requests"]]
+        busy = [
+            (s["name"], s["budget"]["reserved"], s["open_handoffs"], s["active_requests"])
+            for s in (a.status() for a in agents)
+            if s["budget"]["reserved"] or s["open_handoffs"] or s["active_requests"]
+        ]
         if not busy:
             return
         assert time.monotonic() < deadline, f"agents still hold resources: {busy}"
@@ -81,39 +111,67 @@ class PanelProcess(ServiceProcess):
 
     def __init__(self, home: Path, *args: str, key: str = TEST_KEY, netns: str | None = None, port: int = 0):
         extra = [] if "--mdns" in args else ["--no-mdns"]  # tests multicast only inside their namespaces
-        super().__init__(["panel", "--port", str(port), "--api-key", "tests", *args, *extra],
-                         env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"}, netns=netns)
+        super().__init__(
+            ["panel", "--port", str(port), "--api-key", "tests", *args, *extra],
+            env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"},
+            netns=netns,
+        )
         self.wait_ready()
         keys, passwords = self.lines_matching("API key"), self.lines_matching("admin password")
         self.api_key = keys[-1].rsplit(": ", 1)[1].strip() if keys else None
         self.admin_password = passwords[-1].rsplit(": ", 1)[1].strip() if passwords else None
 
-    def __enter__(self) -> "PanelProcess":
+    def __enter__(self) -> PanelProcess:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-async def pd_request(p_url: str, d_url: str, token_ids: list[int], sampling: dict, mode: str | None = None,
-                     key: str = TEST_KEY, room: str | None = None, d_token_ids: list[int] | None = None,
-                     prefill_url: str | None = None, page_encoding: str = "raw") -> list[dict]:
+async def pd_request(
+    p_url: str,
+    d_url: str,
+    token_ids: list[int],
+    sampling: dict,
+    mode: str | None = None,
+    key: str = TEST_KEY,
+    room: str | None = None,
+    d_token_ids: list[int] | None = None,
+    prefill_url: str | None = None,
+    page_encoding: str = "raw",
+) -> list[dict]:
     """Route one request P->D the way the panel does: create the handoff on P, then decode on D
     (which pulls P's pages itself). Returns D's NDJSON lines."""
     import uuid
 
-    from node_agent.client import AgentClient
+    from tandem_protocol.client import AgentClient
 
     p, d = AgentClient(p_url, key), AgentClient(d_url, key)
     try:
         info = await d.info()
         mode = mode or info["decoder_modes"][0]
         room = room or uuid.uuid4().hex
-        await p.create_handoff(room=room, token_ids=token_ids, sampling=sampling, mode=mode,
-                               contract=info["contract"]["fingerprint"], page_encoding=page_encoding)
-        return [line async for line in d.lines("/v1/decode", {
-            "room": room, "token_ids": d_token_ids or token_ids, "sampling": sampling, "mode": mode,
-            "prefill_url": prefill_url or p_url})]
+        await p.create_handoff(
+            room=room,
+            token_ids=token_ids,
+            sampling=sampling,
+            mode=mode,
+            contract=info["contract"]["fingerprint"],
+            page_encoding=page_encoding,
+        )
+        return [
+            line
+            async for line in d.lines(
+                "/v1/decode",
+                {
+                    "room": room,
+                    "token_ids": d_token_ids or token_ids,
+                    "sampling": sampling,
+                    "mode": mode,
+                    "prefill_url": prefill_url or p_url,
+                },
+            )
+        ]
     finally:
         await p.aclose()
         await d.aclose()
@@ -121,7 +179,7 @@ async def pd_request(p_url: str, d_url: str, token_ids: list[int], sampling: dic
 
 async def generate_request(url: str, token_ids: list[int], sampling: dict, key: str = TEST_KEY) -> list[dict]:
     """One request on an agent's engine alone (POST /v1/generate); returns its NDJSON lines."""
-    from node_agent.client import AgentClient
+    from tandem_protocol.client import AgentClient
 
     client = AgentClient(url, key)
     try:
@@ -133,15 +191,31 @@ async def generate_request(url: str, token_ids: list[int], sampling: dict, key: 
 async def decode_foreign_pages(p_url: str, d_url: str, token_ids: list[int], key: str = TEST_KEY) -> list[dict]:
     """A handoff made for P's own contract, decoded by D anyway (a router that skipped the
     contract check): D's NDJSON lines."""
-    from node_agent.client import AgentClient
+    from tandem_protocol.client import AgentClient
 
     p, d = AgentClient(p_url, key), AgentClient(d_url, key)
     try:
         room = uuid.uuid4().hex
-        await p.create_handoff(room=room, token_ids=token_ids, sampling={"max_tokens": 4}, mode="commit-first",
-                               contract=(await p.info())["contract"]["fingerprint"])
-        return [x async for x in d.lines("/v1/decode", {"room": room, "token_ids": token_ids, "mode": "commit-first",
-                                                         "sampling": {"max_tokens": 4}, "prefill_url": p_url})]
+        await p.create_handoff(
+            room=room,
+            token_ids=token_ids,
+            sampling={"max_tokens": 4},
+            mode="commit-first",
+            contract=(await p.info())["contract"]["fingerprint"],
+        )
+        return [
+            x
+            async for x in d.lines(
+                "/v1/decode",
+                {
+                    "room": room,
+                    "token_ids": token_ids,
+                    "mode": "commit-first",
+                    "sampling": {"max_tokens": 4},
+                    "prefill_url": p_url,
+                },
+            )
+        ]
     finally:
         await p.aclose()
         await d.aclose()
@@ -154,15 +228,16 @@ def tokens_of(lines: list[dict]) -> list[int]:
 
 async def pages_of(agent: AgentProcess, ids: list[int], mode: str = "commit-first") -> list:
     """Ask an agent to prefill `ids` and read its pages (KVPage) off the wire."""
-    from engine_adapters.pages import KVPage
-    from node_agent.client import AgentClient
+    from tandem_protocol.client import AgentClient
+    from tandem_protocol.pages import KVPage
 
     client = AgentClient(agent.url, TEST_KEY)
     try:
         info = await client.info()
         room = uuid.uuid4().hex
-        await client.create_handoff(room=room, token_ids=ids, sampling={"max_tokens": 1}, mode=mode,
-                                    contract=info["contract"]["fingerprint"])
+        await client.create_handoff(
+            room=room, token_ids=ids, sampling={"max_tokens": 1}, mode=mode, contract=info["contract"]["fingerprint"]
+        )
         async with client.page_stream(room, None) as stream:
             return [item async for item in stream if isinstance(item, KVPage)]
     finally:
@@ -203,8 +278,15 @@ class TamperProxy:
     second (a slow link). All counted per connection and read when a connection opens, so a
     test may change them between requests. Runs its own event loop in a thread."""
 
-    def __init__(self, upstream_port: int, flip_at: int | None = None, cut_at: int | None = None,
-                 upstream_host: str = "127.0.0.1", host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        upstream_port: int,
+        flip_at: int | None = None,
+        cut_at: int | None = None,
+        upstream_host: str = "127.0.0.1",
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
         self.upstream_port, self.flip_at, self.cut_at = upstream_port, flip_at, cut_at
         self.freeze_at: int | None = None
         self.rate: float | None = None

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine_adapters.embedded_model import fetch
-from node_agent.settings import data_dir
+from tandem_protocol.paths import data_dir
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
@@ -71,9 +71,11 @@ def own_greedy(engine, ids: list[int], max_tokens: int = 32) -> list[int]:
     key = (engine.name, tuple(ids), max_tokens)
     if key not in _OWN_GREEDY:
         from engine_adapters.base import EngineRequest
-        from engine_adapters.sampling import SamplingParams
+        from tandem_protocol.sampling import SamplingParams
 
-        request = EngineRequest(f"own-{len(_OWN_GREEDY)}", list(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        request = EngineRequest(
+            f"own-{len(_OWN_GREEDY)}", list(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
         _OWN_GREEDY[key] = run(collect(engine.generate(request)))
     return _OWN_GREEDY[key]
 
@@ -90,9 +92,19 @@ def make_tiny_checkpoint(path: Path, model_type: str, tokenizer_from: Path, seed
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, vocab_size=49152, max_position_embeddings=512,
-                    tie_word_embeddings=True, rope_theta=10000.0, initializer_range=0.2)
+    settings = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=49152,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        initializer_range=0.2,
+    )
     settings.update(overrides)
     config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(seed)

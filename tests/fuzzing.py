@@ -71,8 +71,16 @@ def number(value) -> float:
         return float("nan")
 
 
-def fuzz(url: str, doc: dict, headers: dict, check, context: int, skip: set[str] = frozenset(),
-         only: set[str] | None = None, max_examples: int = MAX_EXAMPLES) -> dict:
+def fuzz(
+    url: str,
+    doc: dict,
+    headers: dict,
+    check,
+    context: int,
+    skip: set[str] = frozenset(),
+    only: set[str] | None = None,
+    max_examples: int = MAX_EXAMPLES,
+) -> dict:
     """Every operation (or those in `only`), `max_examples` valid and as many invalid cases each:
     an answer within CALL_TIMEOUT, no 5xx (schemathesis' not_a_server_error) and
     `check(response)`. Failures are collected (not shrunk: that would rerun the model) and
@@ -88,11 +96,21 @@ def fuzz(url: str, doc: dict, headers: dict, check, context: int, skip: set[str]
             continue
         t0 = time.monotonic()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-            @given(case=op.as_strategy(generation_mode=mode).filter(lambda case, label=op.label:
-                                                                     not runs_long(label, case.body, context)))
-            def one(case):
+
+            @settings(
+                max_examples=max_examples,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
+            @given(
+                case=op.as_strategy(generation_mode=mode).filter(
+                    lambda case, label=op.label: not runs_long(label, case.body, context)
+                )
+            )
+            def one(case, op=op, mode=mode):
                 try:
                     response = case.call(base_url=url, headers=headers, timeout=CALL_TIMEOUT)
                 except Exception as e:  # a timeout (a hang) or a broken connection (a crash)
@@ -106,8 +124,10 @@ def fuzz(url: str, doc: dict, headers: dict, check, context: int, skip: set[str]
                     case.validate_response(response, checks=[not_a_server_error])
                     check(response)
                 except (Exception, FailureGroup) as e:  # FailureGroup: a BaseExceptionGroup
-                    failures.append(f"{op.label} [{mode}] {response.status_code} {response.content[:300]!r}: "
-                                    f"{type(e).__name__} {e}\n{case.as_curl_command(headers)}")
+                    failures.append(
+                        f"{op.label} [{mode}] {response.status_code} {response.content[:300]!r}: "
+                        f"{type(e).__name__} {e}\n{case.as_curl_command(headers)}"
+                    )
 
             try:
                 one()
@@ -115,11 +135,17 @@ def fuzz(url: str, doc: dict, headers: dict, check, context: int, skip: set[str]
                 pass
         seconds[op.label] = round(time.monotonic() - t0, 1)
     server_errors = sum(n for status, n in statuses.items() if status == "no answer" or status >= 500)
-    counts = {"operations": len(seconds), "cases": sum(statuses.values()), "5xx": server_errors,
-                    "no_answer": statuses["no answer"], "statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
-                    "by_operation": {op: {"seconds": t, **{str(k): v for k, v in sorted(by_operation.get(op, {}).items(),
-                                                                                        key=str)}}
-                                     for op, t in seconds.items()}}
+    counts = {
+        "operations": len(seconds),
+        "cases": sum(statuses.values()),
+        "5xx": server_errors,
+        "no_answer": statuses["no answer"],
+        "statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
+        "by_operation": {
+            op: {"seconds": t, **{str(k): v for k, v in sorted(by_operation.get(op, {}).items(), key=str)}}
+            for op, t in seconds.items()
+        },
+    }
     assert not failures, f"{len(failures)} failures:\n" + "\n\n".join(failures[:10])
     return counts
 
@@ -148,10 +174,9 @@ def agent_answer(response) -> None:
         assert last.get("done") is True or last["error"]["message"], last
 
 
-
-
-def fuzz_agent(d: AgentProcess, p: AgentProcess, context: int, only: set[str] | None = None,
-               max_examples: int = MAX_EXAMPLES) -> dict:
+def fuzz_agent(
+    d: AgentProcess, p: AgentProcess, context: int, only: set[str] | None = None, max_examples: int = MAX_EXAMPLES
+) -> dict:
     """The agent API of decoder `d` (whose prefiller is `p`), every route but the link benchmark
     (GET /v1/bench/pages streams `count` synthetic 1.4 MB pages by design). POST /v1/config stays
     in: a real switch needs an absolute model path inside the agent's model roots, which generated
@@ -161,19 +186,32 @@ def fuzz_agent(d: AgentProcess, p: AgentProcess, context: int, only: set[str] | 
         doc, info = c.get("/v1/openapi.json").json(), c.get("/v1/info").json()
     # short prompts the engine takes (prefill costs seconds per long prompt on a busy CPU)
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1}, "maxItems": 8}
-    doc = narrowed(without_headers(doc, "authorization", "x-tandem-protocol"), {
-        ("HandoffBody", "contract"): {"enum": [info["contract"]["fingerprint"]]},  # else every handoff is a 409
-        ("DecodeBody", "prefill_url"): {"enum": [p.url]},  # a real prefiller, never a generated host name
-        ("BenchLinkBody", "peer"): {"enum": [p.url]},  # likewise
-        ("BenchLinkBody", "megabytes"): {"type": "integer", "minimum": 1, "maximum": 2},
-        ("HandoffBody", "token_ids"): ids, ("DecodeBody", "token_ids"): ids, ("GenerateBody", "token_ids"): ids,
-        ("SamplingBody", "max_tokens"): {"type": "integer", "minimum": 1, "maximum": 4},
-        # torch applies none of these (it refuses them): valid cases leave them at their defaults
-        **{("SamplingBody", name): {"enum": [value]} for name, value in [
-            ("min_p", 0.0), ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)]},
-    })
-    return fuzz(d.url, doc, headers, agent_answer, context, skip={"GET /v1/bench/pages"}, only=only,
-                max_examples=max_examples)
+    doc = narrowed(
+        without_headers(doc, "authorization", "x-tandem-protocol"),
+        {
+            ("HandoffBody", "contract"): {"enum": [info["contract"]["fingerprint"]]},  # else every handoff is a 409
+            ("DecodeBody", "prefill_url"): {"enum": [p.url]},  # a real prefiller, never a generated host name
+            ("BenchLinkBody", "peer"): {"enum": [p.url]},  # likewise
+            ("BenchLinkBody", "megabytes"): {"type": "integer", "minimum": 1, "maximum": 2},
+            ("HandoffBody", "token_ids"): ids,
+            ("DecodeBody", "token_ids"): ids,
+            ("GenerateBody", "token_ids"): ids,
+            ("SamplingBody", "max_tokens"): {"type": "integer", "minimum": 1, "maximum": 4},
+            # torch applies none of these (it refuses them): valid cases leave them at their defaults
+            **{
+                ("SamplingBody", name): {"enum": [value]}
+                for name, value in [
+                    ("min_p", 0.0),
+                    ("repetition_penalty", 1.0),
+                    ("presence_penalty", 0.0),
+                    ("frequency_penalty", 0.0),
+                ]
+            },
+        },
+    )
+    return fuzz(
+        d.url, doc, headers, agent_answer, context, skip={"GET /v1/bench/pages"}, only=only, max_examples=max_examples
+    )
 
 
 def cancel_open_handoffs(*agents: AgentProcess) -> None:
@@ -186,8 +224,14 @@ def cancel_open_handoffs(*agents: AgentProcess) -> None:
 
 # The agent routes whose handling reaches the engine (the rest of the API is the same for every
 # engine, and fuzzed against torch agents in tests/test_bad_input.py).
-ENGINE_ROUTES = {"POST /v1/tokenize", "POST /v1/handoffs", "GET /v1/handoffs/{room}/pages", "POST /v1/decode",
-                 "POST /v1/generate", "DELETE /v1/requests/{request_id}"}
+ENGINE_ROUTES = {
+    "POST /v1/tokenize",
+    "POST /v1/handoffs",
+    "GET /v1/handoffs/{room}/pages",
+    "POST /v1/decode",
+    "POST /v1/generate",
+    "DELETE /v1/requests/{request_id}",
+}
 
 
 def fuzz_engine_routes(d: AgentProcess, p: AgentProcess, max_examples: int = 10) -> dict:
@@ -203,7 +247,8 @@ def fuzz_engine_routes(d: AgentProcess, p: AgentProcess, max_examples: int = 10)
         assert {a.url: a.status()["engine_stats"]["restarts"] for a in (d, p)} == restarts, "an engine died"
         return counts
     except AssertionError as e:  # what the agents said about it
-        raise AssertionError(f"{e}\n\ndecoder's log:\n{''.join(d.log[-60:])}\nprefiller's log:\n"
-                             f"{''.join(p.log[-30:])}") from None
+        raise AssertionError(
+            f"{e}\n\ndecoder's log:\n{''.join(d.log[-60:])}\nprefiller's log:\n{''.join(p.log[-30:])}"
+        ) from None
     finally:
         cancel_open_handoffs(p, d)

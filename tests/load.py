@@ -45,8 +45,11 @@ async def one(client: httpx.AsyncClient, model: str, ids: list[int]) -> dict:
     body = {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0, "stream": True}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            return {"status": r.status_code, "retry_after": r.headers.get("retry-after"),
-                    "error": json.loads(await r.aread())["error"]}
+            return {
+                "status": r.status_code,
+                "retry_after": r.headers.get("retry-after"),
+                "error": json.loads(await r.aread())["error"],
+            }
         text, finish = "", None
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -57,8 +60,9 @@ async def one(client: httpx.AsyncClient, model: str, ids: list[int]) -> dict:
         return {"status": 200, "text": text, "finish": finish}
 
 
-def check_load(p: AgentProcess, d: AgentProcess, panel_url: str, api_key: str, model: str, panel_home,
-               batch_invariant: bool = True) -> dict:
+def check_load(
+    p: AgentProcess, d: AgentProcess, panel_url: str, api_key: str, model: str, panel_home, batch_invariant: bool = True
+) -> dict:
     """See the module docstring; P's budget must be BUDGET_PAGES pages. Returns the figures.
 
     `batch_invariant=False` for engines that batch concurrent requests with kernels whose float
@@ -88,8 +92,9 @@ def check_load(p: AgentProcess, d: AgentProcess, panel_url: str, api_key: str, m
         assert not batch_invariant, (i, r, expected[i])
         want = expected[i][0]
         shared = len(os.path.commonprefix([r["text"], want]))
-        assert shared >= len(want) / 2 and r["text"] not in {e[0] for j, e in enumerate(expected) if e != expected[i]}, \
-            (i, r, expected[i])
+        assert shared >= len(want) / 2 and r["text"] not in {
+            e[0] for j, e in enumerate(expected) if e != expected[i]
+        }, (i, r, expected[i])
         diverged += 1
     for r in refused:  # refused only after waiting its turn for the prefiller's budget
         assert float(r["retry_after"]) > 0 and r["error"]["type"] == "rate_limit_exceeded", r
@@ -99,27 +104,34 @@ def check_load(p: AgentProcess, d: AgentProcess, panel_url: str, api_key: str, m
     # request at a time in those 30 s, measured just before: a pair that serves almost nothing under
     # load fails here.
     serial_in_window = 30.0 / serial_s
-    print(f"\n{len(completed)} of {CONCURRENT} completed with the decoder-alone text, {len(refused)} got 429; "
-          f"one at a time the pair serves {serial_in_window:.0f} in 30 s ({serial_s * 1000:.0f} ms each), "
-          f"ratio {len(completed) / serial_in_window:.2f}"
-          + (f"; {diverged} left the decoder-alone text after a common start (batch-variant kernels)" if diverged else ""))
-    assert len(completed) >= max(2, LOADED_SHARE * serial_in_window), \
+    print(
+        f"\n{len(completed)} of {CONCURRENT} completed with the decoder-alone text, {len(refused)} got 429; "
+        f"one at a time the pair serves {serial_in_window:.0f} in 30 s ({serial_s * 1000:.0f} ms each), "
+        f"ratio {len(completed) / serial_in_window:.2f}"
+        + (f"; {diverged} left the decoder-alone text after a common start (batch-variant kernels)" if diverged else "")
+    )
+    assert len(completed) >= max(2, LOADED_SHARE * serial_in_window), (
         f"only {len(completed)} of {CONCURRENT} completed; one at a time {serial_in_window:.0f} fit in 30 s"
+    )
     settle(p, d)
     assert p.status()["totals"]["handoffs_created"] - handoffs_before >= len(completed)
     rows = log_rows(panel_home)[logged_before:]
     assert len(rows) == CONCURRENT and not [r for r in rows if r.outcome == "running"]
     assert sum(r.outcome == "ok" and r.route == "pd" for r in rows) == len(completed)
-    return {"concurrent": CONCURRENT, "completed": len(completed), "refused_429": len(refused),
-            "completed_leaving_the_alone_text_after_a_common_start": diverged,
-            "one_at_a_time_in_30_s": round(serial_in_window, 1), "seconds_each_alone": round(serial_s, 3)}
+    return {
+        "concurrent": CONCURRENT,
+        "completed": len(completed),
+        "refused_429": len(refused),
+        "completed_leaving_the_alone_text_after_a_common_start": diverged,
+        "one_at_a_time_in_30_s": round(serial_in_window, 1),
+        "seconds_each_alone": round(serial_s, 3),
+    }
 
 
-
-def serial_seconds_per_request(panel_url: str, api_key: str, model: str, ids: list[list[int]],
-                               expected: list) -> float:
+def serial_seconds_per_request(panel_url: str, api_key: str, model: str, ids: list[list[int]], expected: list) -> float:
     """Mean wall time of one streamed P/D request through the panel with nothing else running (each
     of `ids` once, after one warm-up); each answer is checked against the decoder alone."""
+
     async def main():
         async with panel_client(panel_url, api_key) as client:
             await one(client, model, ids[0])
@@ -128,6 +140,7 @@ def serial_seconds_per_request(panel_url: str, api_key: str, model: str, ids: li
                 r = await one(client, model, x)
                 assert (r["status"], r["text"], r["finish"]) == (200, *want), r
             return (time.perf_counter() - start) / len(ids)
+
     return asyncio.run(main())
 
 

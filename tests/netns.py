@@ -12,11 +12,12 @@ import os
 import secrets
 import shutil
 import subprocess
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import pytest
+
 
 def netns_available() -> bool:
     return os.geteuid() == 0 and shutil.which("ip") is not None

@@ -16,11 +16,24 @@ import numpy as np
 import openai
 import psutil
 
-from engine_adapters.base import EngineRequest, FirstTokenMode, PrefillDone
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineRequest
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone
+from tandem_protocol.sampling import SamplingParams
 
-from .agents import (TEST_KEY, AgentProcess, PanelProcess, TamperProxy, complete, log_rows, pages_of, pd_request,
-                     settle, tokens_of, wait_for, wait_until_streaming)
+from .agents import (
+    TEST_KEY,
+    AgentProcess,
+    PanelProcess,
+    TamperProxy,
+    complete,
+    log_rows,
+    pages_of,
+    pd_request,
+    settle,
+    tokens_of,
+    wait_for,
+    wait_until_streaming,
+)
 from .conftest import collect, own_greedy, prompt, run, write_report
 from .load import BUDGET_PAGES, PAGE_BYTES, check_load
 from .test_soak import run_soak
@@ -33,24 +46,39 @@ def check_pages_against_transformers(agent: AgentProcess, torch_engine, long_ids
     for n in (65, 193):
         ids = prompt(long_ids, n)
         got = asyncio.run(pages_of(agent, ids))
-        ref = [p for p in run(collect(torch_engine.prefill(EngineRequest(f"ref{n}", ids, SamplingParams(),
-                                                                         FirstTokenMode.COMMIT_FIRST))))
-               if not isinstance(p, PrefillDone)]
+        ref = [
+            p
+            for p in run(
+                collect(
+                    torch_engine.prefill(EngineRequest(f"ref{n}", ids, SamplingParams(), FirstTokenMode.COMMIT_FIRST))
+                )
+            )
+            if not isinstance(p, PrefillDone)
+        ]
         assert [(p.index, p.valid_tokens) for p in got] == [(p.index, p.valid_tokens) for p in ref]
         a = np.concatenate([p.kv for p in got], axis=2).astype(np.float32)
         b = np.concatenate([p.kv for p in ref], axis=2).astype(np.float32)
         diff = np.abs(a - b)
         scale = np.maximum(np.abs(b), 1.0)
-        figures[n] = {"max_abs_diff": float(diff.max()), "max_rel_diff": float((diff / scale).max()),
-                      "mean_abs_diff": float(diff.mean()), "max_abs_value": float(np.abs(b).max())}
+        figures[n] = {
+            "max_abs_diff": float(diff.max()),
+            "max_rel_diff": float((diff / scale).max()),
+            "mean_abs_diff": float(diff.mean()),
+            "max_abs_value": float(np.abs(b).max()),
+        }
         # FP16 compute in the server vs float32 compute rounded to FP16: a few FP16 ulps of the value
         assert (diff / scale).max() < 0.05, figures[n]
     write_report(report, figures)
 
 
 @contextmanager
-def engine_cluster(model: Path, home: Path, agents: dict[str, tuple[str, dict]], pairs: dict[str, tuple[str, str]],
-                   tampered: tuple[str, str] | None = None):
+def engine_cluster(
+    model: Path,
+    home: Path,
+    agents: dict[str, tuple[str, dict]],
+    pairs: dict[str, tuple[str, str]],
+    tampered: tuple[str, str] | None = None,
+):
     """Agents (name -> (engine, environment)) started all at once — server engines take the better
     part of a minute — then each waited for, and a panel with `pairs` (name -> (P, D)). With
     `tampered` = (P, D), one more pair, "tampered", reaches P through a TamperProxy (pages can be
@@ -91,6 +119,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def ask_in_thread(client, pair: str, ids: list[int], result: dict) -> threading.Thread:
     """complete() on `pair` in a started thread; its text, or the exception the client saw, lands
     in `result` ("text" / "error")."""
+
     def go() -> None:
         try:
             result["text"] = complete(client, pair, ids, False)
@@ -102,8 +131,9 @@ def ask_in_thread(client, pair: str, ids: list[int], result: dict) -> threading.
     return thread
 
 
-def check_every_direction(cluster: dict, pairs: dict[str, tuple[str, str]], same_engine_pair: str,
-                          long_ids: list[int], report: str) -> dict:
+def check_every_direction(
+    cluster: dict, pairs: dict[str, tuple[str, str]], same_engine_pair: str, long_ids: list[int], report: str
+) -> dict:
     """Every pair through the panel's OpenAI API: completions at each length, greedy agreement
     with the decoder alone (the decoder's node through the panel), the same-engine pair exactly
     equal to it, streaming equal to not streaming (at one length on each side of a page boundary:
@@ -111,8 +141,10 @@ def check_every_direction(cluster: dict, pairs: dict[str, tuple[str, str]], same
     chat, streaming and not, answering "Paris"."""
     client, figures = cluster["client"], {}
     decoders = sorted({d for _, d in pairs.values()})
-    local = {d: {n: complete(client, f"node/{cluster[d].engine}-{d}", prompt(long_ids, n), False) for n in LENGTHS}
-             for d in decoders}
+    local = {
+        d: {n: complete(client, f"node/{cluster[d].engine}-{d}", prompt(long_ids, n), False) for n in LENGTHS}
+        for d in decoders
+    }
     for pair, (p, d) in pairs.items():
         agree = 0
         for n in LENGTHS:
@@ -127,8 +159,9 @@ def check_every_direction(cluster: dict, pairs: dict[str, tuple[str, str]], same
         assert agree >= len(LENGTHS) - 1, (pair, figures[pair])
     for pair in pairs:
         whole = client.chat.completions.create(model=pair, messages=QUESTION, max_tokens=20, temperature=0)
-        chunks = client.chat.completions.create(model=pair, messages=QUESTION, max_tokens=20, temperature=0,
-                                                stream=True)
+        chunks = client.chat.completions.create(
+            model=pair, messages=QUESTION, max_tokens=20, temperature=0, stream=True
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == whole.choices[0].message.content
         assert "Paris" in text, (pair, text)
@@ -147,7 +180,7 @@ def check_prefiller_rules(prefiller: AgentProcess, decoder: AgentProcess, decode
     d = decoder_engine
     sampling = {"max_tokens": 32, "ignore_eos": True}
     diffs, agree = [], 0
-    for i, text in enumerate(PROMPTS):
+    for text in PROMPTS:
         ids = d.chat_token_ids([{"role": "user", "content": text}])
         pages = asyncio.run(pages_of(prefiller, ids, "recompute-last"))
         imported, local = run(logits_after_import(d, pages, ids))
@@ -155,16 +188,22 @@ def check_prefiller_rules(prefiller: AgentProcess, decoder: AgentProcess, decode
         pd = tokens_of(asyncio.run(pd_request(prefiller.url, decoder.url, ids, sampling)))
         own = own_greedy(d, ids, sampling["max_tokens"])
         agree += pd == own
-    figures = {"direction": label, "prompts": len(PROMPTS), "greedy_agreement": agree,
-               "logit_max_abs_diff_max": max(diffs), "logit_max_abs_diff_median": float(np.median(diffs)),
-               "logit_tolerance": LOGIT_TOLERANCE}
+    figures = {
+        "direction": label,
+        "prompts": len(PROMPTS),
+        "greedy_agreement": agree,
+        "logit_max_abs_diff_max": max(diffs),
+        "logit_max_abs_diff_median": float(np.median(diffs)),
+        "logit_tolerance": LOGIT_TOLERANCE,
+    }
     write_report("cross_engine_" + label.replace("->", "_to_"), figures)
     assert max(diffs) <= LOGIT_TOLERANCE, figures
     assert agree >= MIN_AGREEMENT, figures
 
 
-def check_engine_crash_through_panel(cluster: dict, pair: str, prefiller: str, decoder: str, ready_stat: str,
-                                     ids: list[int]) -> None:
+def check_engine_crash_through_panel(
+    cluster: dict, pair: str, prefiller: str, decoder: str, ready_stat: str, ids: list[int]
+) -> None:
     """The prefiller's engine server SIGKILLed while a request of `pair` is prefilling on it,
     through the panel: the client still gets the decoder-alone answer (the router's fallback),
     the request log says why, and the agent restarts its engine."""
@@ -184,8 +223,9 @@ def check_engine_crash_through_panel(cluster: dict, pair: str, prefiller: str, d
     settle(cluster[prefiller], cluster[decoder])
 
 
-def check_damaged_streams_through_panel(cluster: dict, prefiller: str, decoder: str, ids: list[int],
-                                       engine_idle: dict) -> dict:
+def check_damaged_streams_through_panel(
+    cluster: dict, prefiller: str, decoder: str, ids: list[int], engine_idle: dict
+) -> dict:
     """The "tampered" pair (engine_cluster's `tampered`) through the panel with a bit flipped in
     the first page, with the page stream cut short, and with the link going silent mid-stream
     (a pulled cable: the decoder's stall timeout ends it): each time the client gets the
@@ -195,8 +235,11 @@ def check_damaged_streams_through_panel(cluster: dict, prefiller: str, decoder: 
     client, proxy = cluster["client"], cluster["proxy"]
     expected = complete(client, f"node/{cluster[decoder].engine}-{decoder}", ids, False)
     seen = {}
-    for damage, reason in ((dict(flip_at=300_000), "checksum mismatch on page 0"), (dict(cut_at=700_000), "broke off"),
-                           (dict(freeze_at=700_000), "stalled")):
+    for damage, reason in (
+        (dict(flip_at=300_000), "checksum mismatch on page 0"),
+        (dict(cut_at=700_000), "broke off"),
+        (dict(freeze_at=700_000), "stalled"),
+    ):
         for name, value in damage.items():
             setattr(proxy, name, value)
         try:
@@ -222,8 +265,9 @@ def at_engine_baseline(cluster: dict, agents: tuple[str, ...], engine_idle: dict
             time.sleep(0.2)
 
 
-def check_slow_link_through_panel(cluster: dict, prefiller: str, decoder: str, ids: list[int],
-                                  engine_idle: dict, rate: float = 4e6) -> dict:
+def check_slow_link_through_panel(
+    cluster: dict, prefiller: str, decoder: str, ids: list[int], engine_idle: dict, rate: float = 4e6
+) -> dict:
     """The "tampered" pair through a link held to `rate` bytes/s: the request completes P->D and
     neither agent's memory grows with the backed-up stream (the prefiller holds what it reserved,
     the decoder a few pages). A first request of the same length, at full speed, warms both up."""
@@ -252,8 +296,9 @@ def check_slow_link_through_panel(cluster: dict, prefiller: str, decoder: str, i
     return {"pages": pages, "rate_bytes_per_second": rate, "rss_growth_x_kv": {n: round(g, 2) for n, g in grew.items()}}
 
 
-def check_panel_restart(cluster: dict, pair: str, prefiller: str, decoder: str, ids: list[int],
-                        engine_idle: dict) -> dict:
+def check_panel_restart(
+    cluster: dict, pair: str, prefiller: str, decoder: str, ids: list[int], engine_idle: dict
+) -> dict:
     """The panel killed while a request of `pair` streams: the client's stream breaks, both
     agents and engines let go, the next panel logs the request as interrupted and serves."""
     client = cluster["client"]
@@ -261,7 +306,7 @@ def check_panel_restart(cluster: dict, pair: str, prefiller: str, decoder: str, 
 
     def ask() -> None:
         try:
-            for chunk in client.completions.create(model=pair, prompt=ids, max_tokens=400, temperature=0, stream=True):
+            for _chunk in client.completions.create(model=pair, prompt=ids, max_tokens=400, temperature=0, stream=True):
                 result["chunks"] += 1
         except Exception as e:  # what the client saw is what the test checks
             result["error"] = e
@@ -302,8 +347,9 @@ def kill_engine_and_wait_for_restart(agent: AgentProcess, ready_stat: str, timeo
     return stats
 
 
-def check_load_through_panel(cluster: dict, pair: str, prefiller: str, decoder: str, model: Path,
-                             engine_idle: dict) -> dict:
+def check_load_through_panel(
+    cluster: dict, pair: str, prefiller: str, decoder: str, model: Path, engine_idle: dict
+) -> dict:
     """tests/load.py on `pair`, with the prefiller's staging budget cut to a few prompts for the
     run (POST /v1/config: the same engine and model, so nothing reloads) and restored after. The
     server engines batch concurrent requests with batch-variant kernels (see check_load)."""
@@ -317,42 +363,61 @@ def check_load_through_panel(cluster: dict, pair: str, prefiller: str, decoder: 
     original = p.status()["budget"]["capacity"]
     budget(BUDGET_PAGES * PAGE_BYTES)
     try:
-        figures = check_load(p, d, cluster["panel"].url, cluster["client"].api_key, pair, cluster["panel_home"],
-                             batch_invariant=False)
+        figures = check_load(
+            p, d, cluster["panel"].url, cluster["client"].api_key, pair, cluster["panel_home"], batch_invariant=False
+        )
     finally:
         budget(original)
     at_engine_baseline(cluster, (prefiller, decoder), engine_idle)
     return figures
 
 
-def check_soak_through_panel(cluster: dict, pairs: list[str], agents: tuple[str, ...], engine_idle: dict,
-                             seconds: float = 20) -> dict:
+def check_soak_through_panel(
+    cluster: dict, pairs: list[str], agents: tuple[str, ...], engine_idle: dict, seconds: float = 20
+) -> dict:
     """bench/soak.py in its short form against this cluster's panel (`--panel`), on `pairs`:
     mixed, cancelled and disconnected requests, then every agent idle, no request-log row left
     running, each agent's RSS and its engine server's grown < 10%, and each engine's own pool
     back to idle."""
-    args = ["--panel", cluster["panel"].url, "--api-key", cluster["client"].api_key, "--cluster-key", TEST_KEY,
-            "--panel-db", str(cluster["panel_home"] / "panel" / "panel.db"), "--duration", str(seconds)]
+    args = [
+        "--panel",
+        cluster["panel"].url,
+        "--api-key",
+        cluster["client"].api_key,
+        "--cluster-key",
+        TEST_KEY,
+        "--panel-db",
+        str(cluster["panel_home"] / "panel" / "panel.db"),
+        "--duration",
+        str(seconds),
+    ]
     args += [a for name in agents for a in ("--agent", cluster[name].url)]
     args += [a for pair in pairs for a in ("--model", pair)]
     result = run_soak(cluster["panel_home"].parent / "soak.json", *args)
     engines = {f"{cluster[name].status()['name']} engine" for name in engine_idle}
     assert engines <= set(result["rss"]), result["rss"]  # the engine servers' memory is watched too
     at_engine_baseline(cluster, agents, engine_idle)
-    return {"requests": result["requests"], "total_requests": result["total_requests"],
-            "rss_growth_percent": {n: m["growth_percent"] for n, m in result["rss"].items()}}
+    return {
+        "requests": result["requests"],
+        "total_requests": result["total_requests"],
+        "rss_growth_percent": {n: m["growth_percent"] for n, m in result["rss"].items()},
+    }
 
 
-def check_peer_kills_through_panel(cluster: dict, decoder: str, prefiller: str, model: Path, home: Path,
-                                   ids: list[int], engine_idle: dict) -> dict:
+def check_peer_kills_through_panel(
+    cluster: dict, decoder: str, prefiller: str, model: Path, home: Path, ids: list[int], engine_idle: dict
+) -> dict:
     """Server-engine agents with a torch peer killed mid-stream, through a panel of their own: the
     peer as prefiller of `decoder`, killed once its first page is out (the client gets the
     decoder-alone answer, the router's fallback, logged), and as decoder of `prefiller`, killed once
     it has imported a page (a clear 503 naming it unreachable, logged); each time the surviving
     agent and its engine's pool let go (`engine_idle`)."""
     d, p = cluster[decoder], cluster[prefiller]
-    with AgentProcess("torch", model, home / "doomed-p") as dp, AgentProcess("torch", model, home / "doomed-d") as dd, \
-            PanelProcess(home / "kill-panel", "--pair", f"in={dp.url},{d.url}", "--pair", f"out={p.url},{dd.url}") as panel:
+    with (
+        AgentProcess("torch", model, home / "doomed-p") as dp,
+        AgentProcess("torch", model, home / "doomed-d") as dd,
+        PanelProcess(home / "kill-panel", "--pair", f"in={dp.url},{d.url}", "--pair", f"out={p.url},{dd.url}") as panel,
+    ):
         client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
         expected = complete(client, f"node/{d.engine}-{decoder}", ids, False)
         result: dict = {}
@@ -372,8 +437,9 @@ def check_peer_kills_through_panel(cluster: dict, decoder: str, prefiller: str, 
         dd.proc.kill()
         thread.join(300)
         error = result.get("error")
-        assert isinstance(error, openai.APIStatusError) and error.status_code == 503 and "not reachable" in str(error), \
-            result
+        assert (
+            isinstance(error, openai.APIStatusError) and error.status_code == 503 and "not reachable" in str(error)
+        ), result
         row = log_rows(home / "kill-panel")[-1]
         assert row.outcome == "error" and "not reachable" in row.error, row
         at_engine_baseline(cluster, (prefiller,), {prefiller: engine_idle[prefiller]})

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from engine_adapters.base import EngineAdapter, EngineRequest, FirstTokenMode, PrefillDone
-from engine_adapters.contract import token_digest
-from engine_adapters.errors import Cancelled, ContractMismatch, FrameError, RequestError
-from engine_adapters.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineAdapter, EngineRequest
 from node_agent.inprocess import PairStats, run_pair
+from tandem_protocol.contract import token_digest
+from tandem_protocol.errors import Cancelled, ContractMismatch, FrameError, RequestError
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone
+from tandem_protocol.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
+from tandem_protocol.sampling import SamplingParams
 
 from .conftest import collect, make_tiny_checkpoint, prompt, run
 
@@ -28,17 +28,33 @@ def test_pages_leave_before_prefill_finishes(engines, long_ids, engine, monkeypa
     events = log_chunks(adapter, monkeypatch)
     ids = long_prompt(long_ids, 600)  # chunks of 256, 256, then 64, and the last page (24) on its own
     pages = run(prefill_events(adapter, ids, events))
-    assert events == [("chunk", 256), *[("page", i) for i in range(4)], ("chunk", 256),
-                      *[("page", i) for i in range(4, 8)], ("chunk", 64), ("page", 8), ("chunk", 24), ("page", 9),
-                      ("done", 600)]
+    assert events == [
+        ("chunk", 256),
+        *[("page", i) for i in range(4)],
+        ("chunk", 256),
+        *[("page", i) for i in range(4, 8)],
+        ("chunk", 64),
+        ("page", 8),
+        ("chunk", 24),
+        ("page", 9),
+        ("done", 600),
+    ]
     # An asynchronous device (CUDA) collects a middle chunk's pages after queueing the next chunk:
     # the same pages, one chunk later; the first chunk's (the link starts at once) and those of
     # the chunks before and after the last page's without delay.
     events.clear()
     monkeypatch.setattr(adapter, "export_lag", 1)
     lagged = run(prefill_events(adapter, ids, events))
-    assert events == [("chunk", 256), *[("page", i) for i in range(4)], ("chunk", 256), ("chunk", 64),
-                      *[("page", i) for i in range(4, 9)], ("chunk", 24), ("page", 9), ("done", 600)]
+    assert events == [
+        ("chunk", 256),
+        *[("page", i) for i in range(4)],
+        ("chunk", 256),
+        ("chunk", 64),
+        *[("page", i) for i in range(4, 9)],
+        ("chunk", 24),
+        ("page", 9),
+        ("done", 600),
+    ]
     assert [p.index for p in lagged] == list(range(10))
     assert all(np.array_equal(a.data, b.data) and a.valid_tokens == b.valid_tokens for a, b in zip(pages, lagged))
     assert adapter.prefill_chunks(1) == [(0, 1)] and adapter.prefill_chunks(64) == [(0, 64)]
@@ -52,8 +68,9 @@ def log_chunks(adapter, monkeypatch) -> list:
     overridden = type(adapter).forward_chunk is not EngineAdapter.forward_chunk  # else it calls forward
     for name in ("forward", "forward_chunk") if overridden else ("forward",):
         real = getattr(adapter, name)
-        monkeypatch.setattr(adapter, name, lambda session, ids, real=real: (events.append(("chunk", len(ids))),
-                                                                            real(session, ids))[1])
+        monkeypatch.setattr(
+            adapter, name, lambda session, ids, real=real: (events.append(("chunk", len(ids))), real(session, ids))[1]
+        )
     return events
 
 
@@ -97,8 +114,9 @@ def test_cancel_during_prefill_and_decode(engines, long_ids, engine):
 async def framed_stream(prefiller, ids, mutate=None, expect_ids=None, drop_done=False, stop_after=None):
     """P's prefill as the decoder would receive it over the wire, optionally damaged on the way."""
     room, digest = b"r" * 16, token_digest(ids)
-    expect = FrameExpectation(prefiller.contract.fingerprint_bytes, room, token_digest(expect_ids or ids),
-                              prefiller.geometry)
+    expect = FrameExpectation(
+        prefiller.contract.fingerprint_bytes, room, token_digest(expect_ids or ids), prefiller.geometry
+    )
     req = EngineRequest("wire-p", ids, SamplingParams(max_tokens=1))
     sent = 0
     async for item in prefiller.prefill(req):
@@ -120,12 +138,15 @@ def flip_bit_in_page_1(index, frame):
         frame[5000] ^= 0x10
 
 
-@pytest.mark.parametrize("damage, error, message", [
-    (dict(mutate=flip_bit_in_page_1), FrameError, "checksum mismatch on page 1"),
-    (dict(stop_after=1), FrameError, "ended after 1 of 3 pages"),
-    (dict(drop_done=True), FrameError, "without the prefiller's final frame"),
-    (dict(expect_ids="other"), ContractMismatch, "token_ids"),
-])
+@pytest.mark.parametrize(
+    "damage, error, message",
+    [
+        (dict(mutate=flip_bit_in_page_1), FrameError, "checksum mismatch on page 1"),
+        (dict(stop_after=1), FrameError, "ended after 1 of 3 pages"),
+        (dict(drop_done=True), FrameError, "without the prefiller's final frame"),
+        (dict(expect_ids="other"), ContractMismatch, "token_ids"),
+    ],
+)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_damaged_streams_fail_cleanly(engines, long_ids, engine, damage, error, message):
     adapter = engines[engine]
@@ -164,13 +185,16 @@ def test_pair_refuses_a_different_model(engines, smol_dir, tmp_path):
         tiny.close()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-1.0), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(max_tokens=0), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+    ],
+)
 def test_bad_sampling_values(kwargs, message):
     with pytest.raises(RequestError, match=message):
         SamplingParams(**kwargs)
@@ -204,8 +228,18 @@ def test_seeded_sampling_pd_equals_local(engines, long_ids, engine):
 def test_pair_stats_and_early_stop(engines, long_ids):
     p, d = engines["torch"], engines["mlx"]
     stats = PairStats()
-    out = run(collect(run_pair(p, d, prompt(long_ids, 130), SamplingParams(max_tokens=3, ignore_eos=True),
-                               FirstTokenMode.COMMIT_FIRST, stats)))
+    out = run(
+        collect(
+            run_pair(
+                p,
+                d,
+                prompt(long_ids, 130),
+                SamplingParams(max_tokens=3, ignore_eos=True),
+                FirstTokenMode.COMMIT_FIRST,
+                stats,
+            )
+        )
+    )
     assert len(out) == 3 and stats.pages == 3 and stats.kv_tokens == 130 and stats.ttft_seconds > 0
     assert len(stats.page_arrivals) == 3 and p.active_requests == d.active_requests == 0
 
@@ -260,7 +294,7 @@ def test_commit_first_token_leaves_before_the_last_imports(engines, long_ids, en
         monkeypatch.setattr(d, "import_kv", slow_import)
         stamps = []
 
-        async def consume():
+        async def consume(mode=mode, stamps=stamps):
             async for token in run_pair(p, d, ids, sampling, mode):
                 stamps.append((token, time.perf_counter()))
 

@@ -56,8 +56,13 @@ def test_routes_refuse_without_the_key(client):
     assert len(routes) >= 12
     presented = "tdm_presented-wrong-key-5c1e"
     for method, path in routes:
-        for headers in ({}, {"Authorization": f"Bearer {presented}"}, {"Authorization": KEY},
-                        {"Authorization": "Bearer "}, {"Authorization": f"Basic {KEY}"}):
+        for headers in (
+            {},
+            {"Authorization": f"Bearer {presented}"},
+            {"Authorization": KEY},
+            {"Authorization": "Bearer "},
+            {"Authorization": f"Basic {KEY}"},
+        ):
             r = client.request(method, path, headers=headers, json={})
             if path == "/healthz":
                 assert r.status_code == 200

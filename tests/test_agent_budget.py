@@ -9,9 +9,9 @@ import uuid
 import httpx
 import pytest
 
-from engine_adapters.pages import PageGeometry
-from node_agent.client import AgentClient, AgentHTTPError
-from node_agent.wire import PeerError
+from tandem_protocol.client import AgentClient, AgentHTTPError
+from tandem_protocol.pages import PageGeometry
+from tandem_protocol.wire import PeerError
 
 from .agents import TEST_KEY, AgentProcess, generate_request, pd_request, tokens_of
 from .conftest import prompt, run
@@ -24,22 +24,34 @@ TTL = 4.0
 @pytest.fixture(scope="module")
 def small(smol_dir, tmp_path_factory):
     """A torch agent whose budget holds exactly one 130-token (3-page) prompt."""
-    with AgentProcess("torch", smol_dir, tmp_path_factory.mktemp("small"), "--staging-bytes", str(3 * PAGE),
-                      "--handoff-ttl", str(TTL)) as agent:
+    with AgentProcess(
+        "torch", smol_dir, tmp_path_factory.mktemp("small"), "--staging-bytes", str(3 * PAGE), "--handoff-ttl", str(TTL)
+    ) as agent:
         yield agent
 
 
 def idle(agent: AgentProcess) -> None:
     s = agent.status()
-    assert (s["budget"]["reserved"], s["budget"]["waiting"], s["open_handoffs"], s["active_requests"]) == (0, 0, 0, 0), s
+    assert (s["budget"]["reserved"], s["budget"]["waiting"], s["open_handoffs"], s["active_requests"]) == (
+        0,
+        0,
+        0,
+        0,
+    ), s
 
 
 async def create(agent, ids, room=None, wait_timeout=30.0, mode="commit-first"):
     c = AgentClient(agent.url, TEST_KEY)
     try:
         info = await c.info()
-        return await c.create_handoff(room=room or uuid.uuid4().hex, token_ids=ids, sampling={"max_tokens": 4},
-                                      mode=mode, contract=info["contract"]["fingerprint"], wait_timeout=wait_timeout)
+        return await c.create_handoff(
+            room=room or uuid.uuid4().hex,
+            token_ids=ids,
+            sampling={"max_tokens": 4},
+            mode=mode,
+            contract=info["contract"]["fingerprint"],
+            wait_timeout=wait_timeout,
+        )
     finally:
         await c.aclose()
 
@@ -90,9 +102,16 @@ def test_budget_wait_times_out_with_retry_after(small, long_ids):
                 await create(small, prompt(long_ids, 100), wait_timeout=0.3)
             assert e.value.status == 429
             async with httpx.AsyncClient() as c:  # the raw response carries Retry-After
-                r = await c.post(small.url + "/v1/handoffs", headers={"Authorization": f"Bearer {TEST_KEY}"},
-                                 json={"room": uuid.uuid4().hex, "token_ids": prompt(long_ids, 100),
-                                       "contract": small.status()["contract"]["fingerprint"], "wait_timeout": 0.2})
+                r = await c.post(
+                    small.url + "/v1/handoffs",
+                    headers={"Authorization": f"Bearer {TEST_KEY}"},
+                    json={
+                        "room": uuid.uuid4().hex,
+                        "token_ids": prompt(long_ids, 100),
+                        "contract": small.status()["contract"]["fingerprint"],
+                        "wait_timeout": 0.2,
+                    },
+                )
             assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         finally:
             await AgentClient(small.url, TEST_KEY).cancel_handoff(held["room"])
@@ -135,10 +154,23 @@ def test_decoder_disconnect_releases_everything(small, long_ids):
         info = await d.info()
         room = uuid.uuid4().hex
         ids = prompt(long_ids, 130)
-        await d.create_handoff(room=room, token_ids=ids, sampling={"max_tokens": 200, "ignore_eos": True},
-                               mode="commit-first", contract=info["contract"]["fingerprint"])
-        stream = d.lines("/v1/decode", {"room": room, "token_ids": ids, "mode": "commit-first",
-                                        "sampling": {"max_tokens": 200, "ignore_eos": True}, "prefill_url": small.url})
+        await d.create_handoff(
+            room=room,
+            token_ids=ids,
+            sampling={"max_tokens": 200, "ignore_eos": True},
+            mode="commit-first",
+            contract=info["contract"]["fingerprint"],
+        )
+        stream = d.lines(
+            "/v1/decode",
+            {
+                "room": room,
+                "token_ids": ids,
+                "mode": "commit-first",
+                "sampling": {"max_tokens": 200, "ignore_eos": True},
+                "prefill_url": small.url,
+            },
+        )
         for _ in range(3):
             await stream.__anext__()
         await stream.aclose()  # the client goes away mid-answer
@@ -178,12 +210,21 @@ def test_cancel_a_decoding_request_by_id(small, long_ids):
         info = await d.info()
         room, ids = uuid.uuid4().hex, prompt(long_ids, 120)
         sampling = {"max_tokens": 300, "ignore_eos": True}
-        await d.create_handoff(room=room, token_ids=ids, sampling=sampling, mode="commit-first",
-                               contract=info["contract"]["fingerprint"])
+        await d.create_handoff(
+            room=room, token_ids=ids, sampling=sampling, mode="commit-first", contract=info["contract"]["fingerprint"]
+        )
         lines = []
-        async for line in d.lines("/v1/decode", {"room": room, "token_ids": ids, "mode": "commit-first",
-                                                  "sampling": sampling, "prefill_url": small.url,
-                                                  "request_id": "stop-me"}):
+        async for line in d.lines(
+            "/v1/decode",
+            {
+                "room": room,
+                "token_ids": ids,
+                "mode": "commit-first",
+                "sampling": sampling,
+                "prefill_url": small.url,
+                "request_id": "stop-me",
+            },
+        ):
             lines.append(line)
             if len(lines) == 3:
                 assert (await d._json("DELETE", "/v1/requests/stop-me"))["cancelled"]

@@ -47,8 +47,11 @@ def test_paths_are_checked_before_anything_loads(agent, root):
     r, outside = root
     cases = [
         (dict(engine="torch", model_path=str(outside)), "model_path", "outside this node's model roots"),
-        (dict(engine="torch", model_path=str(r / "tiny-qwen3" / ".." / ".." / outside.parent.name / "model")),
-         "model_path", "outside this node's model roots"),
+        (
+            dict(engine="torch", model_path=str(r / "tiny-qwen3" / ".." / ".." / outside.parent.name / "model")),
+            "model_path",
+            "outside this node's model roots",
+        ),
         (dict(engine="torch", model_path=str(r / "missing")), "model_path", "does not exist"),
         (dict(engine="torch", model_path="tiny-qwen3"), "model_path", "must be absolute"),
         (dict(engine="torch", model_path=str(r / "gemma-ish")), "model_path", "gemma3"),
@@ -89,8 +92,9 @@ def test_switch_engine_model_context_and_budget(agent, root, long_ids):
     assert out["contract"] == foretold["contract"]
     assert out["contract"]["fingerprint"] != start["contract"]["fingerprint"]
     # another engine on the first model, a shorter context and a new budget
-    status, out = configure(agent, engine="mlx", model_path=str(r / "smollm2"), context_length=1024,
-                            staging_bytes=64 << 20)
+    status, out = configure(
+        agent, engine="mlx", model_path=str(r / "smollm2"), context_length=1024, staging_bytes=64 << 20
+    )
     assert status == 200 and out["engine"] == "mlx" and out["context_length"] == 1024
     s = agent.status()
     assert s["engine"] == "mlx" and s["budget"]["capacity"] == 64 << 20
@@ -99,13 +103,20 @@ def test_switch_engine_model_context_and_budget(agent, root, long_ids):
     ids = list(long_ids[:130])
     pd = tokens_of(asyncio.run(pd_request(agent.url, agent.url, ids, SAMPLING)))
     with agent.client() as c:
-        alone = [json.loads(line) for line in c.post("/v1/generate", json={"token_ids": ids, "sampling": SAMPLING})
-                 .text.splitlines()]
+        alone = [
+            json.loads(line)
+            for line in c.post("/v1/generate", json={"token_ids": ids, "sampling": SAMPLING}).text.splitlines()
+        ]
     assert pd == tokens_of(alone)
     settle(agent)
     # back to where it started
-    status, out = configure(agent, engine="torch", model_path=str(r / "smollm2"), context_length=start["context_length"],
-                            staging_bytes=start["budget"]["capacity"])
+    status, out = configure(
+        agent,
+        engine="torch",
+        model_path=str(r / "smollm2"),
+        context_length=start["context_length"],
+        staging_bytes=start["budget"]["capacity"],
+    )
     assert status == 200 and out["contract"]["fingerprint"] == start["contract"]["fingerprint"]
 
 
@@ -114,8 +125,10 @@ def test_a_busy_node_refuses_to_switch(agent, root, long_ids):
     with agent.client() as c:
         info = c.get("/v1/info").json()
         room = uuid.uuid4().hex
-        made = c.post("/v1/handoffs", json={"room": room, "token_ids": list(long_ids[:70]),
-                                            "contract": info["contract"]["fingerprint"]})
+        made = c.post(
+            "/v1/handoffs",
+            json={"room": room, "token_ids": list(long_ids[:70]), "contract": info["contract"]["fingerprint"]},
+        )
         assert made.status_code == 201
         status, out = configure(agent, engine="mlx", model_path=str(r / "smollm2"))
         assert status == 409 and "in flight" in out["error"]["message"]

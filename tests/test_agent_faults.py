@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_agent.client import AgentHTTPError
+from tandem_protocol.client import AgentHTTPError
 
 from .agents import AgentProcess, TamperProxy, decode_foreign_pages, pd_request, settle
 from .conftest import prompt, run
@@ -14,8 +14,11 @@ from .conftest import prompt, run
 @pytest.fixture(scope="module")
 def pair(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("faults")
-    with AgentProcess("torch", smol_dir, home / "p") as p, AgentProcess("torch", smol_dir, home / "d") as d, \
-            AgentProcess("torch", smol_dir, home / "other", "--context-length", "4096") as other:
+    with (
+        AgentProcess("torch", smol_dir, home / "p") as p,
+        AgentProcess("torch", smol_dir, home / "d") as d,
+        AgentProcess("torch", smol_dir, home / "other", "--context-length", "4096") as other,
+    ):
         yield p, d, other
 
 
@@ -25,12 +28,15 @@ def error_of(lines: list[dict]) -> dict:
     return lines[-1]["error"]
 
 
-@pytest.mark.parametrize("damage, kind, message", [
-    (dict(flip_at=300_000), "FrameError", "checksum mismatch on page 0"),
-    (dict(flip_at=1_800_000), "FrameError", "checksum mismatch on page 1"),
-    (dict(cut_at=700_000), "FrameError", "broke off"),
-    (dict(cut_at=1_474_800), "FrameError", "broke off"),
-])
+@pytest.mark.parametrize(
+    "damage, kind, message",
+    [
+        (dict(flip_at=300_000), "FrameError", "checksum mismatch on page 0"),
+        (dict(flip_at=1_800_000), "FrameError", "checksum mismatch on page 1"),
+        (dict(cut_at=700_000), "FrameError", "broke off"),
+        (dict(cut_at=1_474_800), "FrameError", "broke off"),
+    ],
+)
 def test_damaged_stream(pair, long_ids, damage, kind, message):
     p, d, _ = pair
     proxy = TamperProxy(p.port, **damage)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapters.base import EngineRequest, FirstTokenMode
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineRequest
 from node_agent.inprocess import run_pair
+from tandem_protocol.handoff import FirstTokenMode
+from tandem_protocol.sampling import SamplingParams
 
 from .agents import AgentProcess, pd_request, tokens_of
 from .conftest import collect, prompt, run
@@ -18,13 +19,16 @@ SAMPLING = {"max_tokens": 16, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def agents(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("agents")
-    with AgentProcess("torch", smol_dir, home / "torch") as torch_agent, \
-            AgentProcess("mlx", smol_dir, home / "mlx") as mlx_agent:
+    with (
+        AgentProcess("torch", smol_dir, home / "torch") as torch_agent,
+        AgentProcess("mlx", smol_dir, home / "mlx") as mlx_agent,
+    ):
         yield {"torch": torch_agent, "mlx": mlx_agent}
 
 
-@pytest.mark.parametrize("direction", [("torch", "mlx"), ("mlx", "torch"), ("torch", "torch"), ("mlx", "mlx")],
-                         ids=lambda d: "->".join(d))
+@pytest.mark.parametrize(
+    "direction", [("torch", "mlx"), ("mlx", "torch"), ("torch", "torch"), ("mlx", "mlx")], ids=lambda d: "->".join(d)
+)
 @pytest.mark.parametrize("mode", list(FirstTokenMode), ids=lambda m: m.value)
 def test_http_pd_equals_in_process_pd(agents, engines, long_ids, direction, mode):
     """Over HTTP the tokens are exactly those of the same pair in one process (which the core
@@ -35,8 +39,9 @@ def test_http_pd_equals_in_process_pd(agents, engines, long_ids, direction, mode
             continue
         ids = prompt(long_ids, n)
         lines = run(pd_request(p.url, d.url, ids, SAMPLING, mode.value))
-        expected = run(collect(run_pair(engines[direction[0]], engines[direction[1]], ids,
-                                        SamplingParams(**SAMPLING), mode)))
+        expected = run(
+            collect(run_pair(engines[direction[0]], engines[direction[1]], ids, SamplingParams(**SAMPLING), mode))
+        )
         assert tokens_of(lines) == expected, (direction, mode, n)
         done = lines[-1]
         moved = n - 1 if mode is FirstTokenMode.RECOMPUTE_LAST else n
@@ -74,6 +79,8 @@ def test_pages_arrive_before_prefill_finishes(agents, long_ids):
     ids = (list(long_ids) * 3)[:600]
     done = run(pd_request(agents["torch"].url, agents["mlx"].url, ids, {"max_tokens": 2}))[-1]
     assert done["pages"] == 10
-    print(f"\nfirst page at D {done['first_page_at']:.3f}, last page {done['last_page_at']:.3f}, "
-          f"P prefill finished {done['prefill_finished_at']:.3f} (prefill took {done['prefill_seconds']:.3f} s)")
+    print(
+        f"\nfirst page at D {done['first_page_at']:.3f}, last page {done['last_page_at']:.3f}, "
+        f"P prefill finished {done['prefill_finished_at']:.3f} (prefill took {done['prefill_seconds']:.3f} s)"
+    )
     assert done["first_page_at"] < done["prefill_finished_at"], done

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from node_agent.client import AgentClient, TransportError
+from tandem_protocol.client import AgentClient, TransportError
 from tests.agents import AgentProcess, generate_request, pd_request, settle, tokens_of
 
 SAMPLING = {"max_tokens": 12, "ignore_eos": True}
@@ -16,19 +16,42 @@ SAMPLING = {"max_tokens": 12, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory):
     d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-                    "-keyout", d / "key.pem", "-out", d / "cert.pem", "-subj", "/CN=tandem-test",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-keyout",
+            d / "key.pem",
+            "-out",
+            d / "cert.pem",
+            "-subj",
+            "/CN=tandem-test",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return d / "cert.pem", d / "key.pem"
 
 
 def test_pd_over_tls(smol_dir, long_ids, cert, tmp_path, monkeypatch):
     cert_file, key_file = cert
     trust = {"TANDEM_CA_FILE": str(cert_file)}
-    with AgentProcess("torch", smol_dir, tmp_path / "p", "--tls-cert", str(cert_file), "--tls-key", str(key_file),
-                      env=trust) as p, \
-            AgentProcess("mlx", smol_dir, tmp_path / "d", "--tls-cert", str(cert_file), "--tls-key", str(key_file),
-                         env=trust) as d:
+    with (
+        AgentProcess(
+            "torch", smol_dir, tmp_path / "p", "--tls-cert", str(cert_file), "--tls-key", str(key_file), env=trust
+        ) as p,
+        AgentProcess(
+            "mlx", smol_dir, tmp_path / "d", "--tls-cert", str(cert_file), "--tls-key", str(key_file), env=trust
+        ) as d,
+    ):
         assert p.url.startswith("https://") and d.url.startswith("https://")
         ids = list(long_ids[:130])
         monkeypatch.setenv("TANDEM_CA_FILE", str(cert_file))  # this process routes, as a panel would

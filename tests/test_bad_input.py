@@ -43,8 +43,9 @@ def cluster(smol_dir, tmp_path_factory):
         stack.callback(d.stop)
         p.wait_ready(), d.wait_ready()  # both load at once
         panel = stack.enter_context(PanelProcess(home / "panel", "--pair", f"pd={p.url},{d.url}"))
-        api = stack.enter_context(httpx.Client(base_url=panel.url, timeout=CALL_TIMEOUT,
-                                               headers={"Authorization": f"Bearer {panel.api_key}"}))
+        api = stack.enter_context(
+            httpx.Client(base_url=panel.url, timeout=CALL_TIMEOUT, headers={"Authorization": f"Bearer {panel.api_key}"})
+        )
         yield {"p": p, "d": d, "panel": panel, "api": api, "node": f"node/{d.status()['name']}"}
 
 
@@ -67,8 +68,9 @@ def alive_and_idle(cluster) -> None:
 
 
 def good(cluster, model: str = "pd") -> None:
-    r = cluster["api"].post("/v1/completions", json={"model": model, "prompt": [1, 2, 3], "max_tokens": 2,
-                                                      "temperature": 0})
+    r = cluster["api"].post(
+        "/v1/completions", json={"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
 
@@ -91,24 +93,45 @@ def test_schemathesis_panel_openai_api(cluster):
     model = {"enum": ["pd", cluster["node"]]}
     # messages the chat template renders, prompts the engine takes; short, as prefill costs seconds
     # per long prompt on a busy CPU
-    message = {"type": "object", "required": ["role", "content"],
-               "properties": {"role": {"enum": ["system", "user", "assistant"]},
-                              "content": {"type": "string", "maxLength": 10}}}
-    prompt = {"anyOf": [{"type": "string", "maxLength": 20}, {"type": "array", "items": {"type": "string"},
-                                                                "minItems": 1, "maxItems": 1},
-                        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1},
-                         "minItems": 1, "maxItems": 8}]}
+    message = {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"enum": ["system", "user", "assistant"]},
+            "content": {"type": "string", "maxLength": 10},
+        },
+    }
+    prompt = {
+        "anyOf": [
+            {"type": "string", "maxLength": 20},
+            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+            {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1},
+                "minItems": 1,
+                "maxItems": 8,
+            },
+        ]
+    }
     small = {"type": "integer", "minimum": 1, "maximum": 4}
-    doc = narrowed(without_headers(doc, "authorization"), {
-        ("ChatBody", "model"): model, ("CompletionBody", "model"): model,
-        ("ChatBody", "n"): {"enum": [1]}, ("CompletionBody", "n"): {"enum": [1]},
-        ("ChatBody", "messages"): {"type": "array", "minItems": 1, "maxItems": 2, "items": message},
-        ("CompletionBody", "prompt"): prompt,
-        ("ChatBody", "max_tokens"): small, ("CompletionBody", "max_tokens"): small,
-        ("ChatBody", "max_completion_tokens"): small, ("CompletionBody", "max_completion_tokens"): small,
-        # the API takes some parameters it does not declare (and refuses unknown ones): valid cases send none
-        ("ChatBody", None): False, ("CompletionBody", None): False,
-    })
+    doc = narrowed(
+        without_headers(doc, "authorization"),
+        {
+            ("ChatBody", "model"): model,
+            ("CompletionBody", "model"): model,
+            ("ChatBody", "n"): {"enum": [1]},
+            ("CompletionBody", "n"): {"enum": [1]},
+            ("ChatBody", "messages"): {"type": "array", "minItems": 1, "maxItems": 2, "items": message},
+            ("CompletionBody", "prompt"): prompt,
+            ("ChatBody", "max_tokens"): small,
+            ("CompletionBody", "max_tokens"): small,
+            ("ChatBody", "max_completion_tokens"): small,
+            ("CompletionBody", "max_completion_tokens"): small,
+            # the API takes some parameters it does not declare (and refuses unknown ones): valid cases send none
+            ("ChatBody", None): False,
+            ("CompletionBody", None): False,
+        },
+    )
     for body in ("ChatBody", "CompletionBody"):  # without it: 256 tokens, more than this context holds
         doc["components"]["schemas"][body]["required"].append("max_tokens")
     COUNTS["panel"] = fuzz(cluster["panel"].url, doc, dict(api.headers), panel_answer, CONTEXT)
@@ -116,12 +139,16 @@ def test_schemathesis_panel_openai_api(cluster):
 
 
 # ---- targeted bad requests through the panel -----------------------------------------------
-ENDPOINTS = [("/v1/chat/completions", False), ("/v1/chat/completions", True),
-             ("/v1/completions", False), ("/v1/completions", True)]
+ENDPOINTS = [
+    ("/v1/chat/completions", False),
+    ("/v1/chat/completions", True),
+    ("/v1/completions", False),
+    ("/v1/completions", True),
+]
 
 
 def request_body(path: str, stream: bool, model: str = "pd", **extra) -> dict:
-    what = ({"messages": [{"role": "user", "content": "Say hi."}]} if "chat" in path else {"prompt": "Say hi."})
+    what = {"messages": [{"role": "user", "content": "Say hi."}]} if "chat" in path else {"prompt": "Say hi."}
     return {"model": model, **what, "max_tokens": 2, "temperature": 0, "stream": stream, **extra}
 
 
@@ -154,9 +181,20 @@ def test_prompt_longer_than_the_context_and_huge_max_tokens(cluster, path, strea
 @pytest.mark.parametrize("path, stream", ENDPOINTS)
 def test_bad_sampling_values(cluster, path, stream):
     api = cluster["api"]
-    for name, value in [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", -1), ("max_tokens", -5),
-                        ("max_completion_tokens", "many"), ("max_completion_tokens", [1]), ("seed", 2**64),
-                        ("seed", "x"), ("presence_penalty", "x"), ("n", 2), ("stop", 3)]:
+    for name, value in [
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("max_tokens", -5),
+        ("max_completion_tokens", "many"),
+        ("max_completion_tokens", [1]),
+        ("seed", 2**64),
+        ("seed", "x"),
+        ("presence_penalty", "x"),
+        ("n", 2),
+        ("stop", 3),
+    ]:
         error = refused(api.post(path, json=request_body(path, stream, **{name: value})), 400, name)
         assert error["param"] == name, error
     # JSON has no NaN or Infinity, but Python's json (and so a lenient client) sends them
@@ -234,7 +272,9 @@ def read_one(s: socket.socket) -> tuple[bytes, bytes]:
     while b"\r\n\r\n" not in data:
         data += s.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    )
     while len(body) < length:
         body += s.recv(65536)
     return head, body
@@ -244,8 +284,10 @@ def head_for(cluster, path: str, length: int | None, close: bool = True) -> byte
     u = urlsplit(cluster["panel"].url)
     framing = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
     connection = "Connection: close\r\n" if close else ""
-    return (f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {cluster['panel'].api_key}\r\n"
-            f"Content-Type: application/json\r\n{framing}\r\n{connection}\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {cluster['panel'].api_key}\r\n"
+        f"Content-Type: application/json\r\n{framing}\r\n{connection}\r\n"
+    ).encode()
 
 
 def test_oversized_bodies_are_refused_without_being_read(cluster):
@@ -253,8 +295,13 @@ def test_oversized_bodies_are_refused_without_being_read(cluster):
 
     # announced as 1 GiB, of which 1 KiB is ever sent: the answer comes from the header alone
     t0 = time.monotonic()
-    with contextlib.closing(raw_http(cluster["panel"].url, head_for(cluster, "/v1/completions", 1 << 30),
-                                     b'{"model": "pd", "prompt": "' + b"x" * 1024)) as s:
+    with contextlib.closing(
+        raw_http(
+            cluster["panel"].url,
+            head_for(cluster, "/v1/completions", 1 << 30),
+            b'{"model": "pd", "prompt": "' + b"x" * 1024,
+        )
+    ) as s:
         answer = read_all(s)
     assert time.monotonic() - t0 < 5
     status, _, body = answer.partition(b"\r\n\r\n")
@@ -264,12 +311,17 @@ def test_oversized_bodies_are_refused_without_being_read(cluster):
     # the rest of it to keep the connection, which then serves the next request
     chunk = b"x" * 65536
     framed = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(MAX_BODY_BYTES // len(chunk) + 2))
-    with contextlib.closing(raw_http(cluster["panel"].url, head_for(cluster, "/v1/chat/completions", None, close=False),
-                                     framed + b"0\r\n\r\n")) as s:
+    with contextlib.closing(
+        raw_http(
+            cluster["panel"].url, head_for(cluster, "/v1/chat/completions", None, close=False), framed + b"0\r\n\r\n"
+        )
+    ) as s:
         head, body = read_one(s)
         assert head.startswith(b"HTTP/1.1 413") and b"larger than the limit" in body, (head, body)
-        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n\r\n"
-                  % cluster["panel"].api_key.encode())
+        s.sendall(
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n\r\n"
+            % cluster["panel"].api_key.encode()
+        )
         head, body = read_one(s)
         assert head.startswith(b"HTTP/1.1 200") and b'"pd"' in body, (head, body)
     # through an ordinary client, both endpoints
@@ -280,8 +332,11 @@ def test_oversized_bodies_are_refused_without_being_read(cluster):
 
 
 def sse_request(cluster, max_tokens: int, rcvbuf: int | None = None) -> socket.socket:
-    body = httpx.Request("POST", "/", json={"model": "pd", "prompt": "Once upon a time", "max_tokens": max_tokens,
-                                            "temperature": 0, "stream": True}).content
+    body = httpx.Request(
+        "POST",
+        "/",
+        json={"model": "pd", "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": True},
+    ).content
     return raw_http(cluster["panel"].url, head_for(cluster, "/v1/completions", len(body)), body, rcvbuf=rcvbuf)
 
 

@@ -14,10 +14,28 @@ from .netns import needs_netns
 
 
 def run_bench(tmp_path, *args: str, env: dict | None = None) -> dict:
-    out = subprocess.run([TANDEM, "bench", "ttft", "--samples", "1", "--warmup", "0", "--max-tokens", "4",
-                          "--out", str(tmp_path), "--panel-dir", str(tmp_path / "panel"), *args],
-                         capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "COLUMNS": "200", **(env or {})})
+    out = subprocess.run(
+        [
+            TANDEM,
+            "bench",
+            "ttft",
+            "--samples",
+            "1",
+            "--warmup",
+            "0",
+            "--max-tokens",
+            "4",
+            "--out",
+            str(tmp_path),
+            "--panel-dir",
+            str(tmp_path / "panel"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [result] = [json.loads(p.read_text()) for p in tmp_path.glob("ttft-*.json")]
     assert json.loads((tmp_path / "panel" / "bench" / "ttft-latest.json").read_text()) == result  # for the panel
@@ -34,12 +52,14 @@ def check_cells(result: dict, lengths: list[int], columns: set[str], pairs: tupl
         if "->" in c["column"] or c["column"] in pairs:
             b = c["bound"]
             assert b["prefill_seconds"] > 0 and b["transfer_seconds"] > 0 and b["pages"] == -(-c["tokens"] // 64)
-            assert b["seconds"] == pytest.approx(max(b["prefill_seconds"], b["transfer_seconds"])
-                                                 + b["decode_step_seconds"])
+            assert b["seconds"] == pytest.approx(
+                max(b["prefill_seconds"], b["transfer_seconds"]) + b["decode_step_seconds"]
+            )
             assert c["ttft_over_bound"] == pytest.approx(c["ttft"]["median"] / b["seconds"])
             # the looser figure beside it: D's measured step added whatever the mode
-            assert b["with_d_step_seconds"] == pytest.approx(max(b["prefill_seconds"], b["transfer_seconds"])
-                                                             + b["d_step_measured_seconds"])
+            assert b["with_d_step_seconds"] == pytest.approx(
+                max(b["prefill_seconds"], b["transfer_seconds"]) + b["d_step_measured_seconds"]
+            )
             assert b["d_step_measured_seconds"] > 0 and b["with_d_step_seconds"] >= b["seconds"]
             assert c["ttft_over_bound_with_d_step"] == pytest.approx(c["ttft"]["median"] / b["with_d_step_seconds"])
             own = c["ttft_minus_own_prefill"]  # every measured request went P->D
@@ -58,15 +78,29 @@ def test_bench_ttft_on_a_shaped_link(tmp_path):
     """Agents in two namespaces joined by a veth pair shaped to 40 MB/s: the raw TCP throughput
     measured in the run shows the shaping, and everything is torn down afterwards."""
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    result = run_bench(tmp_path, "--lengths", "51", "--link", "shaped", "--rate", "40", "--direction", "a2b",
-                       "--prefill", "torch", "--decode", "torch")
+    result = run_bench(
+        tmp_path,
+        "--lengths",
+        "51",
+        "--link",
+        "shaped",
+        "--rate",
+        "40",
+        "--direction",
+        "a2b",
+        "--prefill",
+        "torch",
+        "--decode",
+        "torch",
+    )
     check_cells(result, [51], {"node/a-torch", "node/b-torch", "a-torch->b-torch"})
     link = result["link_measured"]["a-torch->b-torch"]
     assert 20e6 < link["bytes_per_second"] < 44e6, link
     # the product's page stream over the same shaped link, checked frames and all
     assert 20e6 < link["page_stream"]["bytes_per_second"] < 44e6, link
-    assert link["page_stream_over_raw_tcp"] == pytest.approx(link["page_stream"]["bytes_per_second"]
-                                                            / link["bytes_per_second"])
+    assert link["page_stream_over_raw_tcp"] == pytest.approx(
+        link["page_stream"]["bytes_per_second"] / link["bytes_per_second"]
+    )
     # the default 0.3 ms each way: netem where the kernel has it, and said plainly where it has not
     lm, md = result["link_measured"], next(tmp_path.glob("ttft-*.md")).read_text()
     assert lm["asked_delay_ms"] == 0.3 and lm["emulated_delay_ms"] in (0.0, 0.3)
@@ -78,12 +112,19 @@ def test_bench_ttft_against_a_running_panel(tmp_path, smol_dir):
     """`--panel URL`: the models of a panel someone already runs (its pairs and paired nodes, read
     from its database), nothing started; each pair's link measured by its decoder pulling pages
     from its prefiller (POST /v1/bench/link), checked against an unknown model name first."""
-    with AgentProcess("torch", smol_dir, tmp_path / "p") as p, AgentProcess("torch", smol_dir, tmp_path / "d") as d, \
-            PanelProcess(tmp_path, "--pair", f"duo={p.url},{d.url}") as panel:
+    with (
+        AgentProcess("torch", smol_dir, tmp_path / "p") as p,
+        AgentProcess("torch", smol_dir, tmp_path / "d") as d,
+        PanelProcess(tmp_path, "--pair", f"duo={p.url},{d.url}") as panel,
+    ):
         args = ("--lengths", "51", "--panel", panel.url, "--api-key", panel.api_key)
-        refused = subprocess.run([TANDEM, "bench", "ttft", *args, "--models", "duo,nope", "--panel-dir",
-                                  str(tmp_path / "panel")], capture_output=True, text=True, timeout=300,
-                                 env={**os.environ, "TANDEM_CLUSTER_KEY": TEST_KEY, "COLUMNS": "200"})
+        refused = subprocess.run(
+            [TANDEM, "bench", "ttft", *args, "--models", "duo,nope", "--panel-dir", str(tmp_path / "panel")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "TANDEM_CLUSTER_KEY": TEST_KEY, "COLUMNS": "200"},
+        )
         assert refused.returncode != 0 and "the panel has no model nope" in refused.stdout + refused.stderr
         result = run_bench(tmp_path, *args, env={"TANDEM_CLUSTER_KEY": TEST_KEY})
         names = {p.status()["name"], d.status()["name"]}

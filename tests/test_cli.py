@@ -14,8 +14,13 @@ TANDEM = str(Path(sys.executable).with_name("tandem"))
 
 
 def tandem(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([TANDEM, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})})
+    return subprocess.run(
+        [TANDEM, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
 
 
 def test_demo_streams_an_answer_through_torch_to_mlx(smol_dir):

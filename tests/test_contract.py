@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from engine_adapters import contract as contract_mod
-from engine_adapters.contract import HashCache, compute_contract, token_digest
-from engine_adapters.errors import ContractMismatch
-from engine_adapters.model_dir import inspect_model
+from tandem_protocol import contract as contract_mod
+from tandem_protocol.contract import HashCache, compute_contract, token_digest
+from tandem_protocol.errors import ContractMismatch
+from tandem_protocol.model_dir import inspect_model
 
 from .conftest import make_tiny_checkpoint
 
@@ -44,12 +44,19 @@ def flip_weight_byte(path):
     file.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("edit, field", [
-    (flip_weight_byte, "weights"),
-    (lambda p: (p / "chat_template.jinja").write_text("{{ messages }}"), "tokenizer"),
-    (lambda p: (p / "config.json").write_text(json.dumps(
-        {**json.loads((p / "config.json").read_text()), "rope_theta": 5000.0})), "config"),
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (flip_weight_byte, "weights"),
+        (lambda p: (p / "chat_template.jinja").write_text("{{ messages }}"), "tokenizer"),
+        (
+            lambda p: (p / "config.json").write_text(
+                json.dumps({**json.loads((p / "config.json").read_text()), "rope_theta": 5000.0})
+            ),
+            "config",
+        ),
+    ],
+)
 def test_a_changed_file_is_named(tiny, tmp_path, edit, field):
     other = variant(tiny, tmp_path, edit)
     with pytest.raises(ContractMismatch) as e:
@@ -74,8 +81,13 @@ def test_several_differences_are_all_named(tiny, tmp_path):
 
 
 def test_volatile_config_keys_do_not_change_the_contract(tiny, tmp_path):
-    other = variant(tiny, tmp_path, lambda p: (p / "config.json").write_text(json.dumps(
-        {**json.loads((p / "config.json").read_text()), "transformers_version": "9.9.9"})))
+    other = variant(
+        tiny,
+        tmp_path,
+        lambda p: (p / "config.json").write_text(
+            json.dumps({**json.loads((p / "config.json").read_text()), "transformers_version": "9.9.9"})
+        ),
+    )
     contract_of(tiny).check_same(other)
 
 
@@ -83,8 +95,10 @@ def test_token_digest_sees_order_length_and_values():
     base = token_digest([1, 2, 3])
     assert len(base) == 16
     assert base == token_digest([1, 2, 3])
-    assert len({base, token_digest([3, 2, 1]), token_digest([1, 2]), token_digest([1, 2, 3, 0]),
-                token_digest([1, 2, 4])}) == 5
+    assert (
+        len({base, token_digest([3, 2, 1]), token_digest([1, 2]), token_digest([1, 2, 3, 0]), token_digest([1, 2, 4])})
+        == 5
+    )
 
 
 def test_weight_hashes_are_cached_by_file_identity(tiny, tmp_path, monkeypatch):

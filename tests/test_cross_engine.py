@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_adapters.base import EngineRequest, FirstTokenMode
-from engine_adapters.pages import KVPage
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineRequest
 from node_agent.inprocess import run_pair
+from tandem_protocol.handoff import FirstTokenMode
+from tandem_protocol.pages import KVPage
+from tandem_protocol.sampling import SamplingParams
 
 from .conftest import collect, max_abs_diff, own_greedy, run, write_report
 
@@ -82,11 +83,19 @@ def test_cross_engine_agreement(engines, direction):
         own = own_greedy(decoder, ids, sampling.max_tokens)
         agree += pd == own
         rows.append({"prompt": text, "mode": mode.value, "logit_max_abs_diff": diffs[-1], "greedy_equal": pd == own})
-    figures = {"direction": "->".join(direction), "prompts": len(PROMPTS), "greedy_agreement": agree,
-               "logit_max_abs_diff_max": max(diffs), "logit_max_abs_diff_median": float(np.median(diffs)),
-               "logit_tolerance": LOGIT_TOLERANCE, "rows": rows}
+    figures = {
+        "direction": "->".join(direction),
+        "prompts": len(PROMPTS),
+        "greedy_agreement": agree,
+        "logit_max_abs_diff_max": max(diffs),
+        "logit_max_abs_diff_median": float(np.median(diffs)),
+        "logit_tolerance": LOGIT_TOLERANCE,
+        "rows": rows,
+    }
     write_report(f"cross_engine_{direction[0]}_to_{direction[1]}", figures)
-    print(f"\n{figures['direction']}: greedy agreement {agree}/{len(PROMPTS)}, first-step logits max abs diff "
-          f"max {max(diffs):.4f} median {np.median(diffs):.4f} (tolerance {LOGIT_TOLERANCE})")
+    print(
+        f"\n{figures['direction']}: greedy agreement {agree}/{len(PROMPTS)}, first-step logits max abs diff "
+        f"max {max(diffs):.4f} median {np.median(diffs):.4f} (tolerance {LOGIT_TOLERANCE})"
+    )
     assert max(diffs) <= LOGIT_TOLERANCE
     assert agree >= MIN_AGREEMENT

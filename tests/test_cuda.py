@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from engine_adapters import load_adapter
-from engine_adapters.base import EngineRequest, FirstTokenMode
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineRequest
 from node_agent.inprocess import run_pair
+from tandem_protocol.handoff import FirstTokenMode
+from tandem_protocol.sampling import SamplingParams
 
 from .conftest import collect, make_tiny_checkpoint, max_abs_diff, run
 from .test_cross_engine import first_step_logits
@@ -31,12 +32,21 @@ def gpu_and_cpu(tmp_path_factory):
     tokenizer_dir = os.environ.get("TANDEM_TOKENIZER_DIR")
     if not tokenizer_dir:
         from engine_adapters.embedded_model import fetch
-        from node_agent.settings import data_dir
+        from tandem_protocol.paths import data_dir
 
         tokenizer_dir = fetch(data_dir())[0]
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("cuda") / "m", "llama", Path(tokenizer_dir), seed=5,
-                                num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=64, intermediate_size=512)
+    path = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("cuda") / "m",
+        "llama",
+        Path(tokenizer_dir),
+        seed=5,
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+    )
     gpu = load_adapter("torch", path, context_length=512)
     assert gpu.device.type == "cuda" and gpu.dtype == torch.float16
     cpu = load_adapter("torch", path, context_length=512, device="cpu")
@@ -65,6 +75,8 @@ def test_gpu_pages_decode_on_cpu(gpu_and_cpu, n):
     gpu, cpu = gpu_and_cpu
     imported, local = run(first_step_logits(gpu, cpu, ids_of(n)))
     diff = max_abs_diff(imported, local)
-    print(f"\nCUDA FP16 -> CPU float32, {n} tokens: first-step logits max abs diff {diff:.4f} "
-          f"(logit range {np.ptp(local):.2f})")
+    print(
+        f"\nCUDA FP16 -> CPU float32, {n} tokens: first-step logits max abs diff {diff:.4f} "
+        f"(logit range {np.ptp(local):.2f})"
+    )
     assert diff <= 0.02 * float(np.ptp(local))

@@ -7,11 +7,14 @@ import pytest
 from node_agent.app import _Incremental
 
 
-@pytest.mark.parametrize("text", [
-    "Hello, world! Ünïcödé — 日本語のテキスト 🚀🎉 and a family 👩‍👩‍👧",
-    "  leading spaces\n\nnew lines\ttabs and trailing space ",
-    "The capital of France is Paris.",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world! Ünïcödé — 日本語のテキスト 🚀🎉 and a family 👩‍👩‍👧",
+        "  leading spaces\n\nnew lines\ttabs and trailing space ",
+        "The capital of France is Paris.",
+    ],
+)
 def test_deltas_add_up(engines, text):
     adapter = engines["torch"]
     ids = adapter.encode(text) + [2]  # ends with <|im_end|>, which decodes to nothing

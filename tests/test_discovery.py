@@ -14,10 +14,11 @@ import sys
 
 import pytest
 
-from node_agent.discovery import ANNOUNCED_KEYS, Announcer
+from tandem_protocol.discovery import ANNOUNCED_KEYS, Announcer
 
 from .agents import TANDEM, TEST_KEY, AgentProcess
 from .netns import needs_netns, sh
+
 
 @pytest.fixture(scope="module")
 def two_hosts():
@@ -41,10 +42,18 @@ def two_hosts():
 
 
 def browse_in(ns: str, addr: str, seconds: float = 4.0) -> list[dict]:
-    code = ("import asyncio, json; from node_agent.discovery import browse; "
-            f"print(json.dumps([p.__dict__ for p in asyncio.run(browse({seconds}, ['{addr}']))]))")
-    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], check=True,
-                         capture_output=True, text=True, cwd=os.getcwd(), timeout=60)
+    code = (
+        "import asyncio, json; from tandem_protocol.discovery import browse; "
+        f"print(json.dumps([p.__dict__ for p in asyncio.run(browse({seconds}, ['{addr}']))]))"
+    )
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=os.getcwd(),
+        timeout=60,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -52,8 +61,10 @@ def browse_in(ns: str, addr: str, seconds: float = 4.0) -> list[dict]:
 def test_agents_find_each_other(two_hosts, smol_dir, tmp_path):
     (ns_a, _, addr_a), (ns_b, _, addr_b) = two_hosts["a"], two_hosts["b"]
     mdns = ("--mdns", "--mdns-interface")
-    with AgentProcess("torch", smol_dir, tmp_path / "a", *mdns, addr_a, host=addr_a, netns=ns_a) as a, \
-            AgentProcess("mlx", smol_dir, tmp_path / "b", *mdns, addr_b, host=addr_b, netns=ns_b) as b:
+    with (
+        AgentProcess("torch", smol_dir, tmp_path / "a", *mdns, addr_a, host=addr_a, netns=ns_a) as a,
+        AgentProcess("mlx", smol_dir, tmp_path / "b", *mdns, addr_b, host=addr_b, netns=ns_b) as b,
+    ):
         seen_from_a = {p["properties"]["name"]: p for p in browse_in(ns_a, addr_a)}
         seen_from_b = {p["properties"]["name"]: p for p in browse_in(ns_b, addr_b)}
         peer_b, peer_a = seen_from_a["mlx-b"], seen_from_b["torch-a"]
@@ -65,9 +76,13 @@ def test_agents_find_each_other(two_hosts, smol_dir, tmp_path):
             assert set(peer["properties"]) <= set(ANNOUNCED_KEYS)
             assert TEST_KEY not in json.dumps(peer)  # no secret on the LAN
         # the CLI shows the peer with a measured round-trip time over the veth link
-        out = subprocess.run(["ip", "netns", "exec", ns_a, TANDEM, "agent", "peers", "--seconds", "3",
-                              "--interface", addr_a], capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "COLUMNS": "200", "TANDEM_CLUSTER_KEY": TEST_KEY}).stdout
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns_a, TANDEM, "agent", "peers", "--seconds", "3", "--interface", addr_a],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "200", "TANDEM_CLUSTER_KEY": TEST_KEY},
+        ).stdout
         assert "mlx-b" in out and " ms" in out, out
         b.stop()  # withdrawn on shutdown
         assert "mlx-b" not in {p["properties"]["name"] for p in browse_in(ns_a, addr_a, 3.0)}

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from engine_adapters.engine_server import EngineServer
-from engine_adapters.errors import TandemError
+from tandem_protocol.errors import TandemError
 
 # binds the port it is given (as vLLM and SGLang do theirs) and answers /health
 SERVER = """

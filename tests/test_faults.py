@@ -25,8 +25,7 @@ import pytest
 
 from control_panel.models import RequestLog
 
-from .agents import (AgentProcess, PanelProcess, TamperProxy, generate_request, log_rows, settle, tokens_of,
-                     wait_for)
+from .agents import AgentProcess, PanelProcess, TamperProxy, generate_request, log_rows, settle, tokens_of, wait_for
 from .conftest import run
 from .netns import needs_netns
 
@@ -55,14 +54,25 @@ class Cluster:
         # D reaches the proxy on the root namespace's end of its own veth; the proxy reaches P
         # through the root namespace (not the shaped link): damage, not speed, is its job.
         self.proxy = TamperProxy(AGENT_PORT, upstream_host=self.p_place.addr, host="10.241.2.1", port=PROXY_PORT)
-        self.panel = self.start_panel("--pair", f"f={self.p.url},{self.d.url}",
-                                      "--pair", f"t={self.proxy.url},{self.d.url}")
+        self.panel = self.start_panel(
+            "--pair", f"f={self.p.url},{self.d.url}", "--pair", f"t={self.proxy.url},{self.d.url}"
+        )
 
     def start_agent(self, role: str, env: dict | None = None) -> AgentProcess:
         engine, place = ("mlx", self.p_place) if role == "p" else ("torch", self.d_place)
-        agent = AgentProcess(engine, self.smol_dir, self.home / role, "--stall-timeout", STALL,
-                             "--staging-bytes", "256MiB", host="0.0.0.0", netns=place.netns, port=AGENT_PORT,
-                             env=env)
+        agent = AgentProcess(
+            engine,
+            self.smol_dir,
+            self.home / role,
+            "--stall-timeout",
+            STALL,
+            "--staging-bytes",
+            "256MiB",
+            host="0.0.0.0",
+            netns=place.netns,
+            port=AGENT_PORT,
+            env=env,
+        )
         agent.wait_ready(300)
         agent.url = f"http://{place.addr}:{AGENT_PORT}"  # it announced 0.0.0.0; peers use this
         return agent
@@ -127,14 +137,15 @@ class Request:
 
     def _run(self, client, model, ids, max_tokens) -> None:
         try:
-            for chunk in client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
-                                                   stream=True):
+            for chunk in client.completions.create(
+                model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True
+            ):
                 self.text += chunk.choices[0].text if chunk.choices else ""
                 self.chunks += 1
         except Exception as e:  # what the client sees is what the test checks
             self.error = e
 
-    def result(self, timeout: float = 120) -> "Request":
+    def result(self, timeout: float = 120) -> Request:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "the request hung"
         return self
@@ -148,9 +159,11 @@ def pages_sent(agent: AgentProcess) -> int:
 def last_row(c: Cluster) -> RequestLog:
     """The newest request's row once it is final (a streaming client may see [DONE] a moment
     before the panel has written how the request ended)."""
+
     def final():
         rows = c.log()
         return rows[-1] if rows and rows[-1].outcome != "running" else None
+
     return wait_for(final, 10)
 
 
@@ -199,10 +212,14 @@ def test_link_cut_mid_transfer_stalls_out_and_falls_back(cluster):
     c.idle()
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (dict(flip_at=300_000), "checksum mismatch on page 0"),
-    (dict(cut_at=700_000), "broke off"),
-], ids=["flipped-bit", "truncated"])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (dict(flip_at=300_000), "checksum mismatch on page 0"),
+        (dict(cut_at=700_000), "broke off"),
+    ],
+    ids=["flipped-bit", "truncated"],
+)
 def test_damaged_stream_falls_back_and_decodes_nothing_damaged(cluster, damage, reason):
     c, ids = cluster, ids_for(300, 4)
     expected = alone(c, ids, 8)
@@ -238,8 +255,12 @@ def test_a_slow_link_holds_memory_flat(cluster):
     # P stages every page it reserved (1x KV) on top of MLX's own working memory for the prompt;
     # D holds the prompt's KV in its cache plus a few pages in flight. Without back-pressure the
     # wire would buffer the whole stream again on either side.
-    print(f"\nRSS growth over a 16-page stream at {RATE_MBYTES:g} MB/s: "
-          + ", ".join(f"{r.upper()} {(peak[r] - base[r]) / 2**20:.0f} MiB ({g:.2f}x the prompt's KV)" for r, g in grew.items()))
+    print(
+        f"\nRSS growth over a 16-page stream at {RATE_MBYTES:g} MB/s: "
+        + ", ".join(
+            f"{r.upper()} {(peak[r] - base[r]) / 2**20:.0f} MiB ({g:.2f}x the prompt's KV)" for r, g in grew.items()
+        )
+    )
     assert grew["p"] < 4 and grew["d"] < 3, {r: f"{g:.2f}x KV" for r, g in grew.items()}
     c.idle()
 

@@ -14,9 +14,11 @@ from .load import BUDGET_PAGES, PAGE_BYTES, check_load
 def cluster(request, smol_dir, tmp_path_factory):
     engine = request.param
     home = tmp_path_factory.mktemp(f"load-{engine}")
-    with AgentProcess(engine, smol_dir, home / "p", "--staging-bytes", str(BUDGET_PAGES * PAGE_BYTES)) as p, \
-            AgentProcess(engine, smol_dir, home / "d") as d, \
-            PanelProcess(home, "--pair", f"pd={p.url},{d.url}") as panel:
+    with (
+        AgentProcess(engine, smol_dir, home / "p", "--staging-bytes", str(BUDGET_PAGES * PAGE_BYTES)) as p,
+        AgentProcess(engine, smol_dir, home / "d") as d,
+        PanelProcess(home, "--pair", f"pd={p.url},{d.url}") as panel,
+    ):
         yield engine, p, d, panel, home
 
 

@@ -30,8 +30,17 @@ def used() -> dict[str, list[str]]:
 
 def test_extraction_finds_the_ui(used):
     assert len(used) > 100
-    for msg in ("Nodes", "Pairs", "Playground", "Requests", "Help", "Settings", "Log in",
-                "Decode alone (run on the decoder)", "1. Start an agent on each machine"):
+    for msg in (
+        "Nodes",
+        "Pairs",
+        "Playground",
+        "Requests",
+        "Help",
+        "Settings",
+        "Log in",
+        "Decode alone (run on the decoder)",
+        "1. Start an agent on each machine",
+    ):
         assert msg in used, msg
 
 

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from engine_adapters.errors import UnsupportedModel
-from engine_adapters.model_dir import inspect_model
+from tandem_protocol.errors import UnsupportedModel
+from tandem_protocol.model_dir import inspect_model
 
 from .conftest import make_tiny_checkpoint
 
@@ -29,18 +29,26 @@ def with_config(tiny, tmp_path, **changes):
 
 def test_embedded_model_geometry(smol_dir):
     info = inspect_model(smol_dir)
-    assert (info.model_type, info.geometry.layers, info.geometry.kv_heads, info.geometry.head_dim) == ("llama", 30, 3, 64)
+    assert (info.model_type, info.geometry.layers, info.geometry.kv_heads, info.geometry.head_dim) == (
+        "llama",
+        30,
+        3,
+        64,
+    )
     assert info.max_context == 8192 and info.eos_token_ids == {2}
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"use_sliding_window": True, "sliding_window": 64}, "sliding-window"),
-    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
-    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantized"),
-    ({"quantization": {"group_size": 64, "bits": 4}}, "quantized"),
-    ({"vision_config": {"hidden_size": 32}}, "multimodal"),
-    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"use_sliding_window": True, "sliding_window": 64}, "sliding-window"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantized"),
+        ({"quantization": {"group_size": 64, "bits": 4}}, "quantized"),
+        ({"vision_config": {"hidden_size": 32}}, "multimodal"),
+        ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    ],
+)
 def test_refused_configs_say_why(tiny, tmp_path, changes, message):
     with pytest.raises(UnsupportedModel, match=message):
         inspect_model(with_config(tiny, tmp_path, **changes))

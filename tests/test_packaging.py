@@ -25,17 +25,46 @@ print("ok", control_panel.__file__)
 
 
 def test_the_panel_runs_from_a_wheel(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    tmp_path / "dist", ROOT], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            tmp_path / "dist",
+            ROOT,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     wheel = next((tmp_path / "dist").glob("tandem-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for needed in ("control_panel/templates/base.html", "control_panel/templates/help.html",
-                   "control_panel/locales/ja/LC_MESSAGES/messages.po", "control_panel/static/htmx.min.js",
-                   "control_panel/migrations/env.py"):
+    for needed in (
+        "control_panel/templates/base.html",
+        "control_panel/templates/help.html",
+        "control_panel/locales/ja/LC_MESSAGES/messages.po",
+        "control_panel/static/htmx.min.js",
+        "control_panel/migrations/env.py",
+    ):
         assert needed in names, needed
     target = tmp_path / "target"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel],
-                   check=True, capture_output=True, timeout=600)
-    out = subprocess.run([sys.executable, "-c", CHECK, tmp_path / "data"], capture_output=True, text=True,
-                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)}, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK, tmp_path / "data"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(target)},
+        timeout=300,
+    )
     assert out.returncode == 0 and out.stdout.startswith("ok " + str(target)), out.stdout + out.stderr

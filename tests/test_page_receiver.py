@@ -12,11 +12,11 @@ import json
 import numpy as np
 import pytest
 
-from engine_adapters.base import PrefillDone
-from engine_adapters.errors import FrameError
-from engine_adapters.pages import FrameExpectation, KVPage, PageGeometry, frame_bytes, make_page
-from node_agent.client import AgentClient, AgentHTTPError, TransportError
-from node_agent.wire import done_frame
+from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
+from tandem_protocol.errors import FrameError
+from tandem_protocol.handoff import PrefillDone
+from tandem_protocol.pages import FrameExpectation, KVPage, PageGeometry, frame_bytes, make_page
+from tandem_protocol.wire import done_frame
 
 GEOMETRY = PageGeometry(layers=2, kv_heads=1, head_dim=8)
 ROOM, TOKENS, CONTRACT = bytes(range(16)), bytes(range(16, 32)), bytes(range(32, 48))
@@ -25,10 +25,13 @@ EXPECT = FrameExpectation(CONTRACT, ROOM, TOKENS, GEOMETRY)
 
 def body(pages: int = 3, g: PageGeometry = GEOMETRY) -> tuple[bytes, list[np.ndarray]]:
     rng = np.random.default_rng(pages)
-    kvs = [rng.standard_normal((g.layers, 2, 64 if i < pages - 1 else 5, g.kv_heads, g.head_dim)).astype("<f2")
-           for i in range(pages)]
-    frames = b"".join(frame_bytes(make_page(g, i, kv), contract=CONTRACT, room=ROOM, tokens=TOKENS)
-                      for i, kv in enumerate(kvs))
+    kvs = [
+        rng.standard_normal((g.layers, 2, 64 if i < pages - 1 else 5, g.kv_heads, g.head_dim)).astype("<f2")
+        for i in range(pages)
+    ]
+    frames = b"".join(
+        frame_bytes(make_page(g, i, kv), contract=CONTRACT, room=ROOM, tokens=TOKENS) for i, kv in enumerate(kvs)
+    )
     return frames + done_frame(PrefillDone(7, 64 * (pages - 1) + 5, pages, 0.1)), kvs
 
 
@@ -36,7 +39,7 @@ def chunked(data: bytes, sizes: list[int], trailer: bytes = b"") -> bytes:
     out, pos, i = bytearray(), 0, 0
     while pos < len(data):
         n = sizes[i % len(sizes)]
-        out += b"%x;ext=1\r\n" % len(data[pos:pos + n]) + data[pos:pos + n] + b"\r\n"
+        out += b"%x;ext=1\r\n" % len(data[pos : pos + n]) + data[pos : pos + n] + b"\r\n"
         pos, i = pos + n, i + 1
     return bytes(out + b"0\r\n" + trailer + b"\r\n")
 
@@ -55,7 +58,7 @@ class Server:
                 await r.readuntil(b"\r\n\r\n")
                 data = self.responses.pop(0)
                 for i in range(0, len(data), self.drip or len(data)):
-                    w.write(data[i:i + (self.drip or len(data))])
+                    w.write(data[i : i + (self.drip or len(data))])
                     await w.drain()
                 if self.close_after:
                     break
@@ -72,8 +75,11 @@ class Server:
 
 
 def ok(payload: bytes, *headers: str) -> bytes:
-    return ("HTTP/1.1 200 OK\r\ncontent-type: application/x-tandem-pages\r\ntransfer-encoding: chunked\r\n"
-            + "".join(h + "\r\n" for h in headers) + "\r\n").encode() + payload
+    return (
+        "HTTP/1.1 200 OK\r\ncontent-type: application/x-tandem-pages\r\ntransfer-encoding: chunked\r\n"
+        + "".join(h + "\r\n" for h in headers)
+        + "\r\n"
+    ).encode() + payload
 
 
 async def pull(client: AgentClient, expect: FrameExpectation = EXPECT) -> list:
@@ -128,8 +134,11 @@ def test_http_errors_and_broken_streams_say_what_happened():
 
     async def main():
         cases = [
-            (b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n" % len(err) + err, AgentHTTPError,
-             "404 HandoffError: no handoff for room"),
+            (
+                b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n" % len(err) + err,
+                AgentHTTPError,
+                "404 HandoffError: no handoff for room",
+            ),
             (ok(chunked(data[:-20], [4096])), FrameError, "truncated"),  # clean end, no final frame
             (ok(chunked(data, [4096])[:3000]), TransportError, "connection closed after"),  # cut mid-stream
             (ok(b"zz\r\n"), TransportError, "malformed chunk size"),
@@ -148,7 +157,7 @@ def test_http_errors_and_broken_streams_say_what_happened():
 
 def test_a_slow_decoder_pauses_the_socket():
     """Pages the decoder has not taken yet are bounded (QUEUE_PAGES); the rest waits in TCP."""
-    from node_agent import page_receiver
+    from tandem_protocol import page_receiver
 
     big = PageGeometry(layers=4, kv_heads=2, head_dim=64)  # 128 KiB pages: 40 overflow socket buffers
     data, kvs = body(40, big)
@@ -172,23 +181,31 @@ def _page_app(frames: list):
     from starlette.applications import Starlette
     from starlette.routing import Route
 
-    from node_agent.http_server import PageStreamResponse
+    from tandem_protocol.http_server import PageStreamResponse
 
     async def pages(request):
         async def gen():
             for f in frames:
                 yield f
+
         return PageStreamResponse(gen())
 
     return Starlette(routes=[Route("/pages", pages, methods=["GET", "HEAD"])])
 
 
 def _frames(pages: int = 3) -> tuple[list, bytes]:
-    from engine_adapters.pages import encode_frame
+    from tandem_protocol.pages import encode_frame
 
     g, rng = GEOMETRY, np.random.default_rng(1)
-    out = [encode_frame(make_page(g, i, rng.standard_normal((g.layers, 2, 64, g.kv_heads, g.head_dim)).astype("<f2")),
-                        contract=CONTRACT, room=ROOM, tokens=TOKENS) for i in range(pages)]
+    out = [
+        encode_frame(
+            make_page(g, i, rng.standard_normal((g.layers, 2, 64, g.kv_heads, g.head_dim)).astype("<f2")),
+            contract=CONTRACT,
+            room=ROOM,
+            tokens=TOKENS,
+        )
+        for i in range(pages)
+    ]
     out.append(done_frame(PrefillDone(7, 64 * pages, pages, 0.1)))
     return out, b"".join(bytes(p) for f in out for p in (f if isinstance(f, tuple) else (f,)))
 
@@ -201,7 +218,7 @@ def test_page_response_sends_one_chunk_per_frame_on_the_agent_server_and_joins_e
     import uvicorn
     from starlette.testclient import TestClient
 
-    from node_agent.http_server import PageStreamProtocol
+    from tandem_protocol.http_server import PageStreamProtocol
 
     frames, whole = _frames()
     with TestClient(_page_app(frames)) as tc:

@@ -9,11 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_adapters.contract import token_digest
-from engine_adapters.errors import ContractMismatch, FrameError
-from engine_adapters.pages import (
-    HEADER_SIZE, KV_DTYPE, PAGE_TOKENS, FrameExpectation, PageGeometry, decode_frame, frame_bytes,
-    make_page, parse_header,
+from tandem_protocol.contract import token_digest
+from tandem_protocol.errors import ContractMismatch, FrameError
+from tandem_protocol.pages import (
+    HEADER_SIZE,
+    KV_DTYPE,
+    PAGE_TOKENS,
+    FrameExpectation,
+    PageGeometry,
+    decode_frame,
+    frame_bytes,
+    make_page,
+    parse_header,
 )
 
 CONTRACT = bytes(range(16))
@@ -23,8 +30,11 @@ TOKENS = token_digest([1, 2, 3])
 
 @st.composite
 def pages(draw):
-    geometry = PageGeometry(layers=draw(st.integers(1, 6)), kv_heads=draw(st.integers(1, 4)),
-                            head_dim=draw(st.sampled_from([1, 8, 16, 64, 80, 128])))
+    geometry = PageGeometry(
+        layers=draw(st.integers(1, 6)),
+        kv_heads=draw(st.integers(1, 4)),
+        head_dim=draw(st.sampled_from([1, 8, 16, 64, 80, 128])),
+    )
     valid = draw(st.integers(1, PAGE_TOKENS))
     index = draw(st.integers(0, 2**32 - 1))
     shape = geometry.page_shape[:2] + (valid,) + geometry.page_shape[3:]
@@ -52,7 +62,7 @@ def test_round_trip_is_bit_exact(case):
     assert back.index == index and back.valid_tokens == kv.shape[2]
     assert back.kv.view(np.uint16).tobytes() == kv.view(np.uint16).tobytes()
     # slots past the valid tokens are zero bytes
-    assert not back.data[:, :, kv.shape[2]:].view(np.uint16).any()
+    assert not back.data[:, :, kv.shape[2] :].view(np.uint16).any()
 
 
 @settings(max_examples=200, deadline=None)
@@ -126,8 +136,8 @@ def test_compressed_frames_round_trip_exactly_and_fail_clearly():
     """Byte planes + zstd is lossless: the receiver gets the canonical FP16 bytes back, through
     the streaming reader in any chunking; a flipped bit fails the checksum, and a frame whose
     checksum is right but whose payload is not zstd fails with its own message."""
-    from engine_adapters.pages import _HEADER, HEADER_SIZE, ZSTD_PLANES, checksum_finish, encode_frame
-    from node_agent.wire import FrameReader
+    from tandem_protocol.pages import _HEADER, HEADER_SIZE, ZSTD_PLANES, checksum_finish, encode_frame
+    from tandem_protocol.wire import FrameReader
 
     g = PageGeometry(layers=2, kv_heads=3, head_dim=8)
     rng = np.random.default_rng(3)
@@ -140,7 +150,7 @@ def test_compressed_frames_round_trip_exactly_and_fail_clearly():
     assert back.data.tobytes() == page.data.tobytes() and back.valid_tokens == 40
     for step in (1, 7, 100, len(frame)):
         reader = FrameReader(FrameExpectation(b"c" * 16, b"r" * 16, b"t" * 16, g))
-        got = [item for i in range(0, len(frame), step) for item in reader.feed(frame[i:i + step])]
+        got = [item for i in range(0, len(frame), step) for item in reader.feed(frame[i : i + step])]
         assert got[0].data.tobytes() == page.data.tobytes()
     flipped = bytearray(frame)
     flipped[-5] ^= 1

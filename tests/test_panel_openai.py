@@ -45,8 +45,16 @@ def test_chat_stream_and_usage(cluster, pair):
     whole = client.chat.completions.create(model=pair, messages=messages, max_tokens=20, temperature=0)
     assert whole.choices[0].message.content.strip() == "The capital of France is Paris."
     assert whole.choices[0].finish_reason == "stop"
-    chunks = list(client.chat.completions.create(model=pair, messages=messages, max_tokens=20, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=pair,
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens

@@ -21,14 +21,23 @@ def cluster(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("routing")
     with AgentProcess("torch", smol_dir, home / "p") as p, AgentProcess("torch", smol_dir, home / "d") as d:
         with PanelProcess(home, "--pair", f"pd={p.url},{d.url}", "--pair", f"pdz={p.url},{d.url},zstd") as panel:
-            yield {"p": p, "d": d, "panel": panel, "home": home,
-                   "client": openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)}
+            yield {
+                "p": p,
+                "d": d,
+                "panel": panel,
+                "home": home,
+                "client": openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0),
+            }
 
 
 def test_client_disconnect_aborts_both_roles(cluster):
     stream = cluster["client"].chat.completions.create(
-        model="pd", stream=True, max_tokens=500, temperature=0,
-        messages=[{"role": "user", "content": "Write a very long story about a lighthouse."}])
+        model="pd",
+        stream=True,
+        max_tokens=500,
+        temperature=0,
+        messages=[{"role": "user", "content": "Write a very long story about a lighthouse."}],
+    )
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -42,13 +51,21 @@ def test_client_disconnect_aborts_both_roles(cluster):
 
 
 def test_a_pair_with_compressed_pages_answers_the_same_with_fewer_bytes(cluster):
-    ask = dict(messages=[{"role": "user", "content": "Name three rivers in Europe and say where each starts."}],
-               max_tokens=12, temperature=0)
-    texts = [cluster["client"].chat.completions.create(model=m, **ask).choices[0].message.content for m in ("pd", "pdz")]
+    ask = dict(
+        messages=[{"role": "user", "content": "Name three rivers in Europe and say where each starts."}],
+        max_tokens=12,
+        temperature=0,
+    )
+    texts = [
+        cluster["client"].chat.completions.create(model=m, **ask).choices[0].message.content for m in ("pd", "pdz")
+    ]
     assert texts[0] == texts[1] and texts[0]
     rows = {r.model: r for r in log_rows(cluster["home"])[-2:]}
     assert rows["pd"].route == rows["pdz"].route == "pd"
-    assert 0 < rows["pdz"].bytes_moved < 0.95 * rows["pd"].bytes_moved, (rows["pdz"].bytes_moved, rows["pd"].bytes_moved)
+    assert 0 < rows["pdz"].bytes_moved < 0.95 * rows["pd"].bytes_moved, (
+        rows["pdz"].bytes_moved,
+        rows["pd"].bytes_moved,
+    )
 
 
 def test_router_remembers_the_decoder_and_notices_when_it_changed(cluster, smol_dir):
@@ -87,9 +104,13 @@ def test_first_migration_upgrades_and_data_survive_restart(tmp_path):
     assert "requestlog" not in sa.inspect(engine).get_table_names()
     with engine.begin() as c:
         c.execute(sa.text("INSERT INTO node (name, url) VALUES ('a', 'http://a:1'), ('b', 'http://b:1')"))
-        c.execute(sa.text("INSERT INTO pair (name, prefill_node_id, decode_node_id, prefill_engine, decode_engine, "
-                          "prefill_model_path, decode_model_path, context_length, staging_bytes) "
-                          "VALUES ('old', 1, 2, 'torch', 'mlx', '/m', '/m', 8192, 1024)"))
+        c.execute(
+            sa.text(
+                "INSERT INTO pair (name, prefill_node_id, decode_node_id, prefill_engine, decode_engine, "
+                "prefill_model_path, decode_model_path, context_length, staging_bytes) "
+                "VALUES ('old', 1, 2, 'torch', 'mlx', '/m', '/m', 8192, 1024)"
+            )
+        )
     engine.dispose()
     engine = open_db(db)  # what a newer panel does on start
     with Session(engine) as s:

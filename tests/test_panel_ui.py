@@ -7,8 +7,8 @@ import os
 import re
 import shutil
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,8 +19,15 @@ from .conftest import make_tiny_checkpoint
 from .netns import host_namespace, netns_available
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-quic"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 SCREENSHOT = "/tmp/ui_nodes.png"
 MORE_SCREENSHOTS = os.environ.get("TANDEM_UI_SCREENSHOTS")  # set it to also save the other pages in /tmp
 
@@ -39,8 +46,10 @@ def cluster(smol_dir, tmp_path_factory):
     # also inside, finds them; the browser and the test reach everything over the host's veth
     with host_namespace() as host:
         mdns = ("--mdns", "--mdns-interface", host.mdns_addr)
-        with AgentProcess("torch", smol_dir, home / "torch", *roots, *mdns, host=host.addr, netns=host.ns) as t, \
-                AgentProcess("mlx", smol_dir, home / "mlx", *roots, *mdns, host=host.addr, netns=host.ns) as m:
+        with (
+            AgentProcess("torch", smol_dir, home / "torch", *roots, *mdns, host=host.addr, netns=host.ns) as t,
+            AgentProcess("mlx", smol_dir, home / "mlx", *roots, *mdns, host=host.addr, netns=host.ns) as m,
+        ):
             with PanelProcess(home / "panel", "--host", host.addr, *mdns, netns=host.ns) as panel:
                 yield {"panel": panel, "torch": t, "mlx": m}
 
@@ -50,7 +59,9 @@ def pair_discovered(panel) -> None:
     with logged_in(panel) as c:
         page = c.get("/nodes")
         for node_id in re.findall(r'href="/nodes/(\d+)/pair"', page.text):
-            r = c.post(f"/nodes/{node_id}/pair", data={"key": TEST_KEY, "csrf": _csrf(c.get(f"/nodes/{node_id}/pair").text)})
+            r = c.post(
+                f"/nodes/{node_id}/pair", data={"key": TEST_KEY, "csrf": _csrf(c.get(f"/nodes/{node_id}/pair").text)}
+            )
             assert r.status_code == 303, r.text[-1500:]
 
 
@@ -97,7 +108,7 @@ def test_every_page_needs_a_session(cluster):
         # a tampered session cookie is no session
         raw = c.cookies.get("tandem_session")
         i = len(raw) - 10  # inside the signature, where every base64 character carries 6 bits
-        c.cookies.set("tandem_session", raw[:i] + ("A" if raw[i] != "A" else "B") + raw[i + 1:])
+        c.cookies.set("tandem_session", raw[:i] + ("A" if raw[i] != "A" else "B") + raw[i + 1 :])
         assert c.get("/nodes").status_code == 303
 
 
@@ -274,6 +285,7 @@ def test_browser_flow(cluster, browser):
 
 # ---- in-process checks of what the real cluster cannot show cheaply ----------------------------
 
+
 @pytest.fixture()
 def local_panel(tmp_path):
     from fastapi.testclient import TestClient
@@ -312,8 +324,14 @@ def test_pair_form_checks_engines_model_paths_and_contracts(cluster, tmp_path):
         page = c.get("/pairs")
         assert str(t.status()["model_path"]) in page.text  # the model-path suggestions come from the nodes
         ids = dict((name, i) for i, name in re.findall(r'<option value="(\d+)" [^>]*>([\w-]+) \(', page.text))
-        form = {"name": "checked", "prefill": ids["torch-torch"], "decode": ids["mlx-mlx"], "threshold": "0",
-                "fallback": "fail", "csrf": _csrf(page.text)}
+        form = {
+            "name": "checked",
+            "prefill": ids["torch-torch"],
+            "decode": ids["mlx-mlx"],
+            "threshold": "0",
+            "fallback": "fail",
+            "csrf": _csrf(page.text),
+        }
         r = c.post("/pairs", data={**form, "decode_model_path": str(tmp_path)})
         assert r.status_code == 400 and "decode node:" in r.text and "outside this node&#39;s model roots" in r.text
         assert re.search(r'name="decode_model_path"[^>]*aria-invalid="true"', r.text)
@@ -360,13 +378,18 @@ def test_requests_page_shows_the_last_ttft_benchmark(local_panel, tmp_path):
     from control_panel.bench_results import LATEST_TTFT
 
     assert "tandem bench ttft" in local_panel.get("/requests").text  # how to get one
-    result = json.loads((Path(__file__).parent.parent / "bench/results/ttft-shaped-zstd-20261130-082556.json").read_text())
+    result = json.loads(
+        (Path(__file__).parent.parent / "bench/results/ttft-shaped-zstd-20261130-082556.json").read_text()
+    )
     (tmp_path / LATEST_TTFT).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / LATEST_TTFT).write_text(json.dumps(result))
     page = local_panel.get("/requests").text
-    section = page[page.index('id="bench-ttft"'):]
+    section = page[page.index('id="bench-ttft"') :]
     cell = next(c for c in result["cells"] if c["column"] == "a-torch->b-mlx+zstd" and c["tokens"] == 744)
     assert "a-torch-&gt;b-mlx+zstd" in section and f"{cell['ttft']['median'] * 1000:.0f} ms" in section
-    assert f"{cell['ttft_over_bound']:.2f}" in section and f"{cell['ttft_minus_own_prefill']['median'] * 1000:+.1f} ms" in section
+    assert (
+        f"{cell['ttft_over_bound']:.2f}" in section
+        and f"{cell['ttft_minus_own_prefill']['median'] * 1000:+.1f} ms" in section
+    )
     (tmp_path / LATEST_TTFT).write_text("{not json")
     assert "tandem bench ttft" in local_panel.get("/requests").text  # a broken file is not an error

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapters.base import EngineRequest, FirstTokenMode
-from engine_adapters.errors import RequestError
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineRequest
 from node_agent.inprocess import PairStats, run_pair
+from tandem_protocol.errors import RequestError
+from tandem_protocol.handoff import FirstTokenMode
+from tandem_protocol.sampling import SamplingParams
 
 from .conftest import collect, prompt, run
 
@@ -18,8 +19,11 @@ GREEDY_32 = SamplingParams(max_tokens=32, ignore_eos=True)
 @pytest.fixture(scope="module")
 def local_outputs(engines, long_ids):
     """Each engine's own greedy output for each prompt length, computed once."""
-    return {(name, n): run(collect(engine.generate(EngineRequest(f"local-{n}", prompt(long_ids, n), GREEDY_32))))
-            for name, engine in engines.items() for n in LENGTHS}
+    return {
+        (name, n): run(collect(engine.generate(EngineRequest(f"local-{n}", prompt(long_ids, n), GREEDY_32))))
+        for name, engine in engines.items()
+        for n in LENGTHS
+    }
 
 
 @pytest.mark.parametrize("engine", ["torch", "mlx"])

@@ -63,8 +63,9 @@ def clock():
 def panel(tmp_path_factory, clock):
     """The real panel app in-process, with an admin password, an API key and a login limiter on a
     clock the test moves."""
-    app = create_panel_app(tmp_path_factory.mktemp("panel-security"), CLUSTER_KEY,
-                           login_limiter=LoginLimiter(clock=clock))
+    app = create_panel_app(
+        tmp_path_factory.mktemp("panel-security"), CLUSTER_KEY, login_limiter=LoginLimiter(clock=clock)
+    )
     app.state.password = ensure_admin_password(app.state.db)
     app.state.api_key = create_api_key(app.state.db, "security")
     return app
@@ -80,6 +81,7 @@ def log_in(client: TestClient | httpx.Client, password: str):
 
 # ---- 1. every panel route needs its credential ---------------------------------------------------
 
+
 def test_every_panel_route_needs_its_credential(panel):
     """The OpenAI API answers 401 in OpenAI's error shape; a UI page redirects to /login (a GET
     comes back there after login), an htmx or fetch() call gets 401. A UI session does not open
@@ -92,10 +94,19 @@ def test_every_panel_route_needs_its_credential(panel):
         assert log_in(c, panel.state.password).status_code == 303
         session = c.cookies.get("tandem_session")
         c.cookies.clear()
-        api_creds = [{}, {"Authorization": "Bearer tsk_wrong"}, {"Authorization": f"Bearer {CLUSTER_KEY}"},
-                     {"Authorization": panel.state.api_key}, {"Cookie": f"tandem_session={session}"}]
-        ui_creds = [{}, {"Cookie": "tandem_session=forged.value.sig"},
-                    {"Authorization": f"Bearer {panel.state.api_key}"}, {"Authorization": f"Bearer {CLUSTER_KEY}"}]
+        api_creds = [
+            {},
+            {"Authorization": "Bearer tsk_wrong"},
+            {"Authorization": f"Bearer {CLUSTER_KEY}"},
+            {"Authorization": panel.state.api_key},
+            {"Cookie": f"tandem_session={session}"},
+        ]
+        ui_creds = [
+            {},
+            {"Cookie": "tandem_session=forged.value.sig"},
+            {"Authorization": f"Bearer {panel.state.api_key}"},
+            {"Authorization": f"Bearer {CLUSTER_KEY}"},
+        ]
         for method, path in routes:
             url = re.sub(r"\{[^}]+\}", "1", path)
             if (method, path) in OPEN:  # answered without any credential (a POST needs only its CSRF token)
@@ -103,8 +114,12 @@ def test_every_panel_route_needs_its_credential(panel):
                 if method == "GET":
                     assert c.get(url).status_code == 200, path
                 else:
-                    form = {"csrf": csrf_of(c.get("/login").text), "password": panel.state.password,
-                            "lang": "de", "next": "/help"}
+                    form = {
+                        "csrf": csrf_of(c.get("/login").text),
+                        "password": panel.state.password,
+                        "lang": "de",
+                        "next": "/help",
+                    }
                     r = c.post(url, data=form)
                     assert r.status_code == 303 and r.headers["location"] == "/help", (path, r.status_code)
                 continue
@@ -125,8 +140,13 @@ def test_every_panel_route_needs_its_credential(panel):
                         assert r.status_code == 401 and r.headers["HX-Redirect"] == "/login", (method, path, headers)
                     else:
                         back = f"?next={url}" if method == "GET" else ""
-                        assert r.status_code == 303 and r.headers["location"] == f"/login{back}", \
-                            (method, path, headers, r.status_code, r.headers.get("location"))
+                        assert r.status_code == 303 and r.headers["location"] == f"/login{back}", (
+                            method,
+                            path,
+                            headers,
+                            r.status_code,
+                            r.headers.get("location"),
+                        )
                     assert CLUSTER_KEY not in r.text and panel.state.api_key not in r.text
         assert c.get("/static/htmx.min.js").status_code == 200
         c.cookies.clear()  # and the credentials refused above open their own side
@@ -153,8 +173,16 @@ def test_a_deleted_key_is_refused_from_the_next_request(tmp_path):
         a, b = Node(name="a", url="http://a:1", paired=True), Node(name="b", url="http://b:1", paired=True)
         s.add(a), s.add(b)
         s.commit()
-        pair = Pair(name="p", prefill_node_id=a.id, decode_node_id=b.id, prefill_engine="torch",
-                    decode_engine="mlx", prefill_model_path="m", decode_model_path="m", context_length=64)
+        pair = Pair(
+            name="p",
+            prefill_node_id=a.id,
+            decode_node_id=b.id,
+            prefill_engine="torch",
+            decode_engine="mlx",
+            prefill_model_path="m",
+            decode_model_path="m",
+            context_length=64,
+        )
         s.add(pair)
         s.commit()
         pair_id, key_id = pair.id, s.exec(select(ApiKey.id)).first()
@@ -175,6 +203,7 @@ def test_a_deleted_key_is_refused_from_the_next_request(tmp_path):
 
 # ---- 4. login rate limit -------------------------------------------------------------------------
 
+
 def test_failed_logins_are_limited_per_address(panel, clock):
     """5 failures within 60 s: the next attempts get 429 + Retry-After and a translated message,
     even with the right password; other addresses are not affected; a success starts over."""
@@ -189,8 +218,11 @@ def test_failed_logins_are_limited_per_address(panel, clock):
     r = log_in(guesser, password)  # right, but not even looked at
     assert r.status_code == 429 and r.headers["Retry-After"] == "50"  # when the first failure leaves the window
     assert "Too many failed attempts: wait 50 s, then try again." in r.text and "tandem_session" not in r.cookies
-    r = guesser.post("/login", data={"password": password, "csrf": csrf_of(guesser.get("/login").text)},
-                     headers={"Accept-Language": "de"})
+    r = guesser.post(
+        "/login",
+        data={"password": password, "csrf": csrf_of(guesser.get("/login").text)},
+        headers={"Accept-Language": "de"},
+    )
     assert r.status_code == 429 and "Zu viele Fehlversuche: Warten Sie 50 s" in r.text
     assert log_in(other, password).status_code == 303  # another address logs in
     clock.now = start + 59.5
@@ -209,6 +241,7 @@ def test_failed_logins_are_limited_per_address(panel, clock):
 
 # ---- 5. cookies ----------------------------------------------------------------------------------
 
+
 def _cookies(response) -> dict:
     jar = SimpleCookie()
     for header in response.headers.get_list("set-cookie"):
@@ -218,8 +251,12 @@ def _cookies(response) -> dict:
 
 @pytest.mark.parametrize("scheme", ["http", "https"])
 def test_cookies_are_httponly_and_samesite(panel, scheme):
-    c = TestClient(panel, base_url=f"{scheme}://testserver", follow_redirects=False,
-                   client=(f"203.0.113.{1 if scheme == 'http' else 2}", 1))
+    c = TestClient(
+        panel,
+        base_url=f"{scheme}://testserver",
+        follow_redirects=False,
+        client=(f"203.0.113.{1 if scheme == 'http' else 2}", 1),
+    )
     page = c.get("/login")
     r = log_in(c, panel.state.password)
     lang = c.post("/lang", data={"lang": "fr", "csrf": csrf_of(c.get("/nodes").text), "next": "/nodes"})
@@ -234,11 +271,12 @@ def test_cookies_are_httponly_and_samesite(panel, scheme):
 
 # ---- 2. no secret in mDNS ------------------------------------------------------------------------
 
+
 def test_mdns_announces_no_secret(engines):
     """The TXT record an agent would send, built by the code the agent runs, from a config that
     holds the cluster key; then after an engine switch. A property outside the list is refused."""
     from node_agent.app import AgentConfig
-    from node_agent.discovery import ANNOUNCED_KEYS, Announcer, announced_properties
+    from tandem_protocol.discovery import ANNOUNCED_KEYS, Announcer, announced_properties
 
     config = AgentConfig(node_id="a" * 32, name="desk-pc", cluster_key=CLUSTER_KEY, model_name="smollm2")
     announcer = Announcer(announced_properties(config, engines["torch"], tls=False), 7411, ["127.0.0.1"])
@@ -250,13 +288,16 @@ def test_mdns_announces_no_secret(engines):
     assert b"engine=mlx" in txt
     for secret in (CLUSTER_KEY, CLUSTER_KEY[4:], "cluster_key"):
         assert secret.encode() not in txt, secret
-    for bad in (lambda: Announcer({**announcer.properties, "cluster_key": CLUSTER_KEY}, 1, ["127.0.0.1"]),
-                lambda: asyncio.run(announcer.update(cluster_key=CLUSTER_KEY))):
+    for bad in (
+        lambda: Announcer({**announcer.properties, "cluster_key": CLUSTER_KEY}, 1, ["127.0.0.1"]),
+        lambda: asyncio.run(announcer.update(cluster_key=CLUSTER_KEY)),
+    ):
         with pytest.raises(ValueError, match="cluster_key"):
             bad()
 
 
 # ---- real processes: an agent and a panel --------------------------------------------------------
+
 
 @pytest.fixture(scope="module", autouse=True)
 def paths(tmp_path_factory, smol_dir):
@@ -282,10 +323,16 @@ def cluster(paths):
     two nodes to pair."""
     agent = paths["agent"]
     agent.wait_ready()
-    with PanelProcess(paths["home"] / "panel", "--node", agent.url, "--node", f"http://localhost:{agent.port}",
-                      key=CLUSTER_KEY) as panel:
-        yield {**paths, "panel": panel, "db": paths["home"] / "panel" / "panel" / "panel.db",  # $TANDEM_HOME/panel/
-               "password": panel.admin_password, "api_keys": [panel.api_key]}
+    with PanelProcess(
+        paths["home"] / "panel", "--node", agent.url, "--node", f"http://localhost:{agent.port}", key=CLUSTER_KEY
+    ) as panel:
+        yield {
+            **paths,
+            "panel": panel,
+            "db": paths["home"] / "panel" / "panel" / "panel.db",  # $TANDEM_HOME/panel/
+            "password": panel.admin_password,
+            "api_keys": [panel.api_key],
+        }
 
 
 @pytest.fixture(scope="module")
@@ -294,15 +341,19 @@ def traffic(cluster):
     wrong and a right password, a new API key and a new password made in the UI, a wrong cluster
     key when pairing, every page. Returns what each request answered, and the wrong values sent."""
     agent, panel = cluster["agent"], cluster["panel"]
-    wrong = {"api_key": "tsk_presented-wrong-api-key-91d2", "password": "presented-wrong-password-77b1",
-             "cluster_key": "tdm_presented-wrong-cluster-key-3c55"}
+    wrong = {
+        "api_key": "tsk_presented-wrong-api-key-91d2",
+        "password": "presented-wrong-password-77b1",
+        "cluster_key": "tdm_presented-wrong-cluster-key-3c55",
+    }
     answers = {}
     api = httpx.Client(base_url=panel.url, timeout=120)
     auth = {"Authorization": f"Bearer {panel.api_key}"}
     chat = {"model": "node/torch-agent", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     answers["api wrong key"] = api.get("/v1/models", headers={"Authorization": f"Bearer {wrong['api_key']}"})
-    answers["api cluster key"] = api.post("/v1/chat/completions", json=chat,
-                                          headers={"Authorization": f"Bearer {CLUSTER_KEY}"})
+    answers["api cluster key"] = api.post(
+        "/v1/chat/completions", json=chat, headers={"Authorization": f"Bearer {CLUSTER_KEY}"}
+    )
     answers["api ok"] = api.post("/v1/chat/completions", json=chat, headers=auth)
     answers["api refused sampling"] = api.post("/v1/chat/completions", json={**chat, "min_p": 0.5}, headers=auth)
     with httpx.Client(base_url=agent.url, timeout=30) as a:
@@ -314,11 +365,14 @@ def traffic(cluster):
     csrf = csrf_of(ui.get("/settings").text)
     answers["new key"] = ui.post("/settings/keys", data={"name": "made-in-ui", "csrf": csrf})
     cluster["api_keys"].append(re.search(r'id="new-key"[^>]*>(tsk_[^<]+)<', answers["new key"].text).group(1))
-    answers["password wrong"] = ui.post("/settings/password", data={"current": wrong["password"], "new": "x" * 12,
-                                                                    "confirm": "x" * 12, "csrf": csrf})
+    answers["password wrong"] = ui.post(
+        "/settings/password", data={"current": wrong["password"], "new": "x" * 12, "confirm": "x" * 12, "csrf": csrf}
+    )
     new_password = "new-admin-password-5a0f"
-    answers["password"] = ui.post("/settings/password", data={"current": cluster["password"], "new": new_password,
-                                                              "confirm": new_password, "csrf": csrf})
+    answers["password"] = ui.post(
+        "/settings/password",
+        data={"current": cluster["password"], "new": new_password, "confirm": new_password, "csrf": csrf},
+    )
     cluster["old_password"], cluster["password"] = cluster["password"], new_password
     csrf = csrf_of(answers["password"].text)  # the session was signed anew, with a new token
     answers["pair wrong key"] = ui.post("/nodes/1/pair", data={"key": wrong["cluster_key"], "csrf": csrf})
@@ -330,18 +384,32 @@ def traffic(cluster):
 
 
 def _secrets(cluster) -> dict[str, str]:
-    return {"cluster key": CLUSTER_KEY, "admin password": cluster["old_password"],
-            "new admin password": cluster["password"],
-            **{f"API key {i}": k for i, k in enumerate(cluster["api_keys"])}}
+    return {
+        "cluster key": CLUSTER_KEY,
+        "admin password": cluster["old_password"],
+        "new admin password": cluster["password"],
+        **{f"API key {i}": k for i, k in enumerate(cluster["api_keys"])},
+    }
 
 
 def test_error_bodies_echo_no_key(cluster, traffic):
     """A refused credential's answer names neither the credential sent nor the real one; nor
     does any page (but the one that shows a new API key once)."""
     a = traffic["answers"]
-    expected = {"api wrong key": 401, "api cluster key": 401, "api ok": 200, "api refused sampling": 400,
-                "agent wrong key": 401, "agent no key": 401, "login wrong": 401, "login": 303, "new key": 200,
-                "password wrong": 400, "password": 200, "pair wrong key": 400}
+    expected = {
+        "api wrong key": 401,
+        "api cluster key": 401,
+        "api ok": 200,
+        "api refused sampling": 400,
+        "agent wrong key": 401,
+        "agent no key": 401,
+        "login wrong": 401,
+        "login": 303,
+        "new key": 200,
+        "password wrong": 400,
+        "password": 200,
+        "pair wrong key": 400,
+    }
     assert {k: a[k].status_code for k in expected} == expected, {k: a[k].text[:300] for k in expected}
     assert all(a[page].status_code == 200 for page in a if page.startswith("/"))
     assert "differs from the panel" in a["pair wrong key"].text and "wrong" in a["password wrong"].text
@@ -375,7 +443,7 @@ def test_model_paths_stay_in_the_roots(cluster, traffic):
     """`..`, an absolute path elsewhere and a link in a root to a directory outside: refused by the
     agent (400, field model_path) and on the panel's pair form, before anything loads; the link is
     not offered either. The checkpoint outside is loadable, so only the confinement refuses it."""
-    from engine_adapters.model_dir import inspect_model
+    from tandem_protocol.model_dir import inspect_model
 
     agent, root, outside = cluster["agent"], cluster["root"], cluster["outside"]
     inspect_model(outside)  # a supported checkpoint: nothing else would refuse it
@@ -394,8 +462,14 @@ def test_model_paths_stay_in_the_roots(cluster, traffic):
     page = ui.get("/pairs")
     assert "escape" not in page.text and str(outside) not in page.text  # not among the path suggestions
     node_ids = re.findall(r'<option value="(\d+)" [^>]*>torch-agent \(', page.text)[:2]
-    form = {"name": "escape", "prefill": node_ids[0], "decode": node_ids[1], "threshold": "0",
-            "fallback": "fail", "csrf": csrf_of(page.text)}
+    form = {
+        "name": "escape",
+        "prefill": node_ids[0],
+        "decode": node_ids[1],
+        "threshold": "0",
+        "fallback": "fail",
+        "csrf": csrf_of(page.text),
+    }
     for path in paths:
         for role in ("prefill", "decode"):
             r = ui.post("/pairs", data={**form, f"{role}_model_path": path})
@@ -410,6 +484,7 @@ def test_model_paths_stay_in_the_roots(cluster, traffic):
 
 
 # ---- 6. stored hashed ----------------------------------------------------------------------------
+
 
 def test_secrets_are_stored_hashed(cluster, traffic):
     """The panel's database holds the admin password only as argon2 and API keys only as SHA-256.

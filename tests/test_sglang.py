@@ -18,27 +18,51 @@ import openai
 import pytest
 
 from engine_adapters.base import EngineRequest
-from engine_adapters.errors import FrameError
-from engine_adapters.pages import KVPage, PageGeometry, make_page
-from engine_adapters.sampling import SamplingParams
 from engine_adapters.sglang_adapter import sglang_environment
-from node_agent.client import AgentClient
 from tandem_cli.bench_ttft import prompt_ids
+from tandem_protocol.client import AgentClient
+from tandem_protocol.errors import FrameError
+from tandem_protocol.pages import KVPage, PageGeometry, make_page
+from tandem_protocol.sampling import SamplingParams
 
-from .agents import (TEST_KEY, AgentProcess, TamperProxy, decode_foreign_pages, generate_request,
-                     pd_request,
-                     settle, tokens_of, wait_until_streaming)
+from .agents import (
+    TEST_KEY,
+    AgentProcess,
+    TamperProxy,
+    decode_foreign_pages,
+    generate_request,
+    pd_request,
+    settle,
+    tokens_of,
+    wait_until_streaming,
+)
 from .conftest import collect, prompt, run, write_report
 from .fuzzing import VOCAB, fuzz_engine_routes
-from .server_engines import (QUESTION, at_engine_baseline, check_damaged_streams_through_panel,
-                             check_engine_crash_through_panel, check_every_direction, check_load_through_panel,
-                             check_pages_against_transformers, check_panel_restart, check_peer_kills_through_panel,
-                             check_prefiller_rules, check_slow_link_through_panel, check_soak_through_panel,
-                             engine_cluster)
+from .server_engines import (
+    QUESTION,
+    at_engine_baseline,
+    check_damaged_streams_through_panel,
+    check_engine_crash_through_panel,
+    check_every_direction,
+    check_load_through_panel,
+    check_pages_against_transformers,
+    check_panel_restart,
+    check_peer_kills_through_panel,
+    check_prefiller_rules,
+    check_slow_link_through_panel,
+    check_soak_through_panel,
+    engine_cluster,
+)
 
-PAIRS = {"s2m": ("sglang", "mlx"), "m2s": ("mlx", "sglang2"), "s2t": ("sglang", "torch"),
-         "t2s": ("torch", "sglang2"), "s2s": ("sglang", "sglang2"), "s2v": ("sglang", "vllm"),
-         "v2s": ("vllm", "sglang2")}
+PAIRS = {
+    "s2m": ("sglang", "mlx"),
+    "m2s": ("mlx", "sglang2"),
+    "s2t": ("sglang", "torch"),
+    "t2s": ("torch", "sglang2"),
+    "s2s": ("sglang", "sglang2"),
+    "s2v": ("sglang", "vllm"),
+    "v2s": ("vllm", "sglang2"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +75,11 @@ def cluster(smol_dir, tmp_path_factory):
     # equal thread counts: same-engine outputs comparable bit for bit
     os.environ.setdefault("TANDEM_SGLANG_THREADS", "1")
     os.environ.setdefault("TANDEM_VLLM_THREADS", "1")
-    agents = {"sglang": ("sglang", {"TANDEM_SGLANG_ROLE": "prefill"}),
-              "sglang2": ("sglang", {"TANDEM_SGLANG_ROLE": "decode"}),
-              **{name: (name, {}) for name in ("torch", "mlx", "vllm")}}
+    agents = {
+        "sglang": ("sglang", {"TANDEM_SGLANG_ROLE": "prefill"}),
+        "sglang2": ("sglang", {"TANDEM_SGLANG_ROLE": "decode"}),
+        **{name: (name, {}) for name in ("torch", "mlx", "vllm")},
+    }
     with engine_cluster(smol_dir, home, agents, PAIRS, tampered=("sglang", "sglang2")) as cluster:
         yield cluster
 
@@ -103,18 +129,37 @@ def test_sampling_a_prefiller_cannot_honour_is_refused_before_anything_runs(clus
     both engines can (SGLang -> SGLang), and an MLX decoder refuses them too."""
     client, mlx, sg = cluster["client"], cluster["mlx"], cluster["sglang2"]
     before = (mlx.status()["totals"], sg.status()["totals"])
-    for model, extra, engine in (("m2s", {"min_p": 0.05}, "mlx"), ("m2s", {"repetition_penalty": 1.2}, "mlx"),
-                                 ("s2m", {"min_p": 0.05}, "mlx")):
+    for model, extra, engine in (
+        ("m2s", {"min_p": 0.05}, "mlx"),
+        ("m2s", {"repetition_penalty": 1.2}, "mlx"),
+        ("s2m", {"min_p": 0.05}, "mlx"),
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, extra_body=extra)
         message = e.value.body["message"] if isinstance(e.value.body, dict) else str(e.value)
         assert engine in message and next(iter(extra)) in message, message
     assert (mlx.status()["totals"], sg.status()["totals"]) == before  # nothing prefilled, nothing decoded
-    text = client.chat.completions.create(model="s2s", messages=QUESTION, max_tokens=20, temperature=0,
-                                          extra_body={"min_p": 0.05, "repetition_penalty": 1.1}).choices[0].message.content
+    text = (
+        client.chat.completions.create(
+            model="s2s",
+            messages=QUESTION,
+            max_tokens=20,
+            temperature=0,
+            extra_body={"min_p": 0.05, "repetition_penalty": 1.1},
+        )
+        .choices[0]
+        .message.content
+    )
     assert "Paris" in text
-    write_report("sglang_sampling_refusals", {"m2s_min_p": "400", "m2s_repetition_penalty": "400",
-                                              "s2m_min_p": "400", "s2s_min_p_and_repetition_penalty": text})
+    write_report(
+        "sglang_sampling_refusals",
+        {
+            "m2s_min_p": "400",
+            "m2s_repetition_penalty": "400",
+            "s2m_min_p": "400",
+            "s2s_min_p_and_repetition_penalty": text,
+        },
+    )
 
 
 # The statistical rules run on the headline directions, SGLang <-> MLX (20 prompts, 32 greedy tokens
@@ -149,9 +194,15 @@ def test_sglang_decoder_meets_the_cross_engine_rules(cluster, engines, prefiller
         pd = tokens_of(asyncio.run(pd_request(cluster[prefiller].url, cluster["sglang2"].url, ids, sampling)))
         alone = tokens_of(asyncio.run(generate_request(cluster["sglang2"].url, ids, sampling)))
         agree += pd == alone
-    figures = {"direction": f"{prefiller}->sglang", "prompts": len(PROMPTS), "greedy_agreement": agree,
-               "logprob_max_abs_diff_max": max(diffs), "logprob_max_abs_diff_median": float(np.median(diffs)),
-               "compared": "top-20 log-probabilities of SGLang's first decode step", "tolerance": LOGIT_TOLERANCE}
+    figures = {
+        "direction": f"{prefiller}->sglang",
+        "prompts": len(PROMPTS),
+        "greedy_agreement": agree,
+        "logprob_max_abs_diff_max": max(diffs),
+        "logprob_max_abs_diff_median": float(np.median(diffs)),
+        "compared": "top-20 log-probabilities of SGLang's first decode step",
+        "tolerance": LOGIT_TOLERANCE,
+    }
     write_report(f"cross_engine_{prefiller}_to_sglang", figures)
     assert max(diffs) <= LOGIT_TOLERANCE, figures
     assert agree >= MIN_AGREEMENT, figures
@@ -162,8 +213,15 @@ def test_sglang_decodes_commit_first_only(cluster, long_ids):
     with cluster["sglang2"].client() as c:
         info = c.get("/v1/info").json()
         assert info["decoder_modes"] == ["commit-first"] and info["engine"] == "sglang"
-        r = c.post("/v1/decode", json={"room": uuid.uuid4().hex, "token_ids": prompt(long_ids, 70),
-                                       "mode": "recompute-last", "prefill_url": cluster["torch"].url})
+        r = c.post(
+            "/v1/decode",
+            json={
+                "room": uuid.uuid4().hex,
+                "token_ids": prompt(long_ids, 70),
+                "mode": "recompute-last",
+                "prefill_url": cluster["torch"].url,
+            },
+        )
         assert r.status_code == 400 and "cannot decode in recompute-last mode" in r.json()["error"]["message"]
 
 
@@ -174,8 +232,10 @@ def test_sglang_pages_leave_while_it_still_prefills(cluster, long_ids):
     done = asyncio.run(pd_request(cluster["sglang"].url, cluster["torch"].url, ids, {"max_tokens": 2}))[-1]
     assert done.get("done"), done
     assert done["first_page_at"] < done["prefill_finished_at"] - 0.05, done
-    write_report("sglang_overlap", {k: done[k] for k in ("first_page_at", "last_page_at", "prefill_finished_at",
-                                                           "prefill_seconds", "pages")})
+    write_report(
+        "sglang_overlap",
+        {k: done[k] for k in ("first_page_at", "last_page_at", "prefill_finished_at", "prefill_seconds", "pages")},
+    )
 
 
 def test_a_decoder_that_cannot_continue_fails_cleanly(cluster, long_ids, smol_dir, tmp_path):
@@ -185,8 +245,10 @@ def test_a_decoder_that_cannot_continue_fails_cleanly(cluster, long_ids, smol_di
     t, s = cluster["torch"], cluster["sglang2"]
     ids = prompt(long_ids, 150)
     errors = {}
-    for name, damage, expect in (("flipped_bit", dict(flip_at=1_800_000), "checksum mismatch on page 1"),
-                                 ("missing_pages", dict(cut_at=1_700_000), "broke off")):
+    for name, damage, expect in (
+        ("flipped_bit", dict(flip_at=1_800_000), "checksum mismatch on page 1"),
+        ("missing_pages", dict(cut_at=1_700_000), "broke off"),
+    ):
         proxy = TamperProxy(t.port, **damage)
         try:
             lines = run(pd_request(t.url, s.url, ids, {"max_tokens": 4}, prefill_url=proxy.url))
@@ -212,9 +274,12 @@ def test_broken_page_streams_inside_the_adapter_release_sglangs_slots(sglang_eng
     pages, done = [x for x in items if isinstance(x, KVPage)], items[-1]
     g = engines["torch"].geometry
     wrong = make_page(PageGeometry(g.layers, 2, g.head_dim), 1, pages[1].kv[:, :, :, :2])  # 2 KV heads, not 3
-    for name, stream, expect in (("missing", pages[:2] + pages[3:], "arrived where page 2 was expected"),
-                                 ("out_of_order", [pages[1], pages[0]] + pages[2:], "out of order"),
-                                 ("wrong_shape", [pages[0], wrong] + pages[2:], "shape")):
+    for name, stream, expect in (
+        ("missing", pages[:2] + pages[3:], "arrived where page 2 was expected"),
+        ("out_of_order", [pages[1], pages[0]] + pages[2:], "out of order"),
+        ("wrong_shape", [pages[0], wrong] + pages[2:], "shape"),
+    ):
+
         async def feed(seq=stream + [done]):
             for x in seq:
                 yield x
@@ -257,6 +322,7 @@ def test_cancel_and_peer_kill_return_sglang_to_baseline(cluster, long_ids, smol_
 
     # the prefiller dies mid-transfer into SGLang's decode role
     with AgentProcess("torch", smol_dir, tmp_path / "doomed-p") as doomed:
+
         async def kill_prefiller():
             task = asyncio.create_task(asyncio.to_thread(_decode_lines, s2, doomed, ids, uuid.uuid4().hex))
             await asyncio.to_thread(wait_until_streaming, doomed)
@@ -270,6 +336,7 @@ def test_cancel_and_peer_kill_return_sglang_to_baseline(cluster, long_ids, smol_
 
     # the decoder dies while SGLang's prefill role streams to it
     with AgentProcess("torch", smol_dir, tmp_path / "doomed-d") as doomed:
+
         async def kill_decoder():
             task = asyncio.create_task(asyncio.to_thread(_decode_lines, doomed, s, ids, uuid.uuid4().hex))
             await asyncio.to_thread(wait_until_streaming, s)
@@ -284,24 +351,36 @@ def test_cancel_and_peer_kill_return_sglang_to_baseline(cluster, long_ids, smol_
     at_baseline(s)
     figures["kv_tokens_used_after"] = {"sglang": pool_used(s), "sglang2": pool_used(s2)}
     for pair in ("t2s", "s2t"):
-        assert "Paris" in cluster["client"].chat.completions.create(
-            model=pair, messages=QUESTION, max_tokens=20, temperature=0).choices[0].message.content
+        assert (
+            "Paris"
+            in cluster["client"]
+            .chat.completions.create(model=pair, messages=QUESTION, max_tokens=20, temperature=0)
+            .choices[0]
+            .message.content
+        )
     write_report("sglang_faults", figures)
 
 
 def test_damaged_page_streams_fall_back_through_the_panel(cluster, long_ids):
     """A bit flipped in a page, a stream cut short, then a link gone silent mid-stream, between
     two SGLang agents through the panel: the decoder-alone answer each time, the reason logged, and both SGLang pools idle."""
-    seen = check_damaged_streams_through_panel(cluster, "sglang", "sglang2", prompt(long_ids, 130),
-                                               {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")})
+    seen = check_damaged_streams_through_panel(
+        cluster,
+        "sglang",
+        "sglang2",
+        prompt(long_ids, 130),
+        {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")},
+    )
     write_report("sglang_damaged_streams", seen)
 
 
 def test_a_slow_link_between_sglangs_holds_memory_flat(cluster):
     """16 pages between the two SGLang agents through a link held to 4 MB/s, through the panel."""
     idle = {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")}
-    write_report("sglang_slow_link",
-                 check_slow_link_through_panel(cluster, "sglang", "sglang2", prompt_ids(1000, 5, VOCAB), idle))
+    write_report(
+        "sglang_slow_link",
+        check_slow_link_through_panel(cluster, "sglang", "sglang2", prompt_ids(1000, 5, VOCAB), idle),
+    )
 
 
 def test_a_short_soak_through_sglang_pairs_leaves_nothing_behind(cluster):
@@ -313,14 +392,17 @@ def test_a_peer_of_sglang_killed_mid_stream_through_the_panel(cluster, smol_dir,
     """A torch prefiller of SGLang's decode role, and a torch decoder of its prefill role."""
     ids = (list(long_ids) * 8)[:1500]  # six prefill chunks on the torch prefiller: time to act mid-stream
     idle = {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")}
-    write_report("sglang_peer_kills",
-                 check_peer_kills_through_panel(cluster, "sglang2", "sglang", smol_dir, tmp_path, ids, idle))
+    write_report(
+        "sglang_peer_kills", check_peer_kills_through_panel(cluster, "sglang2", "sglang", smol_dir, tmp_path, ids, idle)
+    )
 
 
 def test_panel_restarted_while_an_sglang_pair_streams(cluster):
     idle = {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")}
-    write_report("sglang_panel_restart",
-                 check_panel_restart(cluster, "s2s", "sglang", "sglang2", prompt_ids(200, 7, VOCAB), idle))
+    write_report(
+        "sglang_panel_restart",
+        check_panel_restart(cluster, "s2s", "sglang", "sglang2", prompt_ids(200, 7, VOCAB), idle),
+    )
 
 
 def test_schemathesis_on_the_agent_routes_that_reach_sglang(cluster):
@@ -328,8 +410,13 @@ def test_schemathesis_on_the_agent_routes_that_reach_sglang(cluster):
     prefill role: no 5xx, no hang, every refusal a clear error; afterwards both are idle."""
     counts = fuzz_engine_routes(cluster["sglang2"], cluster["sglang"])
     at_engine_baseline(cluster, ("sglang", "sglang2"), {name: {"kv_tokens_used": 0} for name in ("sglang", "sglang2")})
-    assert "Paris" in cluster["client"].chat.completions.create(model="s2s", messages=QUESTION, max_tokens=20,
-                                                                temperature=0).choices[0].message.content
+    assert (
+        "Paris"
+        in cluster["client"]
+        .chat.completions.create(model="s2s", messages=QUESTION, max_tokens=20, temperature=0)
+        .choices[0]
+        .message.content
+    )
     write_report("sglang_schemathesis", counts)
 
 
@@ -342,6 +429,10 @@ def test_a_crashed_sglang_is_restarted(cluster, long_ids):
     """SGLang's engine server killed while it prefills a request through the panel: the request
     is answered by the decoder alone, and the agent brings SGLang back."""
     check_engine_crash_through_panel(cluster, "s2m", "sglang", "mlx", "kv_tokens_used", long_ids)
-    text = cluster["client"].chat.completions.create(model="s2s", messages=QUESTION, max_tokens=20,
-                                                     temperature=0).choices[0].message.content
+    text = (
+        cluster["client"]
+        .chat.completions.create(model="s2s", messages=QUESTION, max_tokens=20, temperature=0)
+        .choices[0]
+        .message.content
+    )
     assert "Paris" in text

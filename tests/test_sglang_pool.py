@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_adapters.pages import PageGeometry
 from engine_adapters.sglang_pool import MetadataRows, PoolPages
+from tandem_protocol.pages import PageGeometry
 
 GEOMETRY = PageGeometry(layers=3, kv_heads=2, head_dim=8)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -23,9 +23,14 @@ def sglang_like_pool(device: str, slots: int = 64 * 6, page: int = 64, dtype=tor
     k = [torch.randn(slots + page, g.kv_heads, g.head_dim, device=device).to(dtype) for _ in range(g.layers)]
     v = [torch.randn(slots + page, g.kv_heads, g.head_dim, device=device).to(dtype) for _ in range(g.layers)]
     bufs = k + v
-    args = SimpleNamespace(page_size=page, kv_cache_dtype_str="auto", kv_layout=None,
-                           kv_data_ptrs=[b.data_ptr() for b in bufs], kv_data_lens=[b.nbytes for b in bufs],
-                           kv_item_lens=[b[0].nbytes * page for b in bufs])
+    args = SimpleNamespace(
+        page_size=page,
+        kv_cache_dtype_str="auto",
+        kv_layout=None,
+        kv_data_ptrs=[b.data_ptr() for b in bufs],
+        kv_data_lens=[b.nbytes for b in bufs],
+        kv_item_lens=[b[0].nbytes * page for b in bufs],
+    )
     return args, k, v
 
 
@@ -47,17 +52,23 @@ def test_pages_read_and_write_exactly_the_pool_slots(device):
     for layer in range(GEOMETRY.layers):
         assert np.array_equal(k[layer][256:293].cpu().numpy(), data[layer, 0])
         assert np.array_equal(v[layer][256:293].cpu().numpy(), data[layer, 1])
-    changed = [(i, s) for i, (a, b) in enumerate(zip(before, k + v)) for s in
-               torch.nonzero((a != b).any(-1).any(-1)).flatten().tolist()]
+    changed = [
+        (i, s)
+        for i, (a, b) in enumerate(zip(before, k + v))
+        for s in torch.nonzero((a != b).any(-1).any(-1)).flatten().tolist()
+    ]
     assert {s for _, s in changed} <= set(range(256, 293))  # no other slot touched
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("change, message", [
-    (dict(page_size=16), "--page-size 64"),
-    (dict(kv_cache_dtype_str="fp8_e5m2"), "FP16"),
-    (dict(kv_layout="hnd"), "NHD"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(page_size=16), "--page-size 64"),
+        (dict(kv_cache_dtype_str="fp8_e5m2"), "FP16"),
+        (dict(kv_layout="hnd"), "NHD"),
+    ],
+)
 def test_pools_tandem_cannot_read_are_refused(device, change, message):
     args, _, _ = sglang_like_pool(device)
     for name, value in change.items():
@@ -77,8 +88,11 @@ def test_metadata_rows_land_where_sglang_reads_them():
         others = [torch.zeros((8, 16), dtype=torch.float32) for _ in range(3)]
         rooms = torch.zeros((8, 8), dtype=torch.uint64)
         bufs = [output_ids, *others, rooms] + ([torch.zeros((8, 8), dtype=torch.uint64)] if checksum else [])
-        args = SimpleNamespace(aux_data_ptrs=[b.data_ptr() for b in bufs], aux_data_lens=[b.nbytes for b in bufs],
-                               aux_item_lens=[b[0].nbytes for b in bufs])
+        args = SimpleNamespace(
+            aux_data_ptrs=[b.data_ptr() for b in bufs],
+            aux_data_lens=[b.nbytes for b in bufs],
+            aux_item_lens=[b[0].nbytes for b in bufs],
+        )
         MetadataRows(args, checksum).commit(5, first_token=4649, room=2**62 + 7)
         assert output_ids[5, 0].item() == 4649 and int(rooms[5, 0].item()) == 2**62 + 7
         assert output_ids.count_nonzero() == 1 and rooms.view(torch.int64).count_nonzero() == 1

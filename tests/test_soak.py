@@ -18,8 +18,14 @@ def run_soak(out: Path, *args: str) -> dict:
     """bench/soak.py with `args`, its JSON written to `out`: it exits 0 (every goal met), each way
     of ending a request happened, nothing leaked and no process's RSS grew 10%. Returns the JSON."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), *args, "--json", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "soak.py"), *args, "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     result = json.loads(out.read_text())
     for action in ("complete", "cancel", "disconnect"):

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from engine_adapters import load_adapter
-from engine_adapters.base import EngineRequest, FirstTokenMode
-from engine_adapters.pages import KVPage
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineRequest
 from node_agent.inprocess import run_pair
+from tandem_protocol.handoff import FirstTokenMode
+from tandem_protocol.pages import KVPage
+from tandem_protocol.sampling import SamplingParams
 
 from .conftest import collect, make_tiny_checkpoint, max_abs_diff, run
 from .test_cross_engine import first_step_logits

@@ -14,25 +14,39 @@ import uuid
 import numpy as np
 import pytest
 
-from engine_adapters.base import EngineRequest, FirstTokenMode
-from engine_adapters.pages import KVPage
-from engine_adapters.sampling import SamplingParams
+from engine_adapters.base import EngineRequest
 from engine_adapters.vllm_adapter import vllm_python
-from node_agent.client import AgentClient
 from tandem_cli.bench_ttft import prompt_ids
+from tandem_protocol.client import AgentClient
+from tandem_protocol.handoff import FirstTokenMode
+from tandem_protocol.pages import KVPage
+from tandem_protocol.sampling import SamplingParams
 
-from .agents import (TEST_KEY, AgentProcess, generate_request, pd_request,
-                     settle, wait_until_streaming)
+from .agents import TEST_KEY, AgentProcess, generate_request, pd_request, settle, wait_until_streaming
 from .conftest import collect, prompt, run, write_report
 from .fuzzing import VOCAB, fuzz_engine_routes
-from .server_engines import (at_engine_baseline, check_damaged_streams_through_panel,
-                             check_engine_crash_through_panel, check_every_direction, check_load_through_panel,
-                             check_pages_against_transformers, check_panel_restart, check_peer_kills_through_panel,
-                             check_prefiller_rules, check_slow_link_through_panel, check_soak_through_panel,
-                             engine_cluster)
+from .server_engines import (
+    at_engine_baseline,
+    check_damaged_streams_through_panel,
+    check_engine_crash_through_panel,
+    check_every_direction,
+    check_load_through_panel,
+    check_pages_against_transformers,
+    check_panel_restart,
+    check_peer_kills_through_panel,
+    check_prefiller_rules,
+    check_slow_link_through_panel,
+    check_soak_through_panel,
+    engine_cluster,
+)
 
-PAIRS = {"v2m": ("vllm", "mlx"), "m2v": ("mlx", "vllm"), "v2t": ("vllm", "torch"), "t2v": ("torch", "vllm"),
-         "v2v": ("vllm", "vllm2")}
+PAIRS = {
+    "v2m": ("vllm", "mlx"),
+    "m2v": ("mlx", "vllm"),
+    "v2t": ("vllm", "torch"),
+    "t2v": ("torch", "vllm"),
+    "v2v": ("vllm", "vllm2"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +59,9 @@ def cluster(smol_dir, tmp_path_factory):
     os.environ.setdefault("TANDEM_VLLM_THREADS", "1")  # equal thread counts: outputs comparable bit for bit
     agents = {name: ("vllm" if name.startswith("vllm") else name, {}) for name in ("vllm", "vllm2", "torch", "mlx")}
     # "crash" is only for the engine-crash test (check_every_direction covers PAIRS)
-    with engine_cluster(smol_dir, home, agents, {**PAIRS, "crash": ("vllm2", "mlx")},
-                        tampered=("vllm", "vllm2")) as cluster:
+    with engine_cluster(
+        smol_dir, home, agents, {**PAIRS, "crash": ("vllm2", "mlx")}, tampered=("vllm", "vllm2")
+    ) as cluster:
         yield cluster
 
 
@@ -90,6 +105,7 @@ def test_cancel_and_peer_kill_return_vllm_to_baseline(cluster, long_ids, smol_di
 
     # the prefiller dies mid-transfer: a torch agent of its own, killed while it streams
     with AgentProcess("torch", smol_dir, tmp_path / "doomed") as doomed:
+
         async def kill_mid_transfer():
             task = asyncio.create_task(_decode_lines(v, doomed, ids, uuid.uuid4().hex))
             await asyncio.to_thread(wait_until_streaming, doomed)
@@ -103,6 +119,7 @@ def test_cancel_and_peer_kill_return_vllm_to_baseline(cluster, long_ids, smol_di
 
     # the decoder dies while vLLM prefills for it: vLLM lets go of the request's blocks
     with AgentProcess("torch", smol_dir, tmp_path / "doomed-d") as doomed:
+
         async def kill_decoder():
             task = asyncio.create_task(_decode_lines(doomed, v, ids, uuid.uuid4().hex))
             await asyncio.to_thread(wait_until_streaming, v)
@@ -115,32 +132,51 @@ def test_cancel_and_peer_kill_return_vllm_to_baseline(cluster, long_ids, smol_di
         decoder_killed = asyncio.run(kill_decoder())
     at_engine_baseline(cluster, ("vllm",), {"vllm": {"kv_cache_usage": baseline}})  # vLLM frees on its own schedule
     # and vLLM still serves
-    assert "Paris" in cluster["client"].chat.completions.create(
-        model="t2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=20, temperature=0).choices[0].message.content
-    write_report("vllm_faults", {"cancel_mid_transfer": cancelled[-1]["error"]["message"][:300],
-                                 "prefiller_killed_mid_transfer": killed[-1]["error"]["message"][:300],
-                                 "decoder_killed_mid_transfer": decoder_killed[:300],
-                                 "kv_cache_usage_after": kv_usage(v)})
+    assert (
+        "Paris"
+        in cluster["client"]
+        .chat.completions.create(
+            model="t2v",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=20,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
+    )
+    write_report(
+        "vllm_faults",
+        {
+            "cancel_mid_transfer": cancelled[-1]["error"]["message"][:300],
+            "prefiller_killed_mid_transfer": killed[-1]["error"]["message"][:300],
+            "decoder_killed_mid_transfer": decoder_killed[:300],
+            "kv_cache_usage_after": kv_usage(v),
+        },
+    )
 
 
 def test_damaged_page_streams_fall_back_through_the_panel(cluster, long_ids):
     """A bit flipped in a page, a stream cut short, then a link gone silent mid-stream, between
     two vLLM agents through the panel: the decoder-alone answer each time, the reason logged, and both vLLM pools idle."""
-    seen = check_damaged_streams_through_panel(cluster, "vllm", "vllm2", prompt(long_ids, 130),
-                                               {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")})
+    seen = check_damaged_streams_through_panel(
+        cluster, "vllm", "vllm2", prompt(long_ids, 130), {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")}
+    )
     write_report("vllm_damaged_streams", seen)
 
 
 def test_a_slow_link_between_vllms_holds_memory_flat(cluster):
     """16 pages between the two vLLM agents through a link held to 4 MB/s, through the panel."""
     idle = {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")}
-    write_report("vllm_slow_link", check_slow_link_through_panel(cluster, "vllm", "vllm2", prompt_ids(1000, 5, VOCAB), idle))
+    write_report(
+        "vllm_slow_link", check_slow_link_through_panel(cluster, "vllm", "vllm2", prompt_ids(1000, 5, VOCAB), idle)
+    )
 
 
 def test_panel_restarted_while_a_vllm_pair_streams(cluster):
     idle = {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")}
-    write_report("vllm_panel_restart", check_panel_restart(cluster, "v2v", "vllm", "vllm2", prompt_ids(200, 7, VOCAB), idle))
+    write_report(
+        "vllm_panel_restart", check_panel_restart(cluster, "v2v", "vllm", "vllm2", prompt_ids(200, 7, VOCAB), idle)
+    )
 
 
 def test_schemathesis_on_the_agent_routes_that_reach_vllm(cluster):
@@ -148,9 +184,18 @@ def test_schemathesis_on_the_agent_routes_that_reach_vllm(cluster):
     no 5xx, no hang, every refusal a clear error; afterwards both are idle and vLLM serves."""
     counts = fuzz_engine_routes(cluster["vllm2"], cluster["vllm"])
     at_engine_baseline(cluster, ("vllm", "vllm2"), {name: {"kv_cache_usage": 0.0} for name in ("vllm", "vllm2")})
-    assert "Paris" in cluster["client"].chat.completions.create(
-        model="v2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=20, temperature=0).choices[0].message.content
+    assert (
+        "Paris"
+        in cluster["client"]
+        .chat.completions.create(
+            model="v2v",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=20,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
+    )
     write_report("vllm_schemathesis", counts)
 
 
@@ -166,17 +211,29 @@ def test_a_short_soak_through_vllm_pairs_leaves_nothing_behind(cluster):
 
 def test_a_peer_of_vllm_killed_mid_stream_through_the_panel(cluster, smol_dir, long_ids, tmp_path):
     ids = (list(long_ids) * 8)[:1500]  # six prefill chunks on the torch prefiller: time to act mid-stream
-    write_report("vllm_peer_kills", check_peer_kills_through_panel(cluster, "vllm", "vllm", smol_dir, tmp_path, ids,
-                                                                   {"vllm": {"kv_cache_usage": 0.0}}))
+    write_report(
+        "vllm_peer_kills",
+        check_peer_kills_through_panel(
+            cluster, "vllm", "vllm", smol_dir, tmp_path, ids, {"vllm": {"kv_cache_usage": 0.0}}
+        ),
+    )
 
 
 def test_a_crashed_vllm_is_restarted(cluster, long_ids):
     """vLLM's engine server killed while it prefills a request through the panel: the request
     is answered by the decoder alone, and the agent brings vLLM back."""
     check_engine_crash_through_panel(cluster, "crash", "vllm2", "mlx", "kv_cache_usage", long_ids)
-    text = cluster["client"].chat.completions.create(
-        model="v2v", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=20, temperature=0).choices[0].message.content
+    text = (
+        cluster["client"]
+        .chat.completions.create(
+            model="v2v",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=20,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
+    )
     assert "Paris" in text
 
 
@@ -185,8 +242,15 @@ def test_vllm_refuses_commit_first_decoding(cluster, long_ids):
     with cluster["vllm"].client() as c:
         info = c.get("/v1/info").json()
         assert info["decoder_modes"] == ["recompute-last"] and info["engine"] == "vllm"
-        r = c.post("/v1/decode", json={"room": uuid.uuid4().hex, "token_ids": prompt(long_ids, 70),
-                                       "mode": "commit-first", "prefill_url": cluster["torch"].url})
+        r = c.post(
+            "/v1/decode",
+            json={
+                "room": uuid.uuid4().hex,
+                "token_ids": prompt(long_ids, 70),
+                "mode": "commit-first",
+                "prefill_url": cluster["torch"].url,
+            },
+        )
         assert r.status_code == 400 and "cannot decode in commit-first mode" in r.json()["error"]["message"]
 
 
@@ -213,8 +277,10 @@ def test_vllm_pages_leave_while_it_still_prefills(cluster, long_ids):
     assert done.get("done"), done
     # (in one step, every page would leave together, within milliseconds of the last)
     assert done["first_page_at"] < done["prefill_finished_at"] - 0.05, done
-    write_report("vllm_overlap", {k: done[k] for k in ("first_page_at", "last_page_at", "prefill_finished_at",
-                                                         "prefill_seconds", "pages")})
+    write_report(
+        "vllm_overlap",
+        {k: done[k] for k in ("first_page_at", "last_page_at", "prefill_finished_at", "prefill_seconds", "pages")},
+    )
 
 
 # The statistical rules run on the headline directions, vLLM <-> MLX (20 prompts, 32 greedy tokens
@@ -245,12 +311,22 @@ def test_vllm_decoder_meets_the_cross_engine_rules(cluster, engines, prefiller, 
         shared = set(imported) & set(local)
         assert max(imported, key=imported.get) == max(local, key=local.get), text
         diffs.append(max(abs(imported[t] - local[t]) for t in shared))
-        pd = [x["token"] for x in asyncio.run(pd_request(cluster[prefiller].url, cluster["vllm"].url, ids, sampling)) if "token" in x]
+        pd = [
+            x["token"]
+            for x in asyncio.run(pd_request(cluster[prefiller].url, cluster["vllm"].url, ids, sampling))
+            if "token" in x
+        ]
         alone = [x["token"] for x in asyncio.run(generate_request(cluster["vllm"].url, ids, sampling)) if "token" in x]
         agree += pd == alone
-    figures = {"direction": f"{prefiller}->vllm", "prompts": len(PROMPTS), "greedy_agreement": agree,
-               "logprob_max_abs_diff_max": max(diffs), "logprob_max_abs_diff_median": float(np.median(diffs)),
-               "compared": "top-20 log-probabilities of the first decode step", "tolerance": LOGIT_TOLERANCE}
+    figures = {
+        "direction": f"{prefiller}->vllm",
+        "prompts": len(PROMPTS),
+        "greedy_agreement": agree,
+        "logprob_max_abs_diff_max": max(diffs),
+        "logprob_max_abs_diff_median": float(np.median(diffs)),
+        "compared": "top-20 log-probabilities of the first decode step",
+        "tolerance": LOGIT_TOLERANCE,
+    }
     write_report(f"cross_engine_{prefiller}_to_vllm", figures)
     assert max(diffs) <= LOGIT_TOLERANCE, figures
     assert agree >= MIN_AGREEMENT, figures

@@ -15,8 +15,9 @@ target = Path(sys.argv[1]) / "torchvision" / "_meta_registrations.py"
 text = target.read_text()
 for op in ("nms", "qnms"):
     old = f'@torch.library.register_fake("torchvision::{op}")'
-    new = (f'@(torch.library.register_fake("torchvision::{op}") '
-           'if torchvision.extension._has_ops() else (lambda fn: fn))')
+    new = (
+        f'@(torch.library.register_fake("torchvision::{op}") if torchvision.extension._has_ops() else (lambda fn: fn))'
+    )
     if new not in text:
         if old not in text:
             sys.exit(f"{target}: no {old!r} to patch (torchvision changed; update this script)")

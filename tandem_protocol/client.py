@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 import os
 import ssl
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import aiohttp
 
-from engine_adapters.errors import TandemError
-from engine_adapters.pages import PROTOCOL_VERSION, FrameExpectation
-
+from .errors import TandemError
 from .page_receiver import HTTPStatusError, PageStream, ReceiverPool
+from .pages import PROTOCOL_VERSION, FrameExpectation
 
 # The client side of the wire, for the callers that catch transport failures.
 TransportError = (aiohttp.ClientError, ConnectionError, TimeoutError)  # StreamBroken is a ConnectionError
@@ -48,8 +47,14 @@ def _http_error(status: int, where: str, body: bytes) -> AgentHTTPError:
 
 
 class AgentClient:
-    def __init__(self, base_url: str, key: str, verify: bool | str | None = None, timeout: float = 30.0,
-                 stall_timeout: float | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        key: str,
+        verify: bool | str | None = None,
+        timeout: float = 30.0,
+        stall_timeout: float | None = None,
+    ):
         """`verify`: True (system CAs), False (no check), a CA bundle path, or None for the
         TANDEM_CA_FILE environment variable when set (how a cluster with self-signed agent
         certificates is trusted) and the system CAs otherwise."""
@@ -57,8 +62,9 @@ class AgentClient:
             verify = os.environ.get("TANDEM_CA_FILE") or True
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {key}", "X-Tandem-Protocol": str(PROTOCOL_VERSION)}
-        self._ssl: ssl.SSLContext | bool = (ssl.create_default_context(cafile=verify) if isinstance(verify, str)
-                                            else (None if verify else False))
+        self._ssl: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=verify) if isinstance(verify, str) else (None if verify else False)
+        )
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._pages: ReceiverPool | None = None  # page streams bypass aiohttp (page_receiver.py)
@@ -69,8 +75,11 @@ class AgentClient:
         # Created on first use, inside the event loop that will use it.
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                headers=self._headers, timeout=self._timeout, read_bufsize=1 << 20,
-                connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=60, ssl=self._ssl))
+                headers=self._headers,
+                timeout=self._timeout,
+                read_bufsize=1 << 20,
+                connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=60, ssl=self._ssl),
+            )
         return self._session
 
     async def aclose(self) -> None:
@@ -112,16 +121,18 @@ class AgentClient:
         return await self._json("DELETE", f"/v1/handoffs/{room}")
 
     @asynccontextmanager
-    async def page_stream(self, room: str, expect: FrameExpectation | None,
-                          path: str | None = None) -> AsyncIterator[PageStream]:
+    async def page_stream(
+        self, room: str, expect: FrameExpectation | None, path: str | None = None
+    ) -> AsyncIterator[PageStream]:
         """A room's pages and its PrefillDone, checked against `expect`, received in place.
 
         Leaving the block before the stream ends closes the connection, which tells the
         prefiller its reader is gone.
         """
         if self._pages is None:
-            self._pages = ReceiverPool(self.base_url, self._headers, self._ssl, self._timeout.connect,
-                                       stall_timeout=self._stall_timeout)
+            self._pages = ReceiverPool(
+                self.base_url, self._headers, self._ssl, self._timeout.connect, stall_timeout=self._stall_timeout
+            )
         try:
             async with self._pages.stream(path or f"/v1/handoffs/{room}/pages", expect) as stream:
                 yield stream

@@ -1,17 +1,13 @@
-"""Sampling parameters and one sampler shared by every in-process engine.
+"""Sampling parameters: what a request may ask of an engine, and their bounds.
 
-Sampling runs in numpy on the final-position logits, so torch and MLX pick tokens the same way.
-Each sampled token consumes exactly one uniform draw from the request's generator, so a decoder
-that continues after a prefiller's first token can skip that draw and stay on the same random
-sequence as a single-engine run with the same seed.
+The in-process engines sample with `engine_adapters.sampler.Sampler`; the server engines (vLLM,
+SGLang) are handed these fields under the same names.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import MISSING, dataclass, field, fields
-
-import numpy as np
 
 from .errors import RequestError
 
@@ -47,7 +43,7 @@ class SamplingParams:
         if not isinstance(self.top_k, int) or self.top_k < 0:
             problems.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
         # OpenAI documents seed as a signed 64-bit integer; engines get it as such (vLLM, SGLang)
-        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
             problems.append(f"seed must be an integer in -2**63..2**63-1, got {self.seed!r}")
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -69,35 +65,6 @@ def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-class Sampler:
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        # numpy seeds are non-negative: a negative seed (OpenAI allows them) is taken modulo 2**64
-        self._rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
-
-    def skip(self) -> None:
-        """Consume the draw of a token that another engine sampled."""
-        self._rng.random()
-
-    def __call__(self, logits: np.ndarray) -> int:
-        u = self._rng.random()
-        p = self.params
-        if p.greedy:
-            return int(np.argmax(logits))
-        x = logits.astype(np.float64) / p.temperature
-        order = np.argsort(-x, kind="stable")
-        if p.top_k:
-            order = order[: p.top_k]
-        x = x[order]
-        probs = np.exp(x - x[0])
-        probs /= probs.sum()
-        if p.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
-            probs = probs[:keep] / probs[:keep].sum()
-        idx = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(probs) - 1)
-        return int(order[idx])
-
-
 # What `Sampler` applies, and the penalties that only look at output tokens (so they cannot
 # change the first token, which an engine samples right after the prompt).
 SAMPLER_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"})
@@ -107,12 +74,16 @@ ALL_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 # the parameters only the server engines apply, passed to them under these same names
 SERVER_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in SAMPLER_FIELDS)
 
-_DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
-             for f in fields(SamplingParams)}
+_DEFAULTS = {
+    f.name: (f.default_factory() if f.default_factory is not MISSING else f.default) for f in fields(SamplingParams)
+}
 
 
 def non_default_fields(sampling: dict) -> set[str]:
     """The fields a sampling dict sets away from their defaults (SamplingParams.non_default, and
     the panel's router, which holds the dict and refuses before anything is scheduled)."""
-    return {name for name, value in sampling.items()
-            if name in _DEFAULTS and value != _DEFAULTS[name] and not (name == "stop_token_ids" and not value)}
+    return {
+        name
+        for name, value in sampling.items()
+        if name in _DEFAULTS and value != _DEFAULTS[name] and not (name == "stop_token_ids" and not value)
+    }

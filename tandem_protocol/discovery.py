@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import ifaddr
 from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from engine_adapters.pages import PROTOCOL_VERSION
+from .pages import PROTOCOL_VERSION
 
 SERVICE_TYPE = "_tandem._tcp.local."
 ANNOUNCED_KEYS = ("node_id", "name", "engine", "model", "contract", "proto", "accel", "accel_name", "tls")
@@ -46,10 +46,17 @@ def announced_properties(config, adapter, tls: bool) -> dict[str, str]:
     """What an agent announces, from its config (which also holds the cluster key: only the public
     fields are read) and the engine it serves."""
     accel = adapter.accelerator()
-    return {"node_id": config.node_id, "name": config.name, "engine": adapter.name,
-            "model": config.model_name or adapter.model_dir.name, "contract": adapter.contract.fingerprint,
-            "proto": str(PROTOCOL_VERSION), "accel": accel["kind"], "accel_name": accel.get("name", ""),
-            "tls": "1" if tls else "0"}
+    return {
+        "node_id": config.node_id,
+        "name": config.name,
+        "engine": adapter.name,
+        "model": config.model_name or adapter.model_dir.name,
+        "contract": adapter.contract.fingerprint,
+        "proto": str(PROTOCOL_VERSION),
+        "accel": accel["kind"],
+        "accel_name": accel.get("name", ""),
+        "tls": "1" if tls else "0",
+    }
 
 
 def _only_announced(properties: dict[str, str]) -> None:
@@ -59,8 +66,9 @@ def _only_announced(properties: dict[str, str]) -> None:
 
 
 class Announcer:
-    def __init__(self, properties: dict[str, str], port: int, addresses: list[str],
-                 interfaces: list[str] | None = None):
+    def __init__(
+        self, properties: dict[str, str], port: int, addresses: list[str], interfaces: list[str] | None = None
+    ):
         _only_announced(properties)
         self.properties = dict(properties)
         self.port = port
@@ -71,9 +79,13 @@ class Announcer:
 
     def _service_info(self) -> AsyncServiceInfo:
         return AsyncServiceInfo(
-            SERVICE_TYPE, service_name(self.properties["name"], self.properties["node_id"]),
-            port=self.port, properties=self.properties, parsed_addresses=self.addresses,
-            server=f"tandem-{self.properties['node_id'][:8]}.local.")
+            SERVICE_TYPE,
+            service_name(self.properties["name"], self.properties["node_id"]),
+            port=self.port,
+            properties=self.properties,
+            parsed_addresses=self.addresses,
+            server=f"tandem-{self.properties['node_id'][:8]}.local.",
+        )
 
     async def start(self) -> None:
         self._zc = AsyncZeroconf(interfaces=self.interfaces or ["0.0.0.0"], ip_version=IPVersion.V4Only)
@@ -115,8 +127,7 @@ class Watcher:
     event loop when an agent appears, changes or withdraws.
     """
 
-    def __init__(self, interfaces: list[str] | None = None,
-                 on_change: Callable[[Peer, bool], None] | None = None):
+    def __init__(self, interfaces: list[str] | None = None, on_change: Callable[[Peer, bool], None] | None = None):
         self.interfaces = interfaces or ["0.0.0.0"]
         self.on_change = on_change
         self.peers: dict[str, Peer] = {}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterable
+from collections.abc import AsyncIterable
 
 from starlette.responses import StreamingResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -51,8 +51,7 @@ class PageStreamResponse(StreamingResponse):
             if isinstance(frame, tuple):
                 header, payload = frame
                 if vectored:
-                    await send({"type": "http.response.body", "body": header, PAYLOAD_KEY: payload,
-                                "more_body": True})
+                    await send({"type": "http.response.body", "body": header, PAYLOAD_KEY: payload, "more_body": True})
                     continue
                 frame = b"".join(frame)
             await send({"type": "http.response.body", "body": frame, "more_body": True})
@@ -71,16 +70,25 @@ class _VectoredCycle(RequestResponseCycle):
             try:
                 await asyncio.wait_for(self.flow.drain(), self.stall_timeout)
             except TimeoutError:
-                log.warning("%s %s: the reader took no data for %g s; closing its connection",
-                            self.scope["method"], self.scope["path"], self.stall_timeout)
+                log.warning(
+                    "%s %s: the reader took no data for %g s; closing its connection",
+                    self.scope["method"],
+                    self.scope["path"],
+                    self.stall_timeout,
+                )
                 self.transport.close()  # the app sees a disconnect and lets go of what it holds
                 self.disconnected = True
                 return
         body = message.get("body", b"")
         payload = message.get(PAYLOAD_KEY)
-        if (message["type"] == "http.response.body" and message.get("more_body", False)
-                and self.response_started and self.chunked_encoding and self.scope["method"] != "HEAD"
-                and (payload is not None or len(body) >= VECTOR_MIN)):
+        if (
+            message["type"] == "http.response.body"
+            and message.get("more_body", False)
+            and self.response_started
+            and self.chunked_encoding
+            and self.scope["method"] != "HEAD"
+            and (payload is not None or len(body) >= VECTOR_MIN)
+        ):
             if self.flow.write_paused and not self.disconnected:
                 await self.flow.drain()
             if self.disconnected:
@@ -93,8 +101,11 @@ class _VectoredCycle(RequestResponseCycle):
                 self.transport.writelines([b"%x\r\n" % (len(body) + len(payload)), body, payload, b"\r\n"])
             return
         if payload is not None:  # not a chunked body after all (HEAD, an error...): send it whole
-            message = {"type": message["type"], "body": body + bytes(payload),
-                       "more_body": message.get("more_body", False)}
+            message = {
+                "type": message["type"],
+                "body": body + bytes(payload),
+                "more_body": message.get("more_body", False),
+            }
         await super().send(message)
 
 
@@ -102,7 +113,7 @@ class PageStreamProtocol(HttpToolsProtocol):
     stall_timeout: float | None = None  # None: wait for a slow reader as long as TCP does
 
     @classmethod
-    def with_stall_timeout(cls, seconds: float | None) -> type["PageStreamProtocol"]:
+    def with_stall_timeout(cls, seconds: float | None) -> type[PageStreamProtocol]:
         return type(cls.__name__, (cls,), {"stall_timeout": seconds})
 
     def on_headers_complete(self) -> None:

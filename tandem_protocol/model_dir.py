@@ -16,8 +16,15 @@ from .pages import PageGeometry
 
 SUPPORTED_TYPES = {"llama", "qwen2", "qwen3"}
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
 )
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "text_config", "vision_tower", "mm_projector_type")
 
@@ -79,8 +86,12 @@ def inspect_model(path: str | Path) -> ModelInfo:
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
     )
     return ModelInfo(
-        path=path, config=config, model_type=config["model_type"], geometry=geometry,
-        max_context=int(config.get("max_position_embeddings") or 0), vocab_size=config["vocab_size"],
+        path=path,
+        config=config,
+        model_type=config["model_type"],
+        geometry=geometry,
+        max_context=int(config.get("max_position_embeddings") or 0),
+        vocab_size=config["vocab_size"],
     )
 
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import xxhash
@@ -58,8 +58,13 @@ class ModelContract:
     @cached_property  # frozen: computed once (the page path frames every page with it)
     def fingerprint(self) -> str:
         h = xxhash.xxh3_128()
-        for value in (self.weights, self.tokenizer, self.config, str(self.context_length),
-                      f"{self.layers}/{self.kv_heads}/{self.head_dim}"):
+        for value in (
+            self.weights,
+            self.tokenizer,
+            self.config,
+            str(self.context_length),
+            f"{self.layers}/{self.kv_heads}/{self.head_dim}",
+        ):
             h.update(value.encode() + b"\0")
         return h.hexdigest()
 
@@ -71,18 +76,20 @@ class ModelContract:
         return {**asdict(self), "fingerprint": self.fingerprint}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelContract":
-        return cls(**{k: d[k] for k in ("weights", "tokenizer", "config", "context_length",
-                                        "layers", "kv_heads", "head_dim")})
+    def from_dict(cls, d: dict) -> ModelContract:
+        return cls(
+            **{k: d[k] for k in ("weights", "tokenizer", "config", "context_length", "layers", "kv_heads", "head_dim")}
+        )
 
-    def check_same(self, other: "ModelContract") -> None:
+    def check_same(self, other: ModelContract) -> None:
         """Raise ContractMismatch naming every field in which `other` differs."""
         differ = [f for f in self.FIELDS if getattr(self, f) != getattr(other, f)]
         if self.geometry != other.geometry:
             differ.append("geometry")
         if differ:
-            details = ", ".join(f"{f}: {getattr(self, f, self.geometry)} != {getattr(other, f, other.geometry)}"
-                                for f in differ)
+            details = ", ".join(
+                f"{f}: {getattr(self, f, self.geometry)} != {getattr(other, f, other.geometry)}" for f in differ
+            )
             raise ContractMismatch(differ, details)
 
 
@@ -135,8 +142,7 @@ def hash_file(file: Path, progress: Callable[[int], None] | None = None) -> str:
     return h.hexdigest()
 
 
-def files_fingerprint(files: Sequence[Path], cache: HashCache | None = None,
-                      progress: Progress | None = None) -> str:
+def files_fingerprint(files: Sequence[Path], cache: HashCache | None = None, progress: Progress | None = None) -> str:
     """Fingerprint a set of files by name and content, re-using cached content hashes."""
     total = sum(f.stat().st_size for f in files)
     done = 0
@@ -144,11 +150,13 @@ def files_fingerprint(files: Sequence[Path], cache: HashCache | None = None,
     for file in sorted(files, key=lambda p: p.name):
         digest = cache.get(file) if cache else None
         if digest is None:
+
             def advance(n: int) -> None:
                 nonlocal done
                 done += n
                 if progress:
                     progress(done, total)
+
             digest = hash_file(file, advance)
             if cache:
                 cache.put(file, digest)
@@ -160,8 +168,9 @@ def files_fingerprint(files: Sequence[Path], cache: HashCache | None = None,
     return combined.hexdigest()
 
 
-def compute_contract(info: ModelInfo, context_length: int, cache: HashCache | None = None,
-                     progress: Progress | None = None) -> ModelContract:
+def compute_contract(
+    info: ModelInfo, context_length: int, cache: HashCache | None = None, progress: Progress | None = None
+) -> ModelContract:
     """The contract of the model in `info` served at `context_length`."""
     g = info.geometry
     return ModelContract(
@@ -169,5 +178,7 @@ def compute_contract(info: ModelInfo, context_length: int, cache: HashCache | No
         tokenizer=files_fingerprint(info.tokenizer_files),
         config=config_fingerprint(info.config),
         context_length=int(context_length),
-        layers=g.layers, kv_heads=g.kv_heads, head_dim=g.head_dim,
+        layers=g.layers,
+        kv_heads=g.kv_heads,
+        head_dim=g.head_dim,
     )

@@ -193,8 +193,15 @@ def _id16(value: bytes, what: str) -> bytes:
     return bytes(value[:16])
 
 
-def encode_frame(page: KVPage, *, contract: bytes, room: bytes, tokens: bytes,
-                 payload_state: xxhash.xxh3_64 | None = None, encoding: int = RAW) -> tuple[bytes, memoryview]:
+def encode_frame(
+    page: KVPage,
+    *,
+    contract: bytes,
+    room: bytes,
+    tokens: bytes,
+    payload_state: xxhash.xxh3_64 | None = None,
+    encoding: int = RAW,
+) -> tuple[bytes, memoryview]:
     """Frame a page: returns (header, payload view). Write both; a raw payload is not copied.
 
     `payload_state`: `xxhash.xxh3_64(payload)` already computed, for a payload framed again.
@@ -209,9 +216,22 @@ def encode_frame(page: KVPage, *, contract: bytes, room: bytes, tokens: bytes,
         payload = memoryview(data).cast("B")
     else:
         raise ValueError(f"unknown page encoding {encoding}")
-    fields = (MAGIC, PROTOCOL_VERSION, HEADER_SIZE,
-              _id16(contract, "contract"), _id16(room, "room"), _id16(tokens, "tokens"),
-              page.index, page.valid_tokens, page_tokens, layers, kv_heads, head_dim, encoding, payload.nbytes)
+    fields = (
+        MAGIC,
+        PROTOCOL_VERSION,
+        HEADER_SIZE,
+        _id16(contract, "contract"),
+        _id16(room, "room"),
+        _id16(tokens, "tokens"),
+        page.index,
+        page.valid_tokens,
+        page_tokens,
+        layers,
+        kv_heads,
+        head_dim,
+        encoding,
+        payload.nbytes,
+    )
     unsigned = _HEADER.pack(*fields, 0)
     state = xxhash.xxh3_64(payload) if payload_state is None else payload_state
     return _HEADER.pack(*fields, checksum_finish(state, unsigned)), payload
@@ -243,8 +263,23 @@ def parse_header(buf: bytes | memoryview) -> FrameHeader:
     """Parse and sanity-check a frame header (the first HEADER_SIZE bytes of `buf`)."""
     if len(buf) < HEADER_SIZE:
         raise FrameError(f"truncated frame header: {len(buf)} of {HEADER_SIZE} bytes")
-    (magic, version, header_size, contract, room, tokens, index, valid, page_tokens,
-     layers, kv_heads, head_dim, encoding, payload_size, checksum) = _HEADER.unpack_from(buf)
+    (
+        magic,
+        version,
+        header_size,
+        contract,
+        room,
+        tokens,
+        index,
+        valid,
+        page_tokens,
+        layers,
+        kv_heads,
+        head_dim,
+        encoding,
+        payload_size,
+        checksum,
+    ) = _HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a Tandem page stream")
     if version != PROTOCOL_VERSION:
@@ -252,18 +287,33 @@ def parse_header(buf: bytes | memoryview) -> FrameHeader:
     if header_size != HEADER_SIZE or encoding not in (RAW, ZSTD_PLANES):
         raise FrameError(f"bad frame header (size {header_size}, encoding {encoding})")
     geometry = PageGeometry(layers, kv_heads, head_dim, page_tokens)
-    fits = (payload_size == geometry.page_bytes if encoding == RAW else
-            0 < payload_size <= max_compressed(geometry.page_bytes))
+    fits = (
+        payload_size == geometry.page_bytes
+        if encoding == RAW
+        else 0 < payload_size <= max_compressed(geometry.page_bytes)
+    )
     if min(layers, kv_heads, head_dim, page_tokens) == 0 or not fits:
         raise FrameError(f"frame payload size {payload_size} does not match its geometry {geometry}")
     if not 1 <= valid <= page_tokens:
         raise FrameError(f"frame claims {valid} valid tokens in a {page_tokens}-token page")
-    return FrameHeader(bytes(buf[:HEADER_SIZE]), contract, room, tokens, index, valid, geometry,
-                       payload_size, checksum, version, encoding)
+    return FrameHeader(
+        bytes(buf[:HEADER_SIZE]),
+        contract,
+        room,
+        tokens,
+        index,
+        valid,
+        geometry,
+        payload_size,
+        checksum,
+        version,
+        encoding,
+    )
 
 
-def decode_frame(buf: bytes | memoryview, expect: FrameExpectation | None = None,
-                 checksum: int | None = None) -> tuple[FrameHeader, KVPage]:
+def decode_frame(
+    buf: bytes | memoryview, expect: FrameExpectation | None = None, checksum: int | None = None
+) -> tuple[FrameHeader, KVPage]:
     """Check a whole frame and return its header and page (a view into `buf`).
 
     `checksum`: the frame's checksum when the receiver computed it while receiving
@@ -276,8 +326,12 @@ def decode_frame(buf: bytes | memoryview, expect: FrameExpectation | None = None
     return header, decode_payload(header, payload, expect, checksum)
 
 
-def decode_payload(header: FrameHeader, payload: bytes | memoryview, expect: FrameExpectation | None = None,
-                   checksum: int | None = None) -> KVPage:
+def decode_payload(
+    header: FrameHeader,
+    payload: bytes | memoryview,
+    expect: FrameExpectation | None = None,
+    checksum: int | None = None,
+) -> KVPage:
     """Verify a payload against its header (and the receiver's expectation) and view it as a page."""
     if len(payload) != header.payload_size:
         raise FrameError(f"truncated page {header.page_index}: {len(payload)} of {header.payload_size} payload bytes")
@@ -286,16 +340,19 @@ def decode_payload(header: FrameHeader, payload: bytes | memoryview, expect: Fra
     if expect is not None:
         check_expectation(header, expect)
     g = header.geometry
-    data = (np.frombuffer(payload, dtype=KV_DTYPE) if header.encoding == RAW
-            else decompress_planes(payload, g.page_bytes)).reshape(g.page_shape)
-    if header.valid_tokens < g.page_tokens and data[:, :, header.valid_tokens:].view(np.uint16).any():
+    data = (
+        np.frombuffer(payload, dtype=KV_DTYPE) if header.encoding == RAW else decompress_planes(payload, g.page_bytes)
+    ).reshape(g.page_shape)
+    if header.valid_tokens < g.page_tokens and data[:, :, header.valid_tokens :].view(np.uint16).any():
         raise FrameError(f"page {header.page_index} has non-zero bytes past its {header.valid_tokens} valid tokens")
     return KVPage(index=header.page_index, valid_tokens=header.valid_tokens, data=data)
 
 
 def check_expectation(header: FrameHeader, expect: FrameExpectation) -> None:
     if header.room != _id16(expect.room, "room"):
-        raise FrameError(f"page {header.page_index} belongs to room {header.room.hex()}, expected {expect.room[:16].hex()}")
+        raise FrameError(
+            f"page {header.page_index} belongs to room {header.room.hex()}, expected {expect.room[:16].hex()}"
+        )
     if header.contract != _id16(expect.contract, "contract"):
         raise ContractMismatch(
             ["contract fingerprint"],

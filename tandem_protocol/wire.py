@@ -20,10 +20,19 @@ import struct
 
 import numpy as np
 import xxhash
-from engine_adapters.base import PrefillDone
-from engine_adapters.errors import FrameError, TandemError
-from engine_adapters.pages import (HEADER_SIZE, MAGIC, FrameExpectation, FrameHeader, KVPage, checksum_finish,
-                                   decode_payload, parse_header)
+
+from .errors import FrameError, TandemError
+from .handoff import PrefillDone
+from .pages import (
+    HEADER_SIZE,
+    MAGIC,
+    FrameExpectation,
+    FrameHeader,
+    KVPage,
+    checksum_finish,
+    decode_payload,
+    parse_header,
+)
 
 DONE_MAGIC = b"TKVD"
 ERROR_MAGIC = b"TKVE"
@@ -45,9 +54,16 @@ def _json_frame(magic: bytes, obj: dict) -> bytes:
 
 
 def done_frame(done: PrefillDone) -> bytes:
-    return _json_frame(DONE_MAGIC, {"first_token": done.first_token, "kv_tokens": done.kv_tokens,
-                                    "pages": done.pages, "prefill_seconds": done.prefill_seconds,
-                                    "finished_at": done.finished_at})
+    return _json_frame(
+        DONE_MAGIC,
+        {
+            "first_token": done.first_token,
+            "kv_tokens": done.kv_tokens,
+            "pages": done.pages,
+            "prefill_seconds": done.prefill_seconds,
+            "finished_at": done.finished_at,
+        },
+    )
 
 
 def error_frame(code: str, message: str) -> bytes:
@@ -92,12 +108,12 @@ class FrameReader:
             space = self.payload_space()
             if space is not None:
                 n = min(len(view) - pos, len(space))
-                space[:n] = view[pos:pos + n]
+                space[:n] = view[pos : pos + n]
                 pos += n
                 out.extend(self.payload_received(n))
                 continue
             take = min(self.head_missing(), len(view) - pos)
-            self._head += view[pos:pos + take]
+            self._head += view[pos : pos + take]
             self.bytes_read += take
             pos += take
             if self.head_missing() == 0:
@@ -108,7 +124,7 @@ class FrameReader:
     # into the page being received, then says how much it wrote.
     def payload_space(self) -> memoryview | None:
         """The rest of the page frame being received, to fill in place (None between frames)."""
-        return None if self._frame is None else self._view[self._filled:]
+        return None if self._frame is None else self._view[self._filled :]
 
     def payload_received(self, n: int) -> list[KVPage]:
         start = self._filled
@@ -118,8 +134,9 @@ class FrameReader:
         if end < len(self._view):
             return []
         header, view, self._frame, self._view = self._header, self._view, None, None
-        return [decode_payload(header, view[HEADER_SIZE:], self.expect,
-                               checksum=checksum_finish(self._hash, header.raw))]
+        return [
+            decode_payload(header, view[HEADER_SIZE:], self.expect, checksum=checksum_finish(self._hash, header.raw))
+        ]
 
     def head_missing(self) -> int:
         """How many more bytes the frame head being collected needs (0 when it is complete)."""
@@ -145,11 +162,18 @@ class FrameReader:
         self.finished = True
         if magic == ERROR_MAGIC:
             raise PeerError(str(obj.get("code", "peer_error")), str(obj.get("message", "the peer failed")))
-        return [PrefillDone(first_token=int(obj["first_token"]), kv_tokens=int(obj["kv_tokens"]),
-                            pages=int(obj["pages"]), prefill_seconds=float(obj["prefill_seconds"]),
-                            finished_at=float(obj.get("finished_at", 0.0)))]
+        return [
+            PrefillDone(
+                first_token=int(obj["first_token"]),
+                kv_tokens=int(obj["kv_tokens"]),
+                pages=int(obj["pages"]),
+                prefill_seconds=float(obj["prefill_seconds"]),
+                finished_at=float(obj.get("finished_at", 0.0)),
+            )
+        ]
 
     def close(self) -> None:
         if not self.finished:
-            raise FrameError(f"the page stream was truncated after {self.bytes_read:,} bytes "
-                             "(no final frame): nothing was decoded")
+            raise FrameError(
+                f"the page stream was truncated after {self.bytes_read:,} bytes (no final frame): nothing was decoded"
+            )

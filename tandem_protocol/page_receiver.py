@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 from urllib.parse import urlsplit
 
-from engine_adapters.base import PrefillDone
-from engine_adapters.pages import FrameExpectation, KVPage
-
+from .handoff import PrefillDone
+from .pages import FrameExpectation, KVPage
 from .wire import FrameReader
 
 MAX_HEAD = 64 * 1024  # status line + headers
@@ -79,8 +78,12 @@ class _Receiver(asyncio.BufferedProtocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._lost = exc or StreamBroken("the peer closed the connection")
         if self.reader is not None and not self.complete:
-            self._fail(StreamBroken(f"connection closed after {self.reader.bytes_read:,} bytes of the page stream"
-                                    + (f" ({exc})" if exc else "")))
+            self._fail(
+                StreamBroken(
+                    f"connection closed after {self.reader.bytes_read:,} bytes of the page stream"
+                    + (f" ({exc})" if exc else "")
+                )
+            )
         self._wake.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -89,14 +92,14 @@ class _Receiver(asyncio.BufferedProtocol):
             space = self.reader.payload_space()
             if space is not None:
                 self._direct = True
-                return space[:min(self._chunk_left, DIRECT_READ)]
+                return space[: min(self._chunk_left, DIRECT_READ)]
             want = min(self._chunk_left, self.reader.head_missing())
         elif self._state in ("size", "crlf", "trailer"):
             want = SMALL_READ
         else:
             want = MAX_HEAD
         end = min(len(self._small), self._used + want)
-        return memoryview(self._small)[self._used:end]
+        return memoryview(self._small)[self._used : end]
 
     def buffer_updated(self, nbytes: int) -> None:
         self.got_bytes = True
@@ -140,22 +143,22 @@ class _Receiver(asyncio.BufferedProtocol):
                 self._line(line)
             elif self._length is not None:  # an error body with a Content-Length
                 take = min(self._length - len(self._body), self._used - pos)
-                self._body += buf[pos:pos + take]
+                self._body += buf[pos : pos + take]
                 pos += take
                 if len(self._body) == self._length:
                     self._finish_error()
             else:  # chunk data through the scratch buffer (frame heads, small chunks, error bodies)
                 take = min(self._chunk_left, self._used - pos)
                 if self._status < 300:
-                    self._deliver(self.reader.feed(buf[pos:pos + take]))
+                    self._deliver(self.reader.feed(buf[pos : pos + take]))
                 else:
-                    self._body += buf[pos:pos + take]
+                    self._body += buf[pos : pos + take]
                 self._chunk_left -= take
                 pos += take
                 if self._chunk_left == 0:
                     self._state = "crlf"
         # keep what is left (a partial line) at the front
-        self._small[:self._used - pos] = bytes(buf[pos:self._used])
+        self._small[: self._used - pos] = bytes(buf[pos : self._used])
         self._used -= pos
 
     def _parse_head(self, head: bytes) -> None:
@@ -228,8 +231,10 @@ class _Receiver(asyncio.BufferedProtocol):
             try:
                 await asyncio.wait_for(self._wake.wait(), self.stall_timeout)
             except TimeoutError:
-                raise StreamBroken(f"the page stream stalled: no data for {self.stall_timeout:g} s after "
-                                   f"{self.reader.bytes_read:,} bytes (link down or peer frozen)") from None
+                raise StreamBroken(
+                    f"the page stream stalled: no data for {self.stall_timeout:g} s after "
+                    f"{self.reader.bytes_read:,} bytes (link down or peer frozen)"
+                ) from None
         item = self.items.pop(0)
         if len(self.items) < QUEUE_PAGES // 2 and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
@@ -261,13 +266,26 @@ class PageStream:
 class ReceiverPool:
     """Keep-alive connections to one peer for page streams."""
 
-    def __init__(self, base_url: str, headers: dict[str, str], ssl_context: ssl.SSLContext | bool | None,
-                 connect_timeout: float, max_idle: int = 4, stall_timeout: float | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        headers: dict[str, str],
+        ssl_context: ssl.SSLContext | bool | None,
+        connect_timeout: float,
+        max_idle: int = 4,
+        stall_timeout: float | None = None,
+    ):
         u = urlsplit(base_url)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)
-        self._ssl = (ssl_context if isinstance(ssl_context, ssl.SSLContext) else
-                     ssl.create_default_context() if u.scheme == "https" and ssl_context is None else
-                     _insecure() if u.scheme == "https" else None)
+        self._ssl = (
+            ssl_context
+            if isinstance(ssl_context, ssl.SSLContext)
+            else ssl.create_default_context()
+            if u.scheme == "https" and ssl_context is None
+            else _insecure()
+            if u.scheme == "https"
+            else None
+        )
         self._headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self._timeout = connect_timeout
         self._idle: list[_Receiver] = []
@@ -276,15 +294,24 @@ class ReceiverPool:
 
     async def _connect(self) -> _Receiver:
         loop = asyncio.get_running_loop()
-        _, receiver = await asyncio.wait_for(loop.create_connection(
-            lambda: _Receiver(self._stall_timeout), self.host, self.port, ssl=self._ssl,
-            server_hostname=self.host if self._ssl else None), self._timeout)
+        _, receiver = await asyncio.wait_for(
+            loop.create_connection(
+                lambda: _Receiver(self._stall_timeout),
+                self.host,
+                self.port,
+                ssl=self._ssl,
+                server_hostname=self.host if self._ssl else None,
+            ),
+            self._timeout,
+        )
         return receiver
 
     @asynccontextmanager
     async def stream(self, path: str, expect: FrameExpectation | None) -> AsyncIterator[PageStream]:
-        request = (f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self._headers}"
-                   "Accept: application/x-tandem-pages\r\n\r\n").encode()
+        request = (
+            f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self._headers}"
+            "Accept: application/x-tandem-pages\r\n\r\n"
+        ).encode()
         receiver = None
         for attempt in range(2):
             receiver = self._idle.pop() if self._idle and attempt == 0 else await self._connect()
