@@ -19,7 +19,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-.PHONY: run test lint setup system-deps test-deps bench clean vllm sglang
+.PHONY: run test test-unit lint setup system-deps test-deps bench clean vllm sglang
 
 run: setup
 	$(BIN)/tandem model fetch
@@ -28,6 +28,11 @@ run: setup
 test: setup test-deps vllm sglang lint
 	$(BIN)/tandem model fetch
 	$(BIN)/python -m pytest
+
+# The fast tier (tests/unit: in-process; no agent, panel or engine server is started), < 3 min.
+test-unit: setup lint
+	$(BIN)/tandem model fetch
+	$(BIN)/python -m pytest tests/unit
 
 bench: setup
 	$(BIN)/tandem model fetch

@@ -80,7 +80,10 @@ class StagingBudget:
         waiter = _Waiter(nbytes, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+            # not wait_for: on 3.11 it swallows a cancel that lands as the grant arrives, and a
+            # request cancelled while waiting would go on to run
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(waiter.future)
         except (TimeoutError, asyncio.CancelledError) as e:
             if waiter.future.done() and not waiter.future.cancelled():
                 waiter.future.result().release()  # granted at the moment we gave up

@@ -185,21 +185,6 @@ def test_pair_refuses_a_different_model(engines, smol_dir, tmp_path):
         tiny.close()
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(temperature=-1.0), "temperature"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_k=-2), "top_k"),
-        (dict(max_tokens=0), "max_tokens"),
-    ],
-)
-def test_bad_sampling_values(kwargs, message):
-    with pytest.raises(RequestError, match=message):
-        SamplingParams(**kwargs)
-
-
 def test_bad_requests(engines):
     adapter = engines["torch"]
     cases = [

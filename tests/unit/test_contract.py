@@ -12,7 +12,7 @@ from tandem_protocol.contract import HashCache, compute_contract, token_digest
 from tandem_protocol.errors import ContractMismatch
 from tandem_protocol.model_dir import inspect_model
 
-from .conftest import make_tiny_checkpoint
+from ..conftest import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from babel.messages.pofile import read_po
 
 from control_panel.i18n import LANGUAGES, LOCALES_DIR, Translator, compile_catalog, parse_accept_language, pick_language
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDER = re.compile(r"%\((\w+)\)[sd]")
 
 

@@ -10,7 +10,7 @@ import pytest
 from tandem_protocol.errors import UnsupportedModel
 from tandem_protocol.model_dir import inspect_model
 
-from .conftest import make_tiny_checkpoint
+from ..conftest import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,93 @@
+"""Sampling parameters (tandem_protocol/sampling.py): every bound, at its edge and past it, named
+in the refusal; and the in-process engines' sampler (engine_adapters/sampler.py) on fixed logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_adapters.sampler import Sampler
+from tandem_protocol.errors import RequestError
+from tandem_protocol.sampling import SERVER_FIELDS, SamplingParams, non_default_fields
+
+NAN, INF = float("nan"), float("inf")
+
+# (field, values that must be accepted, values that must be refused)
+BOUNDS = [
+    ("max_tokens", [1, 10**9], [0, -1, 1.5, "4", None]),
+    ("temperature", [0, 0.0, 2.5, 100], [-0.1, NAN, INF, -INF, "1", None]),
+    ("top_p", [1e-9, 0.5, 1], [0, -0.5, 1.0001, NAN, INF]),
+    ("top_k", [0, 1, 2**40], [-1, 1.0, "3"]),
+    ("seed", [None, 0, -1, -(2**63), 2**63 - 1], [2**63, -(2**63) - 1, 1.5, "7"]),
+    ("min_p", [0, 1, 0.05], [-0.01, 1.01, NAN]),
+    ("repetition_penalty", [1e-6, 1, 2], [0, -1, 2.01, INF]),
+    ("presence_penalty", [-2, 0, 2], [-2.01, 2.01, NAN, -INF]),
+    ("frequency_penalty", [-2, 0, 2], [-2.01, 2.01, NAN, INF]),
+]
+
+
+@pytest.mark.parametrize("name, good, bad", BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_each_bound_at_its_edge_and_past_it(name, good, bad):
+    for value in good:
+        assert getattr(SamplingParams(**{name: value}), name) == value
+    for value in bad:
+        with pytest.raises(RequestError, match=f"^{name} must be") as e:
+            SamplingParams(**{name: value})
+        assert repr(value) in str(e.value), e.value  # the refusal quotes what was sent
+
+
+def test_every_problem_is_named_at_once():
+    with pytest.raises(RequestError) as e:
+        SamplingParams(max_tokens=0, temperature=-1, top_p=2, presence_penalty=3)
+    named = [part.split(" must be")[0] for part in str(e.value).split("; ")]
+    assert named == ["max_tokens", "temperature", "top_p", "presence_penalty"]
+
+
+def test_defaults_are_valid_greedy_and_set_nothing():
+    params = SamplingParams()
+    assert params.greedy and params.non_default() == set()
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+def test_non_default_names_what_an_engine_must_honour():
+    params = SamplingParams(temperature=0.5, top_k=3, min_p=0.1, stop_token_ids=(2,), seed=0)
+    assert params.non_default() == {"temperature", "top_k", "min_p", "stop_token_ids", "seed"}
+    # the router's view of a request body: unknown keys are not sampling, an empty stop list is the default
+    assert non_default_fields({"top_p": 1.0, "stop_token_ids": [], "stream": True, "min_p": 0.2}) == {"min_p"}
+    assert set(SERVER_FIELDS) == {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
+
+
+LOGITS = np.array([0.1, 3.0, 2.9, -1.0, 0.5], dtype=np.float32)
+
+
+def test_greedy_is_argmax_whatever_the_seed():
+    assert {Sampler(SamplingParams(seed=s))(LOGITS) for s in range(20)} == {1}
+
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy_at_any_temperature():
+    for params in (SamplingParams(temperature=5.0, top_k=1, seed=3), SamplingParams(temperature=5.0, top_p=1e-6)):
+        sampler = Sampler(params)
+        assert {sampler(LOGITS) for _ in range(50)} == {1}
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    sampler = Sampler(SamplingParams(temperature=10.0, top_k=2, seed=0))
+    assert {sampler(LOGITS) for _ in range(200)} == {1, 2}
+
+
+def test_same_seed_same_tokens_and_skip_stays_on_the_sequence():
+    """A decoder that continues after the prefiller's first token skips that token's draw and
+    must then draw what a single engine with the same seed draws."""
+    params = SamplingParams(temperature=1.5, seed=1234)
+    one, two = Sampler(params), Sampler(params)
+    alone = [one(LOGITS) for _ in range(40)]
+    assert [two(LOGITS) for _ in range(40)] == alone
+    continued = Sampler(params)
+    continued.skip()
+    assert [continued(LOGITS) for _ in range(39)] == alone[1:]
+    assert len(set(alone)) > 1  # temperature 1.5 on these logits does sample, or the checks above say nothing
+
+
+def test_a_negative_seed_is_a_seed():
+    a, b = Sampler(SamplingParams(temperature=1.0, seed=-5)), Sampler(SamplingParams(temperature=1.0, seed=-5))
+    assert [a(LOGITS) for _ in range(20)] == [b(LOGITS) for _ in range(20)]
