@@ -13,6 +13,8 @@ import pytest
 from engine_adapters.embedded_model import fetch
 from tandem_protocol.paths import data_dir
 
+from . import prerequisites
+
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
 # A long, varied text: prompts of exact token lengths are cut from its chat-templated ids.
@@ -28,6 +30,15 @@ LONG_TEXT = (
     "and tell a short story about a lighthouse keeper who finds a message in a bottle that was "
     "written by her grandmother sixty years earlier, ending with a question for the reader."
 )
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "prerequisite(available, reason): tests/prerequisites.py requires()")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up
+def pytest_runtest_setup(item):
+    prerequisites.check(item)
 
 
 def run(coro):

@@ -16,14 +16,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import pytest
+from .prerequisites import requires
 
 
 def netns_available() -> bool:
     return os.geteuid() == 0 and shutil.which("ip") is not None
 
 
-needs_netns = pytest.mark.skipif(not netns_available(), reason="network namespaces need root and iproute2")
+needs_netns = requires(netns_available(), "network namespaces need root and iproute2")
 
 
 def sh(*args: str) -> None:

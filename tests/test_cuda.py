@@ -22,7 +22,10 @@ from tandem_protocol.sampling import SamplingParams
 from .conftest import collect, make_tiny_checkpoint, max_abs_diff, run
 from .test_cross_engine import first_step_logits
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+# a skip even in CI, which never has a GPU: these tests are run by hand on a lent GPU (README)
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CI has none: run by hand on a lent GPU)"
+)
 
 SAMPLING = SamplingParams(max_tokens=16, ignore_eos=True)
 

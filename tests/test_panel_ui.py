@@ -17,6 +17,7 @@ import pytest
 from .agents import TEST_KEY, AgentProcess, PanelProcess
 from .conftest import make_tiny_checkpoint
 from .netns import host_namespace, netns_available
+from .prerequisites import missing
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -31,13 +32,16 @@ CHROMIUM_ARGS = [
 SCREENSHOT = "/tmp/ui_nodes.png"
 MORE_SCREENSHOTS = os.environ.get("TANDEM_UI_SCREENSHOTS")  # set it to also save the other pages in /tmp
 
-playwright_api = pytest.importorskip("playwright.sync_api")
+try:
+    import playwright.sync_api as playwright_api
+except ImportError:  # the browser test says so (tests/prerequisites.py)
+    playwright_api = None
 
 
 @pytest.fixture(scope="module")
 def cluster(smol_dir, tmp_path_factory):
     if not netns_available():
-        pytest.skip("the panel's cluster runs in a network namespace: needs root and iproute2")
+        missing("the panel's cluster runs in a network namespace: needs root and iproute2")
     home = tmp_path_factory.mktemp("panel_ui")
     models = home / "models"  # a model root on both nodes with another model in it, for the pair form
     make_tiny_checkpoint(models / "tiny-qwen3", "qwen3", smol_dir)
@@ -67,6 +71,8 @@ def pair_discovered(panel) -> None:
 
 @pytest.fixture(scope="module")
 def browser():
+    if playwright_api is None:
+        missing("the browser test drives Chromium through playwright: pip install -e '.[test]'")
     if not shutil.which(CHROMIUM):
         pytest.fail(f"Chromium not found at {CHROMIUM} (apt-get install -y chromium)")
     with playwright_api.sync_playwright() as p:
