@@ -60,10 +60,11 @@ def test_wrong_token_list(pair, long_ids):
 
 def test_wrong_contract_refused_by_prefiller(pair, long_ids):
     p, _, other = pair
+    before = p.status()["totals"]["prefills_started"]
     with pytest.raises(AgentHTTPError) as e:
         run(pd_request(p.url, other.url, prompt(long_ids, 70), {"max_tokens": 4}))
     assert e.value.status == 409 and "contract" in str(e.value)
-    assert p.status()["totals"]["prefills_started"] >= 0
+    assert p.status()["totals"]["prefills_started"] == before  # refused before any compute
     settle(p, other)
 
 

@@ -94,9 +94,7 @@ class Cluster:
         return log_rows(self.home)
 
     def idle(self) -> None:
-        settle(self.p, self.d, timeout=20)
-        for agent in (self.p, self.d):
-            assert agent.status()["engine_stats"] == {}, agent.status()["engine_stats"]  # no pooled KV left
+        settle(self.p, self.d, timeout=20)  # torch and MLX pool nothing: no active request is all there is
 
     def link_set(self, state: str) -> None:
         ns, dev = self.link.ends[0]
