@@ -1,15 +1,25 @@
 """schemathesis over a Tandem API, shared by the bad-input tests (torch agents and a panel) and the
 server engines' tests (the agent routes that reach vLLM or SGLang): every operation, valid and
-invalid cases, each answered within CALL_TIMEOUT with no 5xx, and checked by the caller's rule."""
+invalid cases, each answered within CALL_TIMEOUT with no 5xx, and checked by the caller's rule.
+
+Generation is seeded from the run: a fresh seed each run (so runs explore new cases), printed and
+reported with every failure; FUZZ_SEED=N reproduces a run. Every operation must be exercised:
+at least MIN_CASES valid and MIN_CASES invalid cases each, or the run fails saying which one fell
+short. The exceptions are stated, never silent: an operation with no parameters and no body,
+and those a caller lists in `valid_only` with the reason, have no invalid input to send (their
+valid cases are still sent); the report lists them.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import time
 from collections import Counter
 
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
@@ -18,6 +28,7 @@ from schemathesis.errors import FailureGroup
 from .agents import TEST_KEY, AgentProcess
 
 MAX_EXAMPLES = 25  # per operation and generation mode (valid, then invalid input)
+MIN_CASES = 5  # fewer cases than this in either mode: the operation was not really exercised
 CALL_TIMEOUT = 30  # seconds: a call that takes longer is a hang
 VOCAB = 49152  # the embedded model's (SmolLM2)
 
@@ -42,6 +53,18 @@ def narrowed(doc: dict, changes: dict[tuple[str, str], dict | bool]) -> dict:
             continue
         assert prop in schemas[model]["properties"], (model, prop)
         schemas[model]["properties"][prop] = schema
+    return doc
+
+
+def path_parameter(doc: dict, name: str, schema: dict) -> dict:
+    """Give every path parameter called `name` this schema (as `narrowed` does for bodies)."""
+    found = False
+    for path in doc["paths"].values():
+        for op in path.values():
+            for p in op.get("parameters", []):
+                if p["in"] == "path" and p["name"] == name:
+                    p["schema"], found = schema, True
+    assert found, name
     return doc
 
 
@@ -71,6 +94,25 @@ def number(value) -> float:
         return float("nan")
 
 
+def run_seed() -> int:
+    """This run's generation seed: FUZZ_SEED if set (to reproduce a run), else drawn once per
+    process, so every fuzzed API of one run shares it."""
+    global _SEED
+    if _SEED is None:
+        _SEED = int(os.environ.get("FUZZ_SEED") or secrets.randbits(32))
+    return _SEED
+
+
+_SEED: int | None = None
+
+
+def has_input(doc: dict, label: str) -> bool:
+    """Whether an operation takes anything (a parameter or a body) that a case could get wrong."""
+    method, path = label.split(" ", 1)
+    op = doc["paths"][path][method.lower()]
+    return bool(op.get("parameters")) or "requestBody" in op
+
+
 def fuzz(
     url: str,
     doc: dict,
@@ -80,73 +122,109 @@ def fuzz(
     skip: set[str] = frozenset(),
     only: set[str] | None = None,
     max_examples: int = MAX_EXAMPLES,
+    min_cases: int = MIN_CASES,
+    valid_only: dict[str, str] | None = None,
 ) -> dict:
-    """Every operation (or those in `only`), `max_examples` valid and as many invalid cases each:
-    an answer within CALL_TIMEOUT, no 5xx (schemathesis' not_a_server_error) and
-    `check(response)`. Failures are collected (not shrunk: that would rerun the model) and
-    asserted at the end. Returns the counts (cases, statuses, 5xx per operation)."""
+    """Every operation (or those in `only`), up to `max_examples` valid and as many invalid cases
+    each, at least `min_cases` of each, but only valid ones for the operations in `valid_only`
+    (label: why nothing it is sent can be invalid) and those with no input at all: an answer within CALL_TIMEOUT, no 5xx (schemathesis'
+    not_a_server_error) and `check(response)`. Failures are collected (not shrunk: that would
+    rerun the model) and asserted at the end. Returns the counts (seed, cases, statuses, 5xx and
+    cases per operation and mode)."""
+    run = run_seed()
+    print(f"schemathesis on {url}: seed {run} (FUZZ_SEED={run} reproduces this run)")
     schema = schemathesis.openapi.from_dict(doc)
     statuses: Counter = Counter()
     by_operation: dict[str, Counter] = {}
+    cases: Counter = Counter()  # (operation, mode) -> cases sent
     failures: list[str] = []
     seconds: dict[str, float] = {}
+    valid_only = dict(valid_only or {})
+
+    def send(op, mode, case) -> None:
+        """One case: sent, counted and checked; a failure is recorded, never raised."""
+        cases[op.label, mode.value] += 1
+        try:
+            response = case.call(base_url=url, headers=headers, timeout=CALL_TIMEOUT)
+        except Exception as e:  # a timeout (a hang) or a broken connection (a crash)
+            statuses["no answer"] += 1
+            by_operation.setdefault(op.label, Counter())["no answer"] += 1
+            failures.append(f"{op.label} [{mode}] {type(e).__name__}: {e}\n{case.as_curl_command(headers)}")
+            return
+        statuses[response.status_code] += 1
+        by_operation.setdefault(op.label, Counter())[response.status_code] += 1
+        try:
+            case.validate_response(response, checks=[not_a_server_error])
+            check(response)
+        except (Exception, FailureGroup) as e:  # FailureGroup: a BaseExceptionGroup
+            failures.append(
+                f"{op.label} [{mode}] {response.status_code} {response.content[:300]!r}: "
+                f"{type(e).__name__} {e}\n{case.as_curl_command(headers)}"
+            )
+
+    def exercise(op, mode) -> None:
+        """Up to max_examples cases of one operation in one mode, from this run's seed."""
+
+        @seed(run)
+        @settings(
+            max_examples=max_examples,
+            deadline=None,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(
+            case=op.as_strategy(generation_mode=mode).filter(lambda case: not runs_long(op.label, case.body, context))
+        )
+        def one(case):
+            send(op, mode, case)
+
+        one()
+
     for result in schema.get_all_operations():
         op = result.ok()
         if op.label in skip or only is not None and op.label not in only:
             continue
         t0 = time.monotonic()
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-
-            @settings(
-                max_examples=max_examples,
-                deadline=None,
-                database=None,
-                derandomize=True,
-                phases=[Phase.explicit, Phase.generate],
-                suppress_health_check=list(HealthCheck),
-            )
-            @given(
-                case=op.as_strategy(generation_mode=mode).filter(
-                    lambda case, label=op.label: not runs_long(label, case.body, context)
-                )
-            )
-            def one(case, op=op, mode=mode):
-                try:
-                    response = case.call(base_url=url, headers=headers, timeout=CALL_TIMEOUT)
-                except Exception as e:  # a timeout (a hang) or a broken connection (a crash)
-                    statuses["no answer"] += 1
-                    by_operation.setdefault(op.label, Counter())["no answer"] += 1
-                    failures.append(f"{op.label} [{mode}] {type(e).__name__}: {e}\n{case.as_curl_command(headers)}")
-                    return
-                statuses[response.status_code] += 1
-                by_operation.setdefault(op.label, Counter())[response.status_code] += 1
-                try:
-                    case.validate_response(response, checks=[not_a_server_error])
-                    check(response)
-                except (Exception, FailureGroup) as e:  # FailureGroup: a BaseExceptionGroup
-                    failures.append(
-                        f"{op.label} [{mode}] {response.status_code} {response.content[:300]!r}: "
-                        f"{type(e).__name__} {e}\n{case.as_curl_command(headers)}"
-                    )
-
+        modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
+        if not has_input(doc, op.label):
+            valid_only[op.label] = "no parameters and no body"
+        if op.label in valid_only:
+            modes.remove(GenerationMode.NEGATIVE)
+        for mode in modes:
             try:
-                one()
-            except Unsatisfiable:  # nothing to make invalid: an operation without parameters
-                pass
+                exercise(op, mode)
+            except Unsatisfiable as e:  # every generated case was filtered out, or none exists
+                failures.append(f"{op.label} [{mode}]: no case could be generated ({e})")
+            # an operation without input has one valid case; any other must have min_cases
+            needed = min_cases if has_input(doc, op.label) else 1
+            if cases[op.label, mode.value] < needed:
+                failures.append(
+                    f"{op.label} [{mode}]: {cases[op.label, mode.value]} cases sent, fewer than the "
+                    f"{needed} that exercise it (narrow the schema less, or filter less)"
+                )
         seconds[op.label] = round(time.monotonic() - t0, 1)
     server_errors = sum(n for status, n in statuses.items() if status == "no answer" or status >= 500)
     counts = {
+        "seed": run,
         "operations": len(seconds),
         "cases": sum(statuses.values()),
         "5xx": server_errors,
         "no_answer": statuses["no answer"],
         "statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
+        "valid_only": {label: why for label, why in valid_only.items() if label in seconds},
         "by_operation": {
-            op: {"seconds": t, **{str(k): v for k, v in sorted(by_operation.get(op, {}).items(), key=str)}}
+            op: {
+                "seconds": t,
+                "cases": {mode: n for (label, mode), n in cases.items() if label == op},
+                **{str(k): v for k, v in sorted(by_operation.get(op, {}).items(), key=str)},
+            }
             for op, t in seconds.items()
         },
     }
-    assert not failures, f"{len(failures)} failures:\n" + "\n\n".join(failures[:10])
+    assert not failures, f"seed {run} (FUZZ_SEED={run} reproduces): {len(failures)} failures:\n" + "\n\n".join(
+        failures[:10]
+    )
     return counts
 
 
@@ -209,8 +287,21 @@ def fuzz_agent(
             },
         },
     )
+    # a room is what POST /v1/handoffs accepts (its body's pattern), so invalid rooms are sent too
+    path_parameter(doc, "room", {"type": "string", "pattern": "^[0-9a-f]{32}$"})
     return fuzz(
-        d.url, doc, headers, agent_answer, context, skip={"GET /v1/bench/pages"}, only=only, max_examples=max_examples
+        d.url,
+        doc,
+        headers,
+        agent_answer,
+        context,
+        skip={"GET /v1/bench/pages"},
+        only=only,
+        max_examples=max_examples,
+        valid_only={
+            "DELETE /v1/requests/{request_id}": "a request id is whatever string the client named its request "
+            "with: no string is invalid",
+        },
     )
 
 
