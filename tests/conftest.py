@@ -14,6 +14,7 @@ from engine_adapters.embedded_model import fetch
 from tandem_protocol.paths import data_dir
 
 from . import prerequisites
+from .seed import run_seed
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
@@ -34,6 +35,10 @@ LONG_TEXT = (
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "prerequisite(available, reason): tests/prerequisites.py requires()")
+
+
+def pytest_report_header(config):
+    return f"fuzz seed: {run_seed()} (FUZZ_SEED={run_seed()} reproduces this run)"
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up

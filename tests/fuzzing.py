@@ -13,8 +13,6 @@ valid cases are still sent); the report lists them.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import time
 from collections import Counter
 
@@ -26,6 +24,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.errors import FailureGroup
 
 from .agents import TEST_KEY, AgentProcess
+from .seed import run_seed
 
 MAX_EXAMPLES = 25  # per operation and generation mode (valid, then invalid input)
 MIN_CASES = 5  # fewer cases than this in either mode: the operation was not really exercised
@@ -94,18 +93,6 @@ def number(value) -> float:
         return float("nan")
 
 
-def run_seed() -> int:
-    """This run's generation seed: FUZZ_SEED if set (to reproduce a run), else drawn once per
-    process, so every fuzzed API of one run shares it."""
-    global _SEED
-    if _SEED is None:
-        _SEED = int(os.environ.get("FUZZ_SEED") or secrets.randbits(32))
-    return _SEED
-
-
-_SEED: int | None = None
-
-
 def has_input(doc: dict, label: str) -> bool:
     """Whether an operation takes anything (a parameter or a body) that a case could get wrong."""
     method, path = label.split(" ", 1)
@@ -126,11 +113,11 @@ def fuzz(
     valid_only: dict[str, str] | None = None,
 ) -> dict:
     """Every operation (or those in `only`), up to `max_examples` valid and as many invalid cases
-    each, at least `min_cases` of each, but only valid ones for the operations in `valid_only`
-    (label: why nothing it is sent can be invalid) and those with no input at all: an answer within CALL_TIMEOUT, no 5xx (schemathesis'
-    not_a_server_error) and `check(response)`. Failures are collected (not shrunk: that would
-    rerun the model) and asserted at the end. Returns the counts (seed, cases, statuses, 5xx and
-    cases per operation and mode)."""
+    each, at least `min_cases` of each; valid ones only for the operations in `valid_only`
+    (label: why nothing sent to it can be invalid) and those with no input at all. Each case: an
+    answer within CALL_TIMEOUT, no 5xx (schemathesis' not_a_server_error) and `check(response)`.
+    Failures are collected (not shrunk: that would rerun the model) and asserted at the end.
+    Returns the counts (seed, cases, statuses, 5xx and cases per operation and mode)."""
     run = run_seed()
     print(f"schemathesis on {url}: seed {run} (FUZZ_SEED={run} reproduces this run)")
     schema = schemathesis.openapi.from_dict(doc)
