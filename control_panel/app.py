@@ -1,4 +1,8 @@
-"""The control panel's ASGI app: state in SQLite, the OpenAI-compatible API and the web UI."""
+"""The control panel's ASGI app: state in SQLite, the OpenAI-compatible API and the web UI.
+
+`create_app(state)` builds the app around a `PanelState` (`state.py`) kept on `app.state.panel`,
+where every route reaches it through `deps.py`; `create_panel_app(data_dir, ...)` opens one.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +15,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from tandem_protocol.discovery import Watcher
-
 from .body_limit import MAX_BODY_BYTES, BodyLimit, BodyTooLarge, too_large
-from .db import get_setting, open_db, set_setting
+from .deps import LoginRequired, login_required
 from .login_limit import LoginLimiter
 from .openai_api import OpenAIError, make_openai_router
-from .request_log import RequestLogWriter, mark_interrupted
-from .router import RouteError, Router
-from .services import note_discovered
-from .ui import STATIC_DIR, make_ui_router
+from .router import RouteError
+from .state import PanelState, open_state
+from .ui import discovered, help, login, nodes, pairs, playground, requests, settings
+from .ui.render import STATIC_DIR
+
+UI_ROUTERS = (login, nodes, discovered, pairs, playground, requests, settings, help)
 
 
 def create_panel_app(
@@ -30,31 +34,40 @@ def create_panel_app(
     mdns_interfaces: list[str] | None = None,
     login_limiter: LoginLimiter | None = None,
 ) -> FastAPI:
-    """The panel. With `mdns`, agents announcing on the LAN are added (unpaired) as they appear.
-    `login_limiter` (default: 5 failed logins per address per minute) is a parameter for tests."""
-    engine = open_db(data_dir / "panel.db")
-    if cluster_key:
-        set_setting(engine, "cluster_key", cluster_key)
-    router = Router(get_setting(engine, "cluster_key") or "")
-    mark_interrupted(engine)  # requests that were running when the panel last stopped
-    request_log = RequestLogWriter(engine)
-    watcher = Watcher(mdns_interfaces, lambda peer, present: note_discovered(engine, peer, present)) if mdns else None
+    """The panel on `data_dir`. With `mdns`, agents announcing on the LAN are added (unpaired) as
+    they appear. `login_limiter` (default: 5 failed logins per address per minute) is for tests."""
+    return create_app(open_state(data_dir, cluster_key, mdns, mdns_interfaces, login_limiter))
 
+
+def create_app(state: PanelState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if watcher is not None:
-            await watcher.start()
+        if state.watcher is not None:
+            await state.watcher.start()
         try:
             yield
         finally:
-            if watcher is not None:
-                await watcher.stop()
-            await router.aclose()
-            request_log.close()
+            await state.aclose()
 
     app = FastAPI(title="Tandem panel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
-    app.state.db, app.state.router, app.state.watcher = engine, router, watcher
+    app.state.panel = state
+    app.state.db, app.state.router = state.db, state.router  # what the CLI and tests reach for
+    add_error_handlers(app)
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"ok": True}
+
+    app.include_router(make_openai_router(state.db, state.router, state.request_log))
+    for module in UI_ROUTERS:
+        app.include_router(module.router)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(LoginRequired, login_required)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError):
@@ -98,12 +111,3 @@ def create_panel_app(
         response = OpenAIError(e.status_code, message).response()
         response.headers.update(e.headers or {})  # e.g. Allow on a 405
         return response
-
-    @app.get("/healthz")
-    async def healthz():
-        return {"ok": True}
-
-    app.include_router(make_openai_router(engine, router, request_log))
-    app.include_router(make_ui_router(engine, router, watcher, data_dir, login_limiter))
-    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    return app

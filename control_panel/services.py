@@ -1,4 +1,4 @@
-"""What the panel does to its state: add nodes, pair them."""
+"""What the panel does to its state: add nodes, pair them, remove them."""
 
 from __future__ import annotations
 
@@ -177,6 +177,26 @@ def note_discovered(engine: Engine, peer: Peer, present: bool) -> None:
         node.last_seen = time.time()
         s.add(node)
         s.commit()
+
+
+def remove_node(engine: Engine, node_id: int) -> tuple[str, list[str]] | None:
+    """Forget a node, and every pair that uses it (a pair without one of its nodes cannot serve):
+    returns the node's URL and the names of the pairs removed with it; None if there is no such
+    node. The agent itself is not told: it keeps running, and can be added or paired again."""
+    with Session(engine) as s:
+        node = s.get(Node, node_id)
+        if node is None:
+            return None
+        url = node.url
+        uses = (Pair.prefill_node_id == node_id) | (Pair.decode_node_id == node_id)
+        pairs = list(s.exec(select(Pair).where(uses).order_by(Pair.name)))
+        names = [p.name for p in pairs]
+        for pair in pairs:
+            s.delete(pair)
+        s.flush()  # the pairs' foreign keys go before the node they point at
+        s.delete(node)
+        s.commit()
+    return url, names
 
 
 def model_names(engine: Engine) -> list[str]:

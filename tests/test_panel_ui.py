@@ -119,7 +119,7 @@ def test_every_page_needs_a_session(cluster):
 
 
 def test_node_failures_say_why(cluster, monkeypatch):
-    from control_panel import ui
+    from control_panel.ui import node_status as ui
 
     async def go():
         wrong_key = await ui.probe(cluster["torch"].url, "tdm_wrong-key")
@@ -159,12 +159,14 @@ def test_browser_flow(cluster, browser):
         page.click("form[action='/login'] button[type=submit]")
         page.wait_for_url(re.compile(r"/nodes$"))
 
-        # both agents appear by themselves (found by mDNS), not paired: the panel has sent them nothing
+        # both agents appear by themselves (found by mDNS) under "Found on the local network", not
+        # paired: the panel has sent them nothing
         for name in ("torch-torch", "mlx-mlx"):
-            row = page.locator(f"tr[data-node='{name}'][data-source='mdns']")
-            row.wait_for(timeout=30_000)  # the table refreshes every 3 s
-            page.wait_for_selector(f"tr[data-node='{name}'][data-health='unpaired']")
-            assert "not paired" in row.inner_text()
+            row = page.locator(f"#discovered tr[data-node='{name}'][data-source='mdns']")
+            row.wait_for(timeout=30_000)  # the section refreshes every 3 s
+            page.wait_for_selector(f"#discovered tr[data-node='{name}'][data-announcing='yes']")
+            assert "announcing" in row.inner_text()
+        assert page.locator("#nodes-table").count() == 0  # nothing paired yet
         # pairing asks for the cluster key; a wrong one is refused and says why
         page.click("a[data-pair-node='torch-torch']")
         page.fill("input[name=key]", "tdm_not-the-cluster-key")
@@ -173,10 +175,16 @@ def test_browser_flow(cluster, browser):
         page.fill("input[name=key]", TEST_KEY)
         page.click("#pair-node-form button[type=submit]")
         page.wait_for_url(re.compile(r"/nodes$"))
+        # paired, torch-torch moves to the nodes table; mlx-mlx still waits below
+        page.wait_for_selector("#nodes-table tr[data-node='torch-torch'][data-health='ok']")
+        assert page.locator("#discovered tr[data-node='torch-torch']").count() == 0
+        assert page.locator("#discovered tr[data-node='mlx-mlx']").count() == 1
+        page.screenshot(path=SCREENSHOT, full_page=True)
         page.click("a[data-pair-node='mlx-mlx']")
         page.fill("input[name=key]", TEST_KEY)
         page.click("#pair-node-form button[type=submit]")
         page.wait_for_url(re.compile(r"/nodes$"))
+        assert page.locator("#discovered-none").is_visible()  # no agent left to pair: it says so
 
         # both agents are listed with their live status, refreshed by htmx without a reload
         for name in ("torch-torch", "mlx-mlx"):
@@ -192,7 +200,6 @@ def test_browser_flow(cluster, browser):
             pass
         assert page.evaluate("window.__stillHere") is True  # the table refreshed in place
         assert page.locator("tr[data-node='torch-torch'] .gauge").count() == 1
-        page.screenshot(path=SCREENSHOT, full_page=True)
 
         # adding a node that does not answer says why, on the form
         with socket.socket() as closed:
@@ -399,3 +406,101 @@ def test_requests_page_shows_the_last_ttft_benchmark(local_panel, tmp_path):
     )
     (tmp_path / LATEST_TTFT).write_text("{not json")
     assert "tandem bench ttft" in local_panel.get("/requests").text  # a broken file is not an error
+
+
+def seed_old_nodes(db) -> None:
+    """What a panel keeps from an earlier run: two nodes whose agents are gone, paired as
+    `old-pair`, and an agent it found on the network and nobody paired."""
+    from sqlmodel import Session
+
+    from control_panel.models import Node, Pair
+
+    with Session(db) as s:
+        gpu = Node(name="old-gpu", url="http://127.0.0.1:11", engine="torch", paired=True)
+        mac = Node(name="old-mac", url="http://127.0.0.1:12", engine="mlx", paired=True)
+        found = Node(name="found-agent", url="http://127.0.0.1:13", engine="mlx", source="mdns", paired=False)
+        s.add_all([gpu, mac, found])
+        s.commit()
+        s.add(
+            Pair(
+                name="old-pair",
+                prefill_node_id=gpu.id,
+                decode_node_id=mac.id,
+                prefill_engine="torch",
+                decode_engine="mlx",
+                prefill_model_path="m",
+                decode_model_path="m",
+                context_length=64,
+            )
+        )
+        s.commit()
+
+
+def test_browser_removes_a_node_and_the_pairs_that_use_it(browser, tmp_path):
+    """A node whose agent is gone is removed from the Nodes page: the confirmation names the pair
+    that goes with it, dismissing it keeps everything, confirming removes the node and its pair
+    (from the Pairs page and the API's model list); an unpaired node found on the network too."""
+    from control_panel.db import open_db
+
+    db = open_db(tmp_path / "panel" / "panel.db")
+    seed_old_nodes(db)
+    db.dispose()
+    with PanelProcess(tmp_path) as panel:
+        context = browser.new_context(viewport={"width": 1400, "height": 900}, locale="en-US")
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        dialogs: list[str] = []
+        try:
+            page.goto(panel.url + "/login")
+            page.fill("input[name=password]", panel.admin_password)
+            page.click("form[action='/login'] button[type=submit]")
+            page.wait_for_url(re.compile(r"/nodes$"))
+            page.wait_for_selector("#nodes-table tr[data-node='old-gpu'][data-health='unreachable']")
+            # the unpaired agent is in its own section; without mDNS the panel cannot say if it announces
+            assert page.locator("#discovered tr[data-node='found-agent'] a[data-pair-node]").count() == 1
+            assert page.locator("#nodes-table tr[data-node='found-agent']").count() == 0
+
+            page.once("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.click("button[data-remove-node='old-gpu']")
+            assert dialogs[-1] == (
+                "Remove old-gpu from the panel? The agent itself keeps running. "
+                "These pairs use it and are removed with it: old-pair"
+            )
+            page.goto(panel.url + "/nodes")  # dismissed: nothing was removed
+            page.wait_for_selector("#nodes-table tr[data-node='old-gpu']")
+
+            page.once("dialog", lambda d: (dialogs.append(d.message), d.accept()))
+            page.click("button[data-remove-node='old-gpu']")
+            page.wait_for_selector("tr[data-node='old-gpu']", state="detached")
+            page.wait_for_selector("#nodes-table tr[data-node='old-mac']")
+            page.once("dialog", lambda d: (dialogs.append(d.message), d.accept()))
+            page.click("button[data-remove-node='found-agent']")
+            page.wait_for_selector("tr[data-node='found-agent']", state="detached")
+            assert dialogs[-1] == "Remove found-agent from the panel? The agent itself keeps running."
+            assert page.locator("#discovered").count() == 0  # no mDNS and nothing left to pair: no section
+            if MORE_SCREENSHOTS:
+                page.screenshot(path="/tmp/ui_nodes_removed.png", full_page=True)
+
+            page.goto(panel.url + "/pairs")
+            assert page.locator("tr[data-pair='old-pair']").count() == 0
+            r = httpx.get(panel.url + "/v1/models", headers={"Authorization": f"Bearer {panel.api_key}"}, timeout=30)
+            assert sorted(m["id"] for m in r.json()["data"]) == ["node/old-mac"]
+        finally:
+            context.close()
+
+
+def test_removing_a_node_needs_the_csrf_token_and_is_idempotent(local_panel):
+    from control_panel.services import model_names
+
+    db = local_panel.app.state.db
+    seed_old_nodes(db)
+    page = local_panel.get("/nodes").text
+    node_id = re.search(r'action="/nodes/(\d+)/delete"[^>]*\n[^\n]*old-pair', page).group(1)
+    assert local_panel.post(f"/nodes/{node_id}/delete", data={"csrf": "forged"}).status_code == 403
+    assert "old-pair" in model_names(db)
+    r = local_panel.post(f"/nodes/{node_id}/delete", data={"csrf": _csrf(page)})
+    assert r.status_code == 200 and str(r.url).endswith("/nodes")
+    assert "old-pair" not in model_names(db) and "node/old-gpu" not in model_names(db)
+    assert "node/old-mac" in model_names(db)
+    r = local_panel.post(f"/nodes/{node_id}/delete", data={"csrf": _csrf(page)})  # a second click
+    assert r.status_code == 200 and str(r.url).endswith("/nodes")

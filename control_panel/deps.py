@@ -1,0 +1,106 @@
+"""The web UI's declared dependencies: each route states what it needs through these aliases.
+
+Signed out, a page is redirected to /login (a GET comes back after login: `next`) and an htmx or
+fetch() call gets 401 with HX-Redirect, by `LoginRequired`'s handler. A form's POST cannot be
+replayed as a GET, so it comes back to nothing. The CSRF checks run after the session check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Form, Request
+from fastapi.responses import RedirectResponse, Response
+from sqlalchemy import Engine
+from sqlmodel import Session
+
+from .i18n import COOKIE as LANG_COOKIE
+from .i18n import Translator, pick_language
+from .router import Router
+from .state import PanelState
+from .ui.render import Renderer
+from .ui.sessions import wants_fragment
+
+
+class LoginRequired(Exception):
+    """Raised by `admin_session` when the request has no valid session."""
+
+
+async def login_required(request: Request, _exc: LoginRequired) -> Response:
+    if wants_fragment(request):
+        return Response("login required", status_code=401, headers={"HX-Redirect": "/login"})
+    back = f"?next={request.url.path}" if request.method == "GET" else ""
+    return RedirectResponse(f"/login{back}", status_code=303)
+
+
+def panel_state(request: Request) -> PanelState:
+    return request.app.state.panel
+
+
+Panel = Annotated[PanelState, Depends(panel_state)]
+
+
+def db_engine(panel: Panel) -> Engine:
+    return panel.db
+
+
+Db = Annotated[Engine, Depends(db_engine)]
+
+
+def db_session(db: Db) -> Iterator[Session]:
+    with Session(db) as session:
+        yield session
+
+
+DbSession = Annotated[Session, Depends(db_session)]
+
+
+def agent_router(panel: Panel) -> Router:
+    return panel.router
+
+
+AgentRouter = Annotated[Router, Depends(agent_router)]
+
+
+def translator(request: Request) -> Translator:
+    """The language: the switcher's cookie, else the best of Accept-Language, else English."""
+    return Translator(pick_language(request.cookies.get(LANG_COOKIE), request.headers.get("accept-language")))
+
+
+Tr = Annotated[Translator, Depends(translator)]
+
+
+def renderer(request: Request, panel: Panel, t: Tr) -> Renderer:
+    return Renderer(request, panel.sessions, t)
+
+
+Render = Annotated[Renderer, Depends(renderer)]
+
+
+def admin_session(request: Request, panel: Panel) -> dict:
+    """The signed-in admin's session (its CSRF token in "csrf"); signed out: `LoginRequired`."""
+    data = panel.sessions.of(request)
+    if data is None:
+        raise LoginRequired()
+    return data
+
+
+AdminSession = Annotated[dict, Depends(admin_session)]
+SIGNED_IN = [Depends(admin_session)]  # a router's `dependencies`: every route on it needs a session
+
+
+def csrf_form(request: Request, panel: Panel, _session: AdminSession, csrf: Annotated[str, Form()] = "") -> None:
+    """A signed-in form POST whose `csrf` field (or X-CSRF-Token header) is the session's token."""
+    panel.sessions.check_csrf(request, csrf)
+
+
+CsrfForm = Annotated[None, Depends(csrf_form)]
+
+
+def csrf_header(request: Request, panel: Panel, _session: AdminSession) -> None:
+    """A signed-in fetch() POST (a JSON body) whose X-CSRF-Token header is the session's token."""
+    panel.sessions.check_csrf(request, None)
+
+
+CsrfHeader = Annotated[None, Depends(csrf_header)]

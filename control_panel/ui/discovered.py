@@ -1,0 +1,84 @@
+"""Agents found on the local network (mDNS) and not paired yet, and pairing one.
+
+The panel's discovery watcher adds every agent that announces itself as an unpaired node
+(`services.note_discovered`); the panel sends it nothing, the cluster key least of all, until the
+user pairs it here by giving the cluster key.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Form
+from fastapi.responses import RedirectResponse
+from sqlmodel import Session, select
+
+from tandem_protocol.auth import key_matches
+
+from ..db import set_setting
+from ..deps import SIGNED_IN, CsrfForm, DbSession, Panel, Render, Tr
+from ..models import Node
+from ..services import PanelError, add_node
+from . import node_status
+from .render import HEALTH
+
+router = APIRouter(include_in_schema=False, dependencies=SIGNED_IN)
+
+
+def discovered_rows(panel: Panel) -> list[dict]:
+    """The unpaired nodes, each with whether it is announcing itself right now."""
+    announcing = {p.url.rstrip("/") for p in panel.watcher.peers.values()} if panel.watcher else set()
+    with Session(panel.db) as s:
+        nodes = list(s.exec(select(Node).where(Node.paired == False).order_by(Node.name)))  # noqa: E712
+    return [{"node": n, "announcing": n.url in announcing} for n in nodes]
+
+
+@router.get("/nodes/discovered")
+async def discovered_list(panel: Panel, render: Render):
+    """The section alone: htmx swaps it in every few seconds."""
+    return render("_discovered.html", discovered=discovered_rows(panel), mdns=panel.watcher is not None)
+
+
+@router.get("/nodes/{node_id}/pair")
+async def node_pair_page(node_id: int, panel: Panel, s: DbSession, render: Render):
+    node = s.get(Node, node_id)
+    if node is None:
+        return RedirectResponse("/nodes", status_code=303)
+    return render("node_pair.html", node=node, error=None, panel_has_key=bool(panel.router.cluster_key))
+
+
+async def pair_node(panel: Panel, node: Node, key: str, t: Tr) -> str | None:
+    """Pair `node` with `key` (the panel's own when blank); None, or why it could not be paired."""
+    _ = t.gettext
+    agents = panel.router
+    key = key.strip() or agents.cluster_key
+    if not key:
+        return _("Enter the cluster key (run `tandem agent key` on the agent's machine).")
+    if agents.cluster_key and not key_matches(key, agents.cluster_key):
+        return _("This key differs from the panel's cluster key: every node of a panel shares one key.")
+    probed = await node_status.probe(node.url, key)
+    if probed["health"] != "ok":
+        return _("Could not pair %(name)s: %(reason)s", name=node.name, reason=_(HEALTH[probed["health"]]))
+    if not agents.cluster_key:  # the first node paired gives the panel its cluster key
+        set_setting(panel.db, "cluster_key", key)
+        await agents.set_cluster_key(key)
+    try:
+        await add_node(panel.db, node.url, key, source=node.source)
+    except PanelError as e:
+        return _("Could not pair %(name)s: %(reason)s", name=node.name, reason=str(e))
+    return None
+
+
+@router.post("/nodes/{node_id}/pair")
+async def node_pair(
+    _csrf: CsrfForm, node_id: int, panel: Panel, s: DbSession, render: Render, t: Tr, key: Annotated[str, Form()] = ""
+):
+    """Pair a node found by mDNS: the user vouches for it by giving the cluster key."""
+    node = s.get(Node, node_id)
+    if node is None:
+        return RedirectResponse("/nodes", status_code=303)
+    error = await pair_node(panel, node, key, t)
+    if error:
+        has_key = bool(panel.router.cluster_key)
+        return render("node_pair.html", status_code=400, node=node, error=error, panel_has_key=has_key)
+    return RedirectResponse("/nodes", status_code=303)

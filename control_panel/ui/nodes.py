@@ -1,0 +1,136 @@
+"""The Nodes page: every paired agent with its live status, adding one by URL, removing one.
+
+Agents found on the LAN but not paired yet have their own section (`discovered.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Form
+from fastapi.responses import RedirectResponse
+from sqlalchemy import Engine
+from sqlmodel import Session, select
+
+from ..deps import SIGNED_IN, AgentRouter, CsrfForm, Db, Panel, Render, Tr
+from ..models import Node, Pair
+from ..services import PanelError, add_node, remove_node
+from . import node_status
+from .discovered import discovered_rows
+from .render import HEALTH
+
+router = APIRouter(include_in_schema=False, dependencies=SIGNED_IN)
+
+
+def pairs_by_node(db: Engine) -> dict[int, list[str]]:
+    """Node id -> the names of the pairs that use it (removing the node removes them)."""
+    uses: dict[int, list[str]] = {}
+    with Session(db) as s:
+        for pair in s.exec(select(Pair).order_by(Pair.name)):
+            for node_id in {pair.prefill_node_id, pair.decode_node_id}:
+                uses.setdefault(node_id, []).append(pair.name)
+    return uses
+
+
+def note_health(db: Engine, nodes: list[Node], results: list[dict]) -> None:
+    """Keep what the probes found: the last time each node answered, or why it did not."""
+    now = time.time()
+    with Session(db) as s:
+        for n, r in zip(nodes, results):
+            row = s.get(Node, n.id)
+            if row is not None:
+                row.last_error = "" if r["health"] == "ok" else f"{r['health']}: {r['detail']}"[:500]
+                if r["health"] == "ok":
+                    row.last_seen = now
+                s.add(row)
+        s.commit()
+
+
+def table_row(node: Node, probed: dict, pairs: list[str]) -> dict:
+    st = probed.get("status") or {}
+    budget = st.get("budget") or {}
+    cap, reserved = budget.get("capacity") or 0, budget.get("reserved") or 0
+    return {
+        "node": node,
+        "health": probed["health"],
+        "detail": probed["detail"],
+        "status": st,
+        "engine": st.get("engine") or node.engine,
+        "model": st.get("model") or node.model,
+        "accelerator": st.get("accelerator") or {},
+        "contract": ((st.get("contract") or {}).get("fingerprint") or node.contract)[:12],
+        "budget": {
+            "capacity": cap,
+            "reserved": reserved,
+            "waiting": budget.get("waiting", 0),
+            "percent": round(100 * reserved / cap) if cap else 0,
+        },
+        "open_handoffs": st.get("open_handoffs"),
+        "totals": st.get("totals") or {},
+        "pairs": pairs,
+    }
+
+
+async def node_rows(db: Engine, cluster_key: str) -> list[dict]:
+    """The paired nodes, each probed now (all at once) for its live status."""
+    with Session(db) as s:
+        nodes = list(s.exec(select(Node).where(Node.paired == True).order_by(Node.name)))  # noqa: E712
+    results = await asyncio.gather(*(node_status.probe(n.url, cluster_key) for n in nodes))
+    note_health(db, nodes, results)
+    uses = pairs_by_node(db)
+    return [table_row(n, r, uses.get(n.id, [])) for n, r in zip(nodes, results)]
+
+
+async def nodes_page_context(panel: Panel, **extra) -> dict:
+    return {
+        "rows": await node_rows(panel.db, panel.router.cluster_key),
+        "discovered": discovered_rows(panel),
+        "mdns": panel.watcher is not None,
+        "error": None,
+        "url_value": "",
+        **extra,
+    }
+
+
+@router.get("/nodes")
+async def nodes_page(panel: Panel, render: Render):
+    return render("nodes.html", **(await nodes_page_context(panel)))
+
+
+@router.get("/nodes/table")
+async def nodes_table(db: Db, agents: AgentRouter, render: Render):
+    """The table alone: htmx swaps it in every few seconds."""
+    return render("_nodes_table.html", rows=await node_rows(db, agents.cluster_key))
+
+
+@router.post("/nodes")
+async def nodes_add(_csrf: CsrfForm, panel: Panel, render: Render, t: Tr, url: Annotated[str, Form()] = ""):
+    _ = t.gettext
+    url = url.strip().rstrip("/")
+    key = panel.router.cluster_key
+    error = None
+    if not url.startswith(("http://", "https://")):
+        error = _("Give the agent's URL, for example http://192.168.1.20:7411")
+    elif (probed := await node_status.probe(url, key))["health"] != "ok":
+        error = _("Could not add %(url)s: %(reason)s", url=url, reason=_(HEALTH[probed["health"]]))
+        error += f" ({probed['detail']})" if probed["detail"] else ""
+    else:
+        try:
+            await add_node(panel.db, url, key)
+        except PanelError as e:
+            error = _("Could not add %(url)s: %(reason)s", url=url, reason=str(e))
+    if error:
+        return render("nodes.html", status_code=400, **(await nodes_page_context(panel, error=error, url_value=url)))
+    return RedirectResponse("/nodes", status_code=303)
+
+
+@router.post("/nodes/{node_id}/delete")
+async def nodes_remove(_csrf: CsrfForm, node_id: int, db: Db, agents: AgentRouter):
+    """Remove a node and the pairs that use it (the confirmation named them). Removing one that is
+    gone already (a second click) is not an error."""
+    removed = remove_node(db, node_id)
+    if removed is not None:
+        agents.forget(removed[0])
+    return RedirectResponse("/nodes", status_code=303)

@@ -1,0 +1,84 @@
+"""Who is signed in to the web UI, and the CSRF token every POST must carry.
+
+Sessions are itsdangerous-signed cookies (HttpOnly, SameSite=Lax) that carry a CSRF token; every
+POST checks that token (a form field, or the X-CSRF-Token header that htmx and the playground's
+fetch() send). Before login the token lives in its own signed cookie. A session dies with the
+admin password it was signed under (`pv`, the password's version).
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+
+from fastapi import HTTPException, Request, Response
+from itsdangerous import BadSignature, URLSafeTimedSerializer
+from sqlalchemy import Engine
+
+from ..security import admin_password_version, ui_session_secret
+
+SESSION_COOKIE, ANON_COOKIE = "tandem_session", "tandem_csrf"
+SESSION_MAX_AGE = 12 * 3600
+
+
+def cookie_args(request: Request) -> dict:
+    return {"httponly": True, "samesite": "lax", "secure": request.url.scheme == "https", "path": "/"}
+
+
+def safe_next(value: str | None) -> str:
+    """Where to go after login or a language switch: a path of ours, never another site."""
+    ours = value and value.startswith("/") and not value.startswith("//") and "\\" not in value
+    return value if ours else "/nodes"
+
+
+def wants_fragment(request: Request) -> bool:
+    """An htmx or fetch() call (answered 401 when signed out), not a page (redirected to /login)."""
+    return request.headers.get("HX-Request") == "true" or request.url.path.startswith("/ui/")
+
+
+class UiSessions:
+    """Signs and reads the session and the pre-login CSRF cookie with the panel's own secret."""
+
+    def __init__(self, db: Engine):
+        self.db = db
+        secret = ui_session_secret(db)
+        self._sessions = URLSafeTimedSerializer(secret, salt="tandem-ui-session")
+        self._anon = URLSafeTimedSerializer(secret, salt="tandem-ui-csrf")
+
+    def of(self, request: Request) -> dict | None:
+        """The request's session, or None (no cookie, a bad signature, expired, an old password)."""
+        raw = request.cookies.get(SESSION_COOKIE)
+        if not raw:
+            return None
+        try:
+            data = self._sessions.loads(raw, max_age=SESSION_MAX_AGE)
+        except BadSignature:
+            return None
+        if not isinstance(data, dict) or data.get("pv") != admin_password_version(self.db):
+            return None
+        return data
+
+    def anon_token(self, request: Request) -> str | None:
+        raw = request.cookies.get(ANON_COOKIE)
+        if not raw:
+            return None
+        try:
+            return self._anon.loads(raw, max_age=SESSION_MAX_AGE)
+        except BadSignature:
+            return None
+
+    def check_csrf(self, request: Request, presented: str | None) -> None:
+        data = self.of(request)
+        expected = data["csrf"] if data else self.anon_token(request)
+        presented = presented or request.headers.get("X-CSRF-Token")
+        if not expected or not presented or not hmac.compare_digest(expected, presented):
+            raise HTTPException(403, "CSRF token missing or wrong: reload the page and try again")
+
+    def new_session(self) -> dict:
+        return {"u": "admin", "csrf": secrets.token_urlsafe(24), "pv": admin_password_version(self.db)}
+
+    def sign_in(self, request: Request, response: Response, data: dict) -> None:
+        response.set_cookie(SESSION_COOKIE, self._sessions.dumps(data), max_age=SESSION_MAX_AGE, **cookie_args(request))
+
+    def set_anon_token(self, request: Request, response: Response, token: str) -> None:
+        response.set_cookie(ANON_COOKIE, self._anon.dumps(token), max_age=SESSION_MAX_AGE, **cookie_args(request))

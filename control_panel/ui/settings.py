@@ -1,0 +1,85 @@
+"""The Settings page: language, API keys (shown once, stored hashed) and the admin password."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import RedirectResponse
+from sqlmodel import Session, col, select
+
+from ..deps import SIGNED_IN, CsrfForm, Db, Panel, Render, Tr
+from ..models import ApiKey
+from ..security import check_admin_password, create_api_key, set_admin_password
+from ..services import delete_row
+
+router = APIRouter(include_in_schema=False, dependencies=SIGNED_IN)
+
+
+def settings_context(panel: Panel, **extra) -> dict:
+    with Session(panel.db) as s:
+        keys = list(s.exec(select(ApiKey).order_by(col(ApiKey.created).desc())))
+    return {
+        "keys": keys,
+        "new_key": None,
+        "key_error": None,
+        "pw_error": None,
+        "pw_ok": False,
+        "mdns": panel.watcher is not None,
+        "mdns_seen": len(panel.watcher.peers) if panel.watcher else 0,
+        **extra,
+    }
+
+
+@router.get("/settings")
+async def settings_page(panel: Panel, render: Render):
+    return render("settings.html", **settings_context(panel))
+
+
+@router.post("/settings/keys")
+async def settings_new_key(_csrf: CsrfForm, panel: Panel, render: Render, t: Tr, name: Annotated[str, Form()] = ""):
+    name = name.strip()
+    if not name:
+        error = t.gettext("Give the key a name.")
+        return render("settings.html", status_code=400, **settings_context(panel, key_error=error))
+    key = create_api_key(panel.db, name[:100])
+    return render("settings.html", **settings_context(panel, new_key=key, new_key_name=name))
+
+
+@router.post("/settings/keys/{key_id}/delete")
+async def settings_delete_key(_csrf: CsrfForm, key_id: int, db: Db):
+    delete_row(db, ApiKey, key_id)
+    return RedirectResponse("/settings", status_code=303)
+
+
+def password_problem(db, current: str, new: str, confirm: str, t: Tr) -> str | None:
+    _ = t.gettext
+    if not check_admin_password(db, current):
+        return _("The current password is wrong.")
+    if len(new) < 8:
+        return _("The new password needs at least 8 characters.")
+    if new != confirm:
+        return _("The two new passwords differ.")
+    return None
+
+
+@router.post("/settings/password")
+async def settings_password(
+    _csrf: CsrfForm,
+    request: Request,
+    panel: Panel,
+    render: Render,
+    t: Tr,
+    current: Annotated[str, Form()] = "",
+    new: Annotated[str, Form()] = "",
+    confirm: Annotated[str, Form()] = "",
+):
+    if error := password_problem(panel.db, current, new, confirm, t):
+        return render("settings.html", status_code=400, **settings_context(panel, pw_error=error))
+    set_admin_password(panel.db, new)
+    # the old session is now invalid: sign a new one for this browser, and render the page with
+    # its CSRF token (the forms on it must work without a reload)
+    data = panel.sessions.new_session()
+    response = render("settings.html", session=data, **settings_context(panel, pw_ok=True))
+    panel.sessions.sign_in(request, response, data)
+    return response
