@@ -45,6 +45,7 @@ async def pairs_page(panel: Panel, render: Render):
 
 
 def whole_number(text: str, least: int) -> int | None:
+    text = text.strip()
     return int(text) if text.isdigit() and int(text) >= least else None
 
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from sqlalchemy import Engine
 
 from .. import services
 from ..deps import SIGNED_IN, AgentRouter, CsrfHeader, Db, Render, Tr
@@ -51,7 +52,9 @@ def summary(stats: RouteStats, prompt_tokens: int) -> dict:
     }
 
 
-async def answer(db, agents: Router, target: Target, model: str, message: str, sampling: dict) -> AsyncIterator[bytes]:
+async def answer(
+    db: Engine, agents: Router, target: Target, model: str, message: str, sampling: dict
+) -> AsyncIterator[bytes]:
     """The answer's text deltas, then its summary; logged as ok, error or cancelled (the user
     left) whatever happens."""
     stats = RouteStats()
