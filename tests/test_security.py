@@ -1,7 +1,7 @@
 """Security review (issue 8, item 5): what a stranger on the LAN or a wrong credential gets.
 
 1. Every route of the panel needs its credential (enumerated from the app object); the agent's
-   routes are checked the same way, with the same enumerator, in tests/test_agent_auth.py.
+   routes are checked the same way, with the same enumerator, in tests/unit/test_agent_auth.py.
 2. No secret in mDNS announcements, process logs, the request log or error bodies.
 3. Model paths stay inside an agent's model roots, on the agent and through the panel's form.
 4. Failed logins are rate-limited per client address.
@@ -30,7 +30,7 @@ from control_panel.login_limit import LoginLimiter
 from control_panel.security import create_api_key, ensure_admin_password
 
 from .agents import AgentProcess, PanelProcess
-from .test_agent_auth import http_routes
+from .unit.test_agent_auth import http_routes
 
 CLUSTER_KEY = "tdm_security-review-cluster-key-4e8a1f"
 
