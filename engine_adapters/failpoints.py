@@ -1,11 +1,17 @@
-"""Failpoints: make a named step of the engine fail on purpose, for fault drills and tests.
+"""Failpoints: make a named step fail or misbehave on purpose, for fault drills and tests.
 
-    TANDEM_FAILPOINTS="prefill_chunk@2"   # the 2nd prefill chunk this process computes raises
+    TANDEM_FAILPOINTS="prefill_chunk@2"              # the 2nd prefill chunk this process computes raises
+    TANDEM_FAILPOINTS="perturb_k@1,perturb_k@2"      # the first two handoffs send wrong K
 
-Each `name@N` fires once, on the N-th time the step is reached in this process, with the error an
-engine crash would give (a RuntimeError from inside the model call); everything after that runs
-normally, so a drill sees a crash and then the recovery. Unset (the normal case), a check is one
-dictionary lookup. Points: `prefill_chunk` (before each chunk's forward pass, any prefill).
+Each `name@N` fires once, on the N-th time the step is reached in this process (repeat a name to
+fire it more than once); everything else runs normally, so a drill sees the fault and then the
+recovery. Unset (the normal case), a check is one dictionary lookup. Points:
+
+- `prefill_chunk` (before each chunk's forward pass, any prefill): raises the error an engine
+  crash would give (a RuntimeError from inside the model call).
+- `perturb_k` (once per handoff, on the prefiller, before its pages are framed): every page of
+  that handoff goes out with K of one layer negated (`perturb_k`). The frames are valid, so a
+  decoder accepts them: the tests use it to prove each decoder computes with the pages it is sent.
 """
 
 from __future__ import annotations
@@ -13,18 +19,22 @@ from __future__ import annotations
 import os
 import threading
 
+from tandem_protocol.pages import KVPage
+
+PERTURBED_LAYER = 1  # in SmolLM2-135M, negating this layer's K moves the next token's log-probabilities by ~10
+
 
 class InjectedFault(RuntimeError):
     """What a failpoint raises: an engine failure, as far as everything above it can tell."""
 
 
-def _parse(spec: str) -> dict[str, int]:
-    points = {}
+def _parse(spec: str) -> dict[str, set[int]]:
+    points: dict[str, set[int]] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, nth = item.partition("@")
         if not nth.isdigit() or int(nth) < 1:
             raise ValueError(f"TANDEM_FAILPOINTS: {item!r} is not name@N (N >= 1)")
-        points[name] = int(nth)
+        points.setdefault(name, set()).add(int(nth))
     return points
 
 
@@ -33,12 +43,24 @@ _seen: dict[str, int] = {}
 _lock = threading.Lock()
 
 
-def reach(name: str) -> None:
-    """Called at a step: raises InjectedFault when this is the armed N-th time."""
+def fires(name: str) -> bool:
+    """Called at a step: whether this is an armed N-th time."""
     if name not in _armed:
-        return
+        return False
     with _lock:
         _seen[name] = _seen.get(name, 0) + 1
-        if _seen[name] != _armed[name]:
-            return
-    raise InjectedFault(f"engine failure injected at {name} #{_armed[name]} (TANDEM_FAILPOINTS)")
+        return _seen[name] in _armed[name]
+
+
+def reach(name: str) -> None:
+    """Called at a step: raises InjectedFault when this is an armed N-th time."""
+    if fires(name):
+        raise InjectedFault(f"engine failure injected at {name} #{_seen[name]} (TANDEM_FAILPOINTS)")
+
+
+def perturb_k(page: KVPage) -> KVPage:
+    """A copy of `page` with K of PERTURBED_LAYER negated (the engine's own buffer is left alone).
+    Only the valid tokens: the zeros past them would become -0.0, which a receiver refuses."""
+    data, n = page.data.copy(), page.valid_tokens
+    data[PERTURBED_LAYER, 0, :n] = -data[PERTURBED_LAYER, 0, :n]
+    return KVPage(page.index, page.valid_tokens, data)

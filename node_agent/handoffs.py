@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from engine_adapters import failpoints
 from engine_adapters.base import EngineAdapter, EngineRequest
 from tandem_protocol.contract import token_digest
 from tandem_protocol.errors import Cancelled, TandemError
@@ -115,9 +116,12 @@ class HandoffManager:
         contract = self.adapter.contract.fingerprint_bytes
         room_bytes, digest = bytes.fromhex(h.room), token_digest(h.request.token_ids)
         self.prefill_calls += 1
+        perturb = failpoints.fires("perturb_k")  # test-only: this handoff's pages carry wrong K
         try:
             async with aclosing(self.adapter.prefill(h.request)) as items:
                 async for item in items:
+                    if perturb and isinstance(item, KVPage):
+                        item = failpoints.perturb_k(item)
                     if isinstance(item, KVPage) and h.encoding == RAW:  # header + a view of the page's buffer
                         h.frames.put_nowait(encode_frame(item, contract=contract, room=room_bytes, tokens=digest))
                     elif isinstance(item, KVPage):  # compressed in a worker thread: the loop keeps serving

@@ -1,0 +1,363 @@
+"""Every decoder computes with the pages it is sent, not with a prompt it recomputed.
+
+A torch prefiller agent runs with the `perturb_k` failpoint (engine_adapters/failpoints.py) armed
+for its first two handoffs: their pages leave with K of one layer negated, framed and checksummed
+like any page, so every decoder accepts them. Each decoder — torch, MLX, vLLM, SGLang — then
+decodes the same prompt from perturbed and from true pages of that agent:
+
+- perturbed: the first-step log-probabilities move far past the cross-engine tolerance and the
+  greedy output differs from the reference (a decoder that ignored the pages would not notice);
+- true: the greedy output equals the reference, and for the server decoders the first-step
+  log-probabilities differ from the reference by more than 0 (torch's pages are not bit-equal
+  to the engine's own: an engine that recomputed the prompt would match its reference exactly)
+  and less than the tolerance;
+- the engines' own counters: vLLM (recompute-last) computed one prompt token and loaded the rest
+  from the connector; SGLang (commit-first) computed none.
+
+References: torch and MLX their own prefill; vLLM vLLM alone (the same server, no pages);
+SGLang a plain SGLang server (same model and CPU recipe, no disaggregation), never Tandem's
+bridge. Log-probabilities compared: the tokens in both top-20 lists of the step after the prompt
+(vLLM, torch, MLX: recompute-last) or after the prefiller's first token (SGLang: commit-first).
+Figures go to reports/consume_pages_*.json.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from engine_adapters.base import EngineRequest
+from engine_adapters.failpoints import PERTURBED_LAYER
+from engine_adapters.sglang_adapter import SGLangServer
+from tandem_protocol.client import AgentClient
+from tandem_protocol.handoff import FirstTokenMode
+from tandem_protocol.pages import KVPage
+from tandem_protocol.sampling import SamplingParams
+
+from .agents import TEST_KEY, AgentProcess, wait_for
+from .conftest import collect, own_greedy, run, write_report
+from .test_cross_engine import LOGIT_TOLERANCE, logits_after_import
+
+RL, CF = FirstTokenMode.RECOMPUTE_LAST, FirstTokenMode.COMMIT_FIRST
+PERTURB = {"TANDEM_FAILPOINTS": "perturb_k@1,perturb_k@2"}  # the prefiller's first two handoffs
+MAX_TOKENS = 16
+TOP = 20
+
+# Measured here (one 219-token prompt, 16 greedy tokens; server engines on one thread each), max
+# |Δ log p| over the tokens in both top-20 lists against the reference — perturbed pages: torch
+# 1.05, MLX ?, vLLM 1.04, SGLang 3.08; true pages: torch 0.0025, MLX ?, vLLM 0.0084, SGLang 0.039
+# (tolerance 0.1). Perturbed pages must move it by at least half of that (and by at least 5x the
+# tolerance), true pages by at most twice.
+PERTURBED_AT_LEAST = {"torch": 0.52, "mlx": 0.52, "vllm": 0.52, "sglang": 1.5}
+TRUE_AT_MOST = {"torch": 0.005, "mlx": 0.02, "vllm": 0.017, "sglang": 0.077}
+
+
+# ---- the prefiller and its pages ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompt_ids(engines, long_ids) -> list[int]:
+    return list(long_ids)  # 219 tokens, four pages
+
+
+@pytest.fixture(scope="module")
+def handoffs(smol_dir, tmp_path_factory, prompt_ids) -> dict:
+    """(perturbed | true, mode) -> the prefiller's pages and final item, read off its page stream.
+    The first two handoffs are the perturbed ones (PERTURB), so the order here matters."""
+    home = tmp_path_factory.mktemp("consume-pages")
+    with AgentProcess("torch", smol_dir, home / "p", env=PERTURB) as p:
+        return {
+            (kind, mode): run(pages_and_done(p, prompt_ids, mode))
+            for kind in ("perturbed", "true")
+            for mode in (RL, CF)
+        }
+
+
+async def pages_and_done(agent: AgentProcess, ids: list[int], mode: FirstTokenMode) -> list:
+    """One handoff of `ids` on `agent`: its pages (KVPage) and its PrefillDone, as a decoder receives them."""
+    client = AgentClient(agent.url, TEST_KEY)
+    try:
+        info = await client.info()
+        room = uuid.uuid4().hex
+        await client.create_handoff(
+            room=room,
+            token_ids=ids,
+            sampling={"max_tokens": 1},
+            mode=mode.value,
+            contract=info["contract"]["fingerprint"],
+        )
+        async with client.page_stream(room, None) as stream:
+            return [item async for item in stream]
+    finally:
+        await client.aclose()
+
+
+def pages(items: list) -> list[KVPage]:
+    return [x for x in items if isinstance(x, KVPage)]
+
+
+async def replay(items: list):
+    """A received page stream, again, for a decoder's `decode`."""
+    for item in items:
+        yield item
+
+
+def test_the_failpoint_negates_k_of_one_layer_and_nothing_else(handoffs):
+    """The premise of the tests below: perturbed pages differ from true ones in K of one layer."""
+    for mode in (RL, CF):
+        bad, good = handoffs["perturbed", mode], handoffs["true", mode]
+        assert [(p.index, p.valid_tokens) for p in pages(bad)] == [(p.index, p.valid_tokens) for p in pages(good)]
+        assert bad[-1].first_token == good[-1].first_token  # P's own compute is untouched
+        for b, g in zip(pages(bad), pages(good), strict=True):
+            negated = g.kv.copy()
+            negated[PERTURBED_LAYER, 0] *= -1
+            assert np.array_equal(b.kv, negated), (mode, b.index)
+            assert not np.array_equal(b.kv, g.kv), (mode, b.index)
+
+
+# ---- measuring -------------------------------------------------------------------------------
+def top_logprobs(logits: np.ndarray, top: int = TOP) -> dict[int, float]:
+    x = logits.astype(np.float64).ravel()
+    logp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    return {int(t): float(logp[t]) for t in np.argsort(-logp)[:top]}
+
+
+def logprob_diff(got: dict[int, float], ref: dict[int, float]) -> dict:
+    """max |Δ log p| over the tokens in both top lists, and whether the most likely token moved."""
+    shared = set(got) & set(ref)
+    assert shared, "no token in both top lists"
+    return {
+        "max_abs_diff": max(abs(got[t] - ref[t]) for t in shared),
+        "shared_top_tokens": len(shared),
+        "top_token_equal": max(got, key=got.get) == max(ref, key=ref.get),
+    }
+
+
+def check(decoder: str, figures: dict) -> None:
+    """The assertions every decoder answers to, on `figures` (written to the report first)."""
+    write_report(f"consume_pages_{decoder}", {**figures, "tolerance": LOGIT_TOLERANCE})
+    perturbed, true = figures["perturbed"], figures["true"]
+    assert PERTURBED_AT_LEAST[decoder] >= 5 * LOGIT_TOLERANCE  # "well past" the tolerance
+    assert perturbed["logprobs"]["max_abs_diff"] >= PERTURBED_AT_LEAST[decoder], figures
+    assert not perturbed["greedy_equal"], figures
+    assert true["logprobs"]["max_abs_diff"] <= min(TRUE_AT_MOST[decoder], LOGIT_TOLERANCE), figures
+    assert true["greedy_equal"], figures
+
+
+def sampling() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+# ---- torch and MLX ---------------------------------------------------------------------------
+@pytest.mark.parametrize("decoder", ["torch", "mlx"])
+def test_in_process_decoders_consume_the_pages(engines, handoffs, prompt_ids, decoder):
+    """First-step log-probabilities over the imported pages of prompt[:-1] against the decoder's
+    own prefill; greedy output of `decode` (both first-token modes) against its own greedy run."""
+    d, ids = engines[decoder], prompt_ids
+    own = own_greedy(d, ids, MAX_TOKENS)
+    figures = {"decoder": decoder, "prompt_tokens": len(ids), "perturbed_layer_k": PERTURBED_LAYER}
+    for kind in ("perturbed", "true"):
+        imported, local = run(logits_after_import(d, pages(handoffs[kind, RL]), ids))
+        greedy = {
+            mode.value: run(
+                collect(
+                    d.decode(EngineRequest(f"{kind}-{mode.value}", ids, sampling(), mode), replay(handoffs[kind, mode]))
+                )
+            )
+            for mode in (RL, CF)
+        }
+        figures[kind] = {
+            "logprobs": logprob_diff(top_logprobs(imported), top_logprobs(local)),
+            "greedy_equal_by_mode": {m: out == own for m, out in greedy.items()},
+        }
+        equal = figures[kind]["greedy_equal_by_mode"].values()
+        figures[kind]["greedy_equal"] = all(equal) if kind == "true" else any(equal)
+    check(decoder, figures)
+
+
+# ---- vLLM and SGLang -------------------------------------------------------------------------
+CONTEXT = 4096
+
+
+class PlainSGLangServer(SGLangServer):
+    """SGLang as a user runs it alone: Tandem's command line for the same model and CPU recipe,
+    less everything of PD disaggregation."""
+
+    WITH_VALUE = {
+        "--disaggregation-mode",
+        "--disaggregation-transfer-backend",
+        "--disaggregation-bootstrap-port",
+        "--disaggregation-decode-retraction-backup",
+    }
+
+    def __init__(self, model_dir: Path, log_path: Path):
+        super().__init__(model_dir, CONTEXT, log_path.with_suffix(".sock"), log_path, lambda: "null")
+
+    def command(self) -> list[str]:
+        cmd, plain = iter(super().command()), []
+        for arg in cmd:
+            if arg in self.WITH_VALUE:
+                next(cmd)
+            elif arg != "--enable-pd-role-switch":
+                plain.append(arg)
+        return plain
+
+
+@pytest.fixture(scope="module")
+def servers(smol_dir, tmp_path_factory):
+    """A vLLM adapter, an SGLang adapter in its decode role and a plain SGLang server, started
+    side by side (each takes the better part of a minute)."""
+    from engine_adapters import load_adapter
+
+    os.environ.setdefault("TANDEM_VLLM_THREADS", "1")
+    os.environ.setdefault("TANDEM_SGLANG_THREADS", "1")
+    plain = PlainSGLangServer(smol_dir, tmp_path_factory.mktemp("plain-sglang") / "sglang.log")
+    role = os.environ.get("TANDEM_SGLANG_ROLE")
+    os.environ["TANDEM_SGLANG_ROLE"] = "decode"  # read when the adapter starts its server
+    pool = ThreadPoolExecutor(3)
+    jobs = {
+        "vllm": pool.submit(load_adapter, "vllm", smol_dir, CONTEXT),
+        "sglang": pool.submit(load_adapter, "sglang", smol_dir, CONTEXT),
+        "plain": pool.submit(plain.start),
+    }
+    try:
+        yield {"vllm": jobs["vllm"].result(), "sglang": jobs["sglang"].result(), "plain": plain}
+    finally:
+        pool.shutdown(wait=True)  # every start has ended, one way or the other
+        if role is None:
+            del os.environ["TANDEM_SGLANG_ROLE"]
+        else:
+            os.environ["TANDEM_SGLANG_ROLE"] = role
+        plain.stop()
+        for name in ("vllm", "sglang"):
+            if jobs[name].exception() is None:
+                jobs[name].result().close()
+
+
+def counter(metrics: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus counter's samples whose labels include `labels`."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.split("{", 1)[0] != name:
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def grown(read, before: str, name: str, label: str, values: tuple[str, ...], total: int) -> dict:
+    """How much each `label` value of counter `name` grew since `before` (Prometheus text from
+    `read()`), once the growths add up to `total`: a server counts a request a moment after it
+    answered (its counters have no event to wait on)."""
+    growth = {}
+
+    def done() -> bool:
+        now = read()
+        growth.update({x: counter(now, name, **{label: x}) - counter(before, name, **{label: x}) for x in values})
+        return sum(growth.values()) >= total
+
+    wait_for(done, timeout=20, step=0.1)
+    return growth
+
+
+def test_vllm_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
+    """vLLM decodes (recompute-last) from torch's pages of prompt[:-1], against vLLM alone:
+    log-probabilities of the first decode step (vLLM's completions `logprobs`), greedy output
+    of the adapter's `decode`, and vLLM's `prompt_tokens_by_source` counters for that request."""
+    v, ids = servers["vllm"], prompt_ids
+    name, sources = "vllm:prompt_tokens_by_source_total", ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+    def by_source(before: str) -> dict:
+        return grown(lambda: run(v.metrics()), before, name, "source", sources, len(ids))
+
+    before = run(v.metrics())
+    alone = run(collect(v.generate(EngineRequest("alone", ids, sampling()))))
+    figures = {
+        "decoder": "vllm",
+        "prompt_tokens": len(ids),
+        "perturbed_layer_k": PERTURBED_LAYER,
+        "alone": {"prompt_tokens_by_source": by_source(before)},
+    }
+    reference = run(v.first_step_logprobs(ids))
+    for kind in ("perturbed", "true"):
+        items = handoffs[kind, RL]
+        logprobs = run(v.first_step_logprobs(ids, pages(items)))
+        before = run(v.metrics())
+        out = run(collect(v.decode(EngineRequest(kind, ids, sampling(), RL), replay(items))))
+        figures[kind] = {
+            "logprobs": logprob_diff(logprobs, reference),
+            "greedy_equal": out == alone,
+            "prompt_tokens_by_source": by_source(before),
+        }
+    check("vllm", figures)
+    assert figures["alone"]["prompt_tokens_by_source"]["local_compute"] == len(ids), figures  # the counter counts
+    for kind in ("perturbed", "true"):
+        counted = figures[kind]["prompt_tokens_by_source"]
+        assert counted["local_compute"] <= 1 and counted["external_kv_transfer"] == len(ids) - 1, figures
+    assert figures["true"]["logprobs"]["max_abs_diff"] > 0, figures  # torch's pages, not vLLM's own
+
+
+def plain_generate(plain: PlainSGLangServer, ids: list[int], max_tokens: int, top: int = 0) -> dict:
+    """One greedy request on the plain SGLang server (its /generate), with top log-probabilities when `top`."""
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    }
+    if top:
+        body.update(return_logprob=True, top_logprobs_num=top)
+    r = httpx.post(plain.url + "/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()
+
+
+def sglang_metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=10).text
+
+
+def test_sglang_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
+    """SGLang's decode role continues (commit-first) from torch's pages of the whole prompt and
+    torch's first token, against a plain SGLang server: top log-probabilities of the step after
+    that token (SGLang's `return_logprob`), greedy output of the adapter's `decode`, and SGLang's
+    `realtime_tokens_total{mode="prefill_compute"}` counter for that request."""
+    s, plain, ids = servers["sglang"], servers["plain"], prompt_ids
+    name, modes = "sglang:realtime_tokens_total", ("prefill_compute", "prefill_cache", "decode")
+
+    def by_mode(url: str, before: str, total: int) -> dict:
+        return grown(lambda: sglang_metrics(url), before, name, "mode", modes, total)
+
+    before = sglang_metrics(plain.url)
+    alone = plain_generate(plain, ids, MAX_TOKENS)["output_ids"]
+    figures = {
+        "decoder": "sglang",
+        "reference": "a plain SGLang server (no disaggregation)",
+        "prompt_tokens": len(ids),
+        "perturbed_layer_k": PERTURBED_LAYER,
+        # the plain server's own answer: every prompt token computed, one token less decoded
+        "plain_tokens_by_mode": by_mode(plain.url, before, len(ids) + MAX_TOKENS - 1),
+    }
+    for kind in ("perturbed", "true"):
+        items = handoffs[kind, CF]
+        first = items[-1].first_token
+        logprobs = run(s.decode_step_logprobs(ids, first, pages(items)))
+        steps = plain_generate(plain, ids + [first], 1, TOP)["meta_info"]["output_top_logprobs"]
+        reference = {int(token): float(logprob) for logprob, token, *_ in steps[0]}
+        before = sglang_metrics(s.server.url)
+        out = run(collect(s.decode(EngineRequest(kind, ids, sampling(), CF), replay(items))))
+        figures[kind] = {
+            "logprobs": logprob_diff(logprobs, reference),
+            "greedy_equal": out == alone,
+            "tokens_by_mode": by_mode(s.server.url, before, MAX_TOKENS),
+        }
+    check("sglang", figures)
+    assert figures["plain_tokens_by_mode"]["prefill_compute"] == len(ids), figures  # the counter counts
+    for kind in ("perturbed", "true"):
+        # no prompt token computed; SGLang counts every output token of its decode role as decoded,
+        # the prefiller's first token included (16 of 16 measured)
+        assert figures[kind]["tokens_by_mode"] == {"prefill_compute": 0, "prefill_cache": 0, "decode": MAX_TOKENS}, (
+            figures
+        )
+    assert figures["true"]["logprobs"]["max_abs_diff"] > 0, figures  # torch's pages, not SGLang's own
