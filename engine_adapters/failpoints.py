@@ -21,7 +21,9 @@ import threading
 
 from tandem_protocol.pages import KVPage
 
-PERTURBED_LAYER = 1  # in SmolLM2-135M, negating this layer's K moves the next token's log-probabilities by ~10
+# of the layers tried (0, 1, 15, 29 of SmolLM2-135M), negating layer 1's K moved the next token's
+# log-probabilities most
+PERTURBED_LAYER = 1
 
 
 class InjectedFault(RuntimeError):
