@@ -42,7 +42,7 @@ from node_agent.cli import parse_size  # noqa: E402
 from tandem_cli.processes import ServiceProcess  # noqa: E402
 from tandem_protocol.client import AgentClient  # noqa: E402
 from tandem_protocol.pages import FrameExpectation, PageGeometry, frame_bytes, make_page  # noqa: E402
-from tandem_protocol.paths import data_dir  # noqa: E402
+from tandem_protocol.settings import data_dir  # noqa: E402
 
 KEY = "tdm_bench-link-key-0123456789abcdef"
 SMOLLM2 = PageGeometry(layers=30, kv_heads=3, head_dim=64)

@@ -54,7 +54,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from engine_adapters.embedded_model import is_fetched, model_dir  # noqa: E402
-from tandem_protocol.paths import data_dir  # noqa: E402
+from tandem_protocol.settings import data_dir  # noqa: E402
 
 RSS_GOAL_PERCENT = 10.0
 REQUEST_TIMEOUT = 300.0  # a request the soak does not cut itself; longer is a stall (an error)

@@ -18,7 +18,7 @@ def panel(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on (0 picks a free one)."),
     data_dir: Path = typer.Option(None, help="Where the panel keeps panel.db (default: $TANDEM_HOME/panel)."),
-    cluster_key: str = typer.Option(None, envvar="TANDEM_CLUSTER_KEY", help="The cluster key of your agents."),
+    cluster_key: str = typer.Option(None, help="The cluster key of your agents (default: $TANDEM_CLUSTER_KEY)."),
     node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
     pair: list[str] = typer.Option(
         None, help="NAME=PREFILL_URL,DECODE_URL[,zstd]: expose a P/D pair (repeatable; zstd: pages travel compressed)."
@@ -35,14 +35,15 @@ def panel(
     import uvicorn
 
     from tandem_protocol.http_server import PageStreamProtocol
-    from tandem_protocol.paths import data_dir as tandem_home
+    from tandem_protocol.settings import settings
 
     from .app import create_panel_app
     from .security import create_api_key, ensure_admin_password, set_admin_password
     from .services import add_node, create_pair
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    data_dir = data_dir or tandem_home() / "panel"
+    data_dir = data_dir or settings().data_dir / "panel"
+    cluster_key = cluster_key or settings().cluster_key
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

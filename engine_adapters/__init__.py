@@ -1,8 +1,8 @@
 """Engine adapters: the only package that imports torch, transformers, mlx, vllm or sglang.
 
 Importing this package is cheap: each adapter module (and its engine) is imported only when
-`load_adapter` asks for it. The page format (`pages`), the model contract (`contract`) and the
-adapter interface (`base`) import no engine.
+`load_adapter` asks for it. The adapter contract (`base.EngineAdapter`) and the two kinds of
+engine behind it (`in_process.InProcessEngine`, `server_engine.ServerEngine`) import no engine.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem_protocol import ENGINES
+
+from . import openblas
+from .settings import EngineSettings
 
 if TYPE_CHECKING:
     from .base import EngineAdapter
@@ -34,6 +37,16 @@ def adapter_class(engine: str) -> type[EngineAdapter]:
     return getattr(importlib.import_module(module), cls)
 
 
-def load_adapter(engine: str, model_dir: str | Path, context_length: int | None = None, **kwargs) -> EngineAdapter:
-    """Start `engine` on the model in `model_dir`."""
-    return adapter_class(engine)(model_dir, context_length, **kwargs)
+def load_adapter(
+    engine: str,
+    model_dir: str | Path,
+    context_length: int | None = None,
+    settings: EngineSettings | None = None,
+    **kwargs,
+) -> EngineAdapter:
+    """Start `engine` on the model in `model_dir` with the process's engine `settings` (default:
+    read from the environment now)."""
+    settings = settings if settings is not None else EngineSettings()
+    if engine == "mlx":
+        openblas.preload(settings.openblas)  # before the adapter's module imports mlx
+    return adapter_class(engine)(model_dir, context_length, settings=settings, **kwargs)

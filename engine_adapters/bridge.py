@@ -29,6 +29,12 @@ from pathlib import Path
 from tandem_protocol.errors import FrameError
 from tandem_protocol.pages import HEADER_SIZE, KVPage, decode_frame, encode_frame, parse_header
 
+# The variables an adapter sets in its engine server's environment, where the engine's KV plugin
+# (vllm_connector.py, sglang_backend.py) reads the bridge socket's path. Not settings: the
+# adapter picks the path; they are how it tells its own child.
+VLLM_BRIDGE_ENV = "TANDEM_VLLM_BRIDGE"
+SGLANG_BRIDGE_ENV = "TANDEM_SGLANG_BRIDGE"
+
 ZERO16 = b"\0" * 16
 FIRST_TOKEN_MAGIC = b"TKVF"
 _FIRST_TOKEN = struct.Struct("<4sq")

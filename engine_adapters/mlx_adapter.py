@@ -1,37 +1,17 @@
-"""mlx-lm engine: Metal in FP16 on Apple Silicon, CPU in float32 (FP16 KV storage) elsewhere.
-
-On Linux the `mlx[cpu]` wheel's bundled reference BLAS runs a matmul at a few GFLOP/s. Loading
-Debian's OpenBLAS with RTLD_GLOBAL *before* mlx makes mlx resolve its BLAS calls there (about
-10x faster here). This must happen before the first `import mlx`, so it lives at the top.
-"""
+"""mlx-lm engine: Metal in FP16 on Apple Silicon, CPU in float32 (FP16 KV storage) elsewhere."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
+from . import openblas
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-
-
-def _preload_openblas() -> bool:
-    if sys.platform != "linux" or "mlx.core" in sys.modules:
-        return False
-    for path in (os.environ.get("TANDEM_OPENBLAS", ""), OPENBLAS, "/usr/lib/aarch64-linux-gnu/libopenblas.so.0"):
-        if path and os.path.exists(path):
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            return True
-    return False
-
-
-OPENBLAS_LOADED = _preload_openblas()
+openblas.preload()  # before the first `import mlx` (see openblas.py)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm import load as mlx_load  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from .base import EngineAdapter  # noqa: E402
+from .in_process import InProcessEngine  # noqa: E402
 
 
 def rope_overrides(config: dict) -> dict:
@@ -57,7 +37,7 @@ class _FP16KVCache(KVCache):
         return super().update_and_fetch(keys, values)
 
 
-class MLXAdapter(EngineAdapter):
+class MLXAdapter(InProcessEngine):
     name = "mlx"
 
     def _load(self) -> None:
@@ -70,7 +50,7 @@ class MLXAdapter(EngineAdapter):
     def accelerator(self) -> dict:
         if self.on_metal:
             return {"kind": "metal", "name": mx.metal.device_info().get("device_name", "Apple GPU")}
-        return {**super().accelerator(), "blas": "OpenBLAS" if OPENBLAS_LOADED else "reference BLAS (slow)"}
+        return {**super().accelerator(), "blas": "OpenBLAS" if openblas.loaded else "reference BLAS (slow)"}
 
     def new_session(self, capacity: int) -> list[_FP16KVCache]:
         return [_FP16KVCache() for _ in range(self.geometry.layers)]

@@ -19,8 +19,8 @@ run together and makes a request of the other role wait, in arrival order, until
 finished; then it switches (milliseconds: the KV pool is kept). A pair's node serves one role,
 so switches are rare outside the engine-alone path.
 
-Where SGLang comes from: TANDEM_SGLANG_PYTHON (an interpreter with sglang and this package
-installed), else the repository's `.venv-sglang` (`make sglang`).
+Where SGLang comes from: the `sglang_python` setting (TANDEM_SGLANG_PYTHON, an interpreter with
+sglang and this package installed), else the repository's `.venv-sglang` (`make sglang`).
 """
 
 from __future__ import annotations
@@ -28,44 +28,42 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import os
 import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 
-from tandem_protocol.errors import RequestError, TandemError
-from tandem_protocol.handoff import FirstTokenMode, PrefillDone, kv_tokens
-from tandem_protocol.pages import KVPage
+from tandem_protocol.errors import TandemError
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone
 from tandem_protocol.sampling import SERVER_FIELDS
 
 from .base import EngineRequest
-from .bridge import END, first_token_frame, page_frame
-from .engine_server import EngineServer, engine_python, free_port
-from .server_adapter import ServerAdapter
+from .bridge import END, SGLANG_BRIDGE_ENV, Room, first_token_frame
+from .server_engine import ServerEngine, Transfer
+from .server_process import ServerProcess, engine_python, free_port
+from .settings import EngineSettings
 
 SGLANG_VERSION = "0.5.23"  # the release the transfer backend was written against
-ROLES = ("prefill", "decode")
 
 
-def sglang_python() -> Path:
-    return engine_python("SGLang", "TANDEM_SGLANG_PYTHON", ".venv-sglang", "sglang")
+def sglang_python(settings: EngineSettings) -> Path:
+    return engine_python("SGLang", settings.sglang_python, "TANDEM_SGLANG_PYTHON", ".venv-sglang", "sglang")
 
 
-def on_cpu() -> bool:
+def on_cpu(settings: EngineSettings) -> bool:
     """SGLang runs on an NVIDIA GPU where a driver answers, else on its CPU engine."""
-    return os.environ.get("TANDEM_SGLANG_DEVICE", "cuda" if shutil.which("nvidia-smi") else "cpu") == "cpu"
+    return (settings.sglang_device or ("cuda" if shutil.which("nvidia-smi") else "cpu")) == "cpu"
 
 
-def sglang_environment() -> str:
+def sglang_environment(settings: EngineSettings) -> str:
     """'ok' text when SGLang's interpreter has the pinned release and sees Tandem's backend
     plugin, else what is wrong (the doctor)."""
-    python = sglang_python()
+    python = sglang_python(settings)
     code = (
         "import importlib.metadata as m\nprint(m.version('sglang'))\n"
         "print(any(e.name == 'tandem' for e in m.entry_points(group='sglang.srt.plugins')))"
@@ -82,14 +80,22 @@ def sglang_environment() -> str:
     return f"sglang {version} (pinned) with Tandem's transfer backend at {python}"
 
 
-class SGLangServer(EngineServer):
+class SGLangProcess(ServerProcess):
     """SGLang's HTTP server in PD-disaggregation mode with Tandem's transfer backend."""
 
     engine = "SGLang"
-    start_timeout = float(os.environ.get("TANDEM_SGLANG_START_TIMEOUT", "600"))
 
-    def __init__(self, model_dir: Path, context_length: int, bridge: Path, log_path: Path, role: Callable[[], str]):
-        super().__init__(log_path)
+    def __init__(
+        self,
+        model_dir: Path,
+        context_length: int,
+        bridge: Path,
+        log_path: Path,
+        role: Callable[[], str],
+        settings: EngineSettings,
+    ):
+        self.settings = settings
+        super().__init__(log_path, settings.sglang_start_timeout)
         self.model_dir, self.context_length, self.bridge = model_dir, context_length, bridge
         self.role = role  # the role to start in: the one it last had, so a restart keeps it
 
@@ -99,7 +105,7 @@ class SGLangServer(EngineServer):
 
     def command(self) -> list[str]:
         cmd = [
-            str(sglang_python()),
+            str(sglang_python(self.settings)),
             "-m",
             "sglang.launch_server",
             "--model-path",
@@ -129,9 +135,9 @@ class SGLangServer(EngineServer):
             "--skip-server-warmup",
             # prefill in chunks of this many tokens, so pages leave while later chunks compute
             "--chunked-prefill-size",
-            os.environ.get("TANDEM_SGLANG_CHUNK_TOKENS", "512"),
+            str(self.settings.sglang_chunk_tokens),
         ]
-        if on_cpu():
+        if on_cpu(self.settings):
             cmd += [
                 "--device",
                 "cpu",
@@ -140,7 +146,7 @@ class SGLangServer(EngineServer):
                 "--disable-cuda-graph",
                 "--sleep-on-idle",
                 "--max-total-tokens",
-                os.environ.get("TANDEM_SGLANG_KV_TOKENS", "16384"),
+                str(self.settings.sglang_kv_tokens),
                 # a decoder's retraction backup otherwise pins a host pool with CUDA calls
                 "--disaggregation-decode-retraction-backup",
                 "cpu_tensor",
@@ -150,18 +156,17 @@ class SGLangServer(EngineServer):
     def environment(self) -> dict[str, str]:
         env = {
             **super().environment(),
-            "TANDEM_SGLANG_BRIDGE": str(self.bridge),
+            SGLANG_BRIDGE_ENV: str(self.bridge),
             "SGLANG_PLUGINS": "tandem",
             # SGLang's decoder waits this long for a transfer to begin before failing it
-            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": os.environ.get("TANDEM_SGLANG_WAIT_S", "300"),
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(self.settings.sglang_wait_s),
         }
-        if on_cpu():
+        if on_cpu(self.settings):
             # the CPU engine; and no early send of a chunked prompt's cached prefix, which waits
             # on a CUDA event (the regular per-chunk send moves the same pages)
             env.update(SGLANG_USE_CPU_ENGINE="1", SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX="0")
-        threads = os.environ.get("TANDEM_SGLANG_THREADS")
-        if threads:
-            env["OMP_NUM_THREADS"] = threads
+        if self.settings.sglang_threads:
+            env["OMP_NUM_THREADS"] = str(self.settings.sglang_threads)
         return env
 
 
@@ -204,18 +209,22 @@ class RoleGate:
                 self._changed.notify_all()
 
 
-class SGLangAdapter(ServerAdapter):
+class SGLangAdapter(ServerEngine):
     name = "sglang"
     engine_label = "SGLang"
+    generate_path = "/generate"
+    exports_whole_prompt = True  # a recompute-last decoder's share is cut from it (_relay_prefill)
     decoder_modes = (FirstTokenMode.COMMIT_FIRST,)
 
-    def _server(self, run_dir: Path) -> SGLangServer:
-        role = os.environ.get("TANDEM_SGLANG_ROLE", "prefill")
-        if role not in ROLES:
-            raise TandemError(f"TANDEM_SGLANG_ROLE must be one of {', '.join(ROLES)}, not {role!r}")
-        self.gate = RoleGate(role, self._switch_role)
-        return SGLangServer(
-            self.model_dir, self.context_length, self.bridge.path, run_dir / "sglang.log", lambda: self.gate.role
+    def _server(self, run_dir: Path) -> SGLangProcess:
+        self.gate = RoleGate(self.settings.sglang_role, self._switch_role)
+        return SGLangProcess(
+            self.model_dir,
+            self.context_length,
+            self.bridge.path,
+            run_dir / "sglang.log",
+            lambda: self.gate.role,
+            self.settings,
         )
 
     async def _switch_role(self, role: str) -> None:
@@ -230,9 +239,7 @@ class SGLangAdapter(ServerAdapter):
                 async with self.http().post(self.server.url + "/pd_role_switch", json=body) as r:
                     answer = await r.json(content_type=None)
             except (aiohttp.ClientError, OSError) as e:  # down or restarting: the agent brings it back
-                raise TandemError(
-                    f"SGLang is not answering ({type(e).__name__}: {e}); log tail:\n{self.server.log_tail(5)}"
-                ) from e
+                raise self._not_answering(e) from e
             if answer.get("success"):
                 return
             message = str(answer.get("message", answer))
@@ -258,11 +265,23 @@ class SGLangAdapter(ServerAdapter):
 
     def accelerator(self) -> dict:
         info = super().accelerator()
-        device = "CPU" if on_cpu() else "CUDA"
+        device = "CPU" if on_cpu(self.settings) else "CUDA"
         return {**info, "name": f"{info['name']} (SGLang {SGLANG_VERSION}, {device})"}
 
     # ---- talking to SGLang --------------------------------------------------------------------
-    def _body(self, req: EngineRequest, max_tokens: int, room: int, stream: bool) -> dict:
+    def _role(self, role: str):
+        return self.gate.hold(role)
+
+    def _new_room(self) -> str:
+        """SGLang's bootstrap room: a non-zero 63-bit id (SGLang treats 0 as "no metadata yet")."""
+        return str(secrets.randbits(63) or 1)
+
+    def _hand_over(self, room: Room, done: PrefillDone) -> None:
+        # SGLang continues from the prefiller's first token: it follows the pages
+        room.outgoing.put(first_token_frame(done.first_token))
+        room.outgoing.put(END)
+
+    def _body(self, req: EngineRequest, max_tokens: int, stream: bool, transfer: Transfer | None) -> dict:
         s = req.sampling
         params = {
             "max_new_tokens": max_tokens,
@@ -282,15 +301,13 @@ class SGLangAdapter(ServerAdapter):
             "stream": stream,
             "bootstrap_host": "127.0.0.1",
             "bootstrap_port": self.server.bootstrap_port,
-            "bootstrap_room": room,
+            "bootstrap_room": int(transfer.room),  # every SGLang request is a transfer (see generate)
         }
-
-    generate_path = "/generate"
 
     async def _answer_tokens(self, response, stream: bool) -> AsyncIterator[int]:
         if not stream:
             data = await response.json()
-            _check_finish(data)
+            check_finish(data)
             for token in data.get("output_ids") or []:
                 yield token
             return
@@ -299,89 +316,11 @@ class SGLangAdapter(ServerAdapter):
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             data = json.loads(line[6:])
-            _check_finish(data)
+            check_finish(data)
             ids = data.get("output_ids") or []  # cumulative
             for token in ids[seen:]:
                 yield token
             seen = len(ids)
-
-    # ---- the three operations ---------------------------------------------------------------
-    async def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
-        self.validate(req, generates=False)
-        export = kv_tokens(len(req.token_ids), req.mode)
-        room = _room()
-        box = self.bridge.open("export", str(room), len(req.token_ids))
-        self._start(req)
-        task = None
-        try:
-            async with self.gate.hold("prefill"):
-                out: asyncio.Queue = asyncio.Queue()
-                t0 = time.perf_counter()
-                task = asyncio.create_task(self._tokens(self._body(req, 1, room, stream=False), out, box.incoming))
-                async for item in self._relay_prefill(req, box.incoming, export, out, t0):
-                    yield item
-        finally:
-            self.bridge.close_room(str(room))
-            self._end(req, task)
-
-    async def decode(self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone]) -> AsyncIterator[int]:
-        if req.mode not in self.decoder_modes:
-            raise RequestError(
-                f"SGLang decodes in commit-first mode only (it continues from the prefiller's "
-                f"first token and never recomputes a prompt token), not {req.mode.value}"
-            )
-        self.validate(req, generates=True)
-        expected = kv_tokens(len(req.token_ids), req.mode)
-        room = _room()
-        box = self.bridge.open("import", str(room), expected)
-        self._start(req)
-        task = None
-        try:
-            async with self.gate.hold("decode"):
-                out: asyncio.Queue = asyncio.Queue()
-                task = asyncio.create_task(
-                    self._tokens(self._body(req, req.sampling.max_tokens, room, stream=True), out)
-                )
-                event = self._cancels[req.request_id]
-                done = await self._import_stream(req, event, str(room), stream, expected)
-                box.outgoing.put(first_token_frame(done.first_token))
-                box.outgoing.put(END)
-                while (token := await self._next(req, out)) is not None:
-                    yield token
-        finally:
-            self.bridge.close_room(str(room))
-            self._end(req, task)
-
-    async def decode_step_logprobs(
-        self, token_ids: list[int], first_token: int, pages: list[KVPage], top: int = 20
-    ) -> dict[int, float]:
-        """SGLang's top log-probabilities at its first decode step (the token after `first_token`)
-        with the whole prompt's KV taken from `pages` — how the cross-engine rules are measured
-        with SGLang as the decoder (its API exposes log-probabilities, not logits)."""
-        room = _room()
-        box = self.bridge.open("import", str(room), len(token_ids))
-        for page in pages:
-            box.outgoing.put(page_frame(page))
-        box.outgoing.put(first_token_frame(first_token))
-        box.outgoing.put(END)
-        body = {
-            "input_ids": token_ids,
-            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-            "return_logprob": True,
-            "top_logprobs_num": top,
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": self.server.bootstrap_port,
-            "bootstrap_room": room,
-        }
-        try:
-            async with self.gate.hold("decode"):
-                async with self.http().post(self.server.url + "/generate", json=body) as r:
-                    data = await r.json()
-            _check_finish(data)
-            steps = data["meta_info"]["output_top_logprobs"]
-            return {int(token): float(logprob) for logprob, token, *_ in steps[1]}
-        finally:
-            self.bridge.close_room(str(room))
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
         """The engine alone: SGLang prefills, then SGLang decodes from its own pages."""
@@ -404,12 +343,7 @@ class SGLangAdapter(ServerAdapter):
         return super().cancel(request_id) | super().cancel(f"{request_id}/prefill")
 
 
-def _room() -> int:
-    """SGLang's bootstrap room: a non-zero 63-bit id (SGLang treats 0 as "no metadata yet")."""
-    return secrets.randbits(63) or 1
-
-
-def _check_finish(data: dict) -> None:
+def check_finish(data: dict) -> None:
     """SGLang reports a failed or aborted request inside a normal-looking answer."""
     if "error" in data:
         raise TandemError(f"SGLang failed the request: {data['error']}")

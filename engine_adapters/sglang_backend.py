@@ -53,7 +53,7 @@ from tandem_protocol.pages import make_page
 
 logger = logging.getLogger("sglang.tandem_backend")
 
-BRIDGE_ENV = "TANDEM_SGLANG_BRIDGE"
+BRIDGE_ENV = bridge.SGLANG_BRIDGE_ENV
 BACKEND = "tandem"
 
 

@@ -12,7 +12,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem_protocol.pages import KVPage
 
-from .base import EngineAdapter
+from .in_process import InProcessEngine
 
 CUDA_PREFILL_CHUNK_TOKENS = 2048  # measured on an H200: bench/results/gpu-h200-prefill-chunks-*.txt
 
@@ -63,7 +63,7 @@ class _FP16KVLayer(DynamicLayer):
         return self.length
 
 
-class TorchAdapter(EngineAdapter):
+class TorchAdapter(InProcessEngine):
     name = "torch"
 
     def __init__(self, model_dir, context_length=None, *, device: str | None = None, **kwargs):
@@ -75,13 +75,15 @@ class TorchAdapter(EngineAdapter):
         hf_logging.disable_progress_bar()
         self.cuda = self.device.type == "cuda"
         self.dtype = torch.float16 if self.cuda else torch.float32
-        self.export_lag = 1 if self.cuda else 0  # see EngineAdapter.export_start
+        self.export_lag = 1 if self.cuda else 0  # see InProcessEngine.export_start
         if self.cuda:
             # A small model on a big GPU is bound by the host queueing kernels: a cost per chunk,
             # not per token. Bigger chunks cut it (bench/gpu_prefill_export.py --chunks); pages still
             # leave chunk by chunk and the last page still computes on its own.
             self.prefill_chunk_tokens = CUDA_PREFILL_CHUNK_TOKENS
-        self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype).to(self.device).eval()
+        # local_files_only: Tandem never downloads weights at run time
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype, local_files_only=True)
+        self.model = model.to(self.device).eval()
 
     def accelerator(self) -> dict:
         if self.device.type == "cuda":

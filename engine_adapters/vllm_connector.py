@@ -43,7 +43,7 @@ from tandem_protocol.pages import KVPage, PageGeometry, make_page
 
 logger = init_logger("vllm.tandem_connector")  # a vllm.* logger, so worker processes' lines show
 
-BRIDGE_ENV = "TANDEM_VLLM_BRIDGE"
+BRIDGE_ENV = bridge.VLLM_BRIDGE_ENV
 
 
 # ---- what the scheduler tells the workers each step ------------------------------------------

@@ -53,8 +53,8 @@ from tandem_protocol.errors import Cancelled, ContractMismatch, FrameError, Requ
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
 from tandem_protocol.http_server import PageStreamResponse
 from tandem_protocol.pages import ENCODINGS, PROTOCOL_VERSION, FrameExpectation, KVPage, encode_frame, make_page
-from tandem_protocol.paths import hash_cache_path
 from tandem_protocol.sampling import SamplingParams
+from tandem_protocol.settings import hash_cache_path
 from tandem_protocol.wire import PeerError, done_frame
 
 from .budget import BudgetExceeded, BudgetTimeout, StagingBudget

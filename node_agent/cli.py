@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import socket
 import statistics
@@ -17,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem_protocol.pages import PROTOCOL_VERSION
-from tandem_protocol.paths import data_dir, hash_cache_path
+from tandem_protocol.settings import data_dir, hash_cache_path
 
 from .identity import cluster_key, key_path, node_id, set_cluster_key
 
@@ -102,6 +101,7 @@ def serve(
     import uvicorn
 
     from engine_adapters import load_adapter
+    from engine_adapters.settings import EngineSettings
     from tandem_protocol.contract import HashCache
     from tandem_protocol.discovery import Announcer, announced_properties, lan_addresses
     from tandem_protocol.http_server import PageStreamProtocol
@@ -121,9 +121,13 @@ def serve(
     sock.listen(1024)
     port = sock.getsockname()[1]
 
+    engine_settings = EngineSettings()  # read once, at start: every engine this agent loads gets them
+
     def loader(engine: str, path: Path, context_length: int | None):
         kwargs = {"device": device} if device and engine == "torch" else {}
-        return load_adapter(engine, path, context_length, hash_cache=HashCache(hash_cache_path()), **kwargs)
+        return load_adapter(
+            engine, path, context_length, engine_settings, hash_cache=HashCache(hash_cache_path()), **kwargs
+        )
 
     with console.status(f"loading {engine} on {path.name}…"):
         adapter = loader(engine, path, context_length)
@@ -185,7 +189,7 @@ def _client(url: str) -> httpx.Client:
         base_url=url.rstrip("/"),
         timeout=10,
         headers={
-            "Authorization": f"Bearer {os.environ.get('TANDEM_CLUSTER_KEY') or cluster_key()}",
+            "Authorization": f"Bearer {cluster_key()}",
             "X-Tandem-Protocol": str(PROTOCOL_VERSION),
         },
     )
@@ -288,8 +292,10 @@ def doctor(
     port: int = typer.Option(DEFAULT_PORT, help="Port the agent would listen on."),
 ) -> None:
     """Check this machine: versions, engines, accelerators, model, data dir, port, network."""
-    from engine_adapters.doctor import accelerators, engine_imports, package_versions
+    from engine_adapters.doctor import accelerators, engine_imports, environment, package_versions
+    from engine_adapters.settings import EngineSettings
     from tandem_protocol.discovery import lan_addresses
+    from tandem_protocol.settings import settings
 
     def section(title: str, rows: list[tuple[str, str]]) -> None:
         table = Table(title=title, show_header=False, title_justify="left")
@@ -297,9 +303,14 @@ def doctor(
             table.add_row(k, v)
         console.print(table)
 
+    engine_settings = EngineSettings()
     section("packages", list(package_versions().items()))
+    variables = Table("variable", "value", "meaning", title="environment", title_justify="left")
+    for row in environment(settings(), engine_settings):
+        variables.add_row(*row)
+    console.print(variables)
     with console.status("importing engines…"):
-        engines = engine_imports()
+        engines = engine_imports(engine_settings)
     section("engines", [(k, f"[green]{v}[/]" if v.startswith("ok") else f"[red]{v}[/]") for k, v in engines.items()])
     section("accelerators", list(accelerators().items()))
     try:

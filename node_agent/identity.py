@@ -13,7 +13,7 @@ import secrets
 import uuid
 from pathlib import Path
 
-from tandem_protocol.paths import data_dir
+from tandem_protocol.settings import data_dir, settings
 
 
 def _read_or_create(path: Path, make) -> str:
@@ -39,9 +39,7 @@ def key_path(home: Path | None = None) -> Path:
 
 def cluster_key(home: Path | None = None) -> str:
     """`$TANDEM_CLUSTER_KEY` if set, else the key file (created on first use)."""
-    return os.environ.get("TANDEM_CLUSTER_KEY") or _read_or_create(
-        key_path(home), lambda: "tdm_" + secrets.token_urlsafe(32)
-    )
+    return settings().cluster_key or _read_or_create(key_path(home), lambda: "tdm_" + secrets.token_urlsafe(32))
 
 
 def set_cluster_key(key: str, home: Path | None = None) -> None:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem_protocol.paths import data_dir
+from tandem_protocol.settings import data_dir
 
 
 @dataclass(frozen=True)

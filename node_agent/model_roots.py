@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tandem_protocol.errors import TandemError, UnsupportedModel
 from tandem_protocol.model_dir import ModelInfo, inspect_model
-from tandem_protocol.paths import data_dir
+from tandem_protocol.settings import data_dir
 
 from .model_registry import ModelRegistry
 

@@ -52,7 +52,7 @@ import typer
 
 from control_panel.bench_results import LATEST_TTFT
 from tandem_protocol.pages import HEADER_SIZE
-from tandem_protocol.paths import data_dir
+from tandem_protocol.settings import data_dir
 
 from .processes import ServiceProcess
 from .progress import console
@@ -603,7 +603,7 @@ def bench_running_panel(result: dict, panel: str, api_key: str, panel_dir: Path,
     with Session(create_engine(f"sqlite:///{db}")) as s:
         nodes = {n.id: n for n in s.exec(select(Node))}
         pairs = list(s.exec(select(Pair).order_by(Pair.name)))
-    key = os.environ.get("TANDEM_CLUSTER_KEY") or cluster_key()
+    key = cluster_key()
     agents: dict[int, Agent] = {}
     for node in nodes.values():
         if node.paired or any(node.id in (p.prefill_node_id, p.decode_node_id) for p in pairs):

@@ -11,8 +11,8 @@ from engine_adapters import load_adapter
 from node_agent.inprocess import PairStats, run_pair
 from tandem_protocol.contract import HashCache
 from tandem_protocol.handoff import FirstTokenMode
-from tandem_protocol.paths import hash_cache_path
 from tandem_protocol.sampling import SamplingParams
+from tandem_protocol.settings import hash_cache_path
 
 from .model_cmd import ensure_embedded_model
 from .progress import console

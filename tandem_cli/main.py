@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import typer
+from pydantic import ValidationError
 
 from control_panel import cli as panel_cli
 from node_agent import cli as agent_cli
+from tandem_protocol.settings import explain
 
 from . import bench_ttft, demo_cmd, model_cmd, up_cmd
 
@@ -25,7 +27,10 @@ app.add_typer(bench, name="bench")
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ValidationError as e:  # a settings class read the environment at the start of a command
+        raise SystemExit(explain(e)) from None
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from node_agent.model_registry import ModelRegistry
 from tandem_protocol.contract import HashCache, compute_contract
 from tandem_protocol.errors import TandemError
 from tandem_protocol.model_dir import inspect_model
-from tandem_protocol.paths import data_dir, hash_cache_path
+from tandem_protocol.settings import data_dir, hash_cache_path
 
 from .progress import console, progress_bar
 

@@ -18,7 +18,7 @@ import httpx
 import typer
 
 from node_agent.identity import cluster_key
-from tandem_protocol.paths import data_dir
+from tandem_protocol.settings import data_dir
 
 from .model_cmd import ensure_embedded_model
 from .processes import ServiceProcess

@@ -9,7 +9,6 @@ connections to a prefiller across requests instead of paying a TCP (and TLS) han
 from __future__ import annotations
 
 import json
-import os
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ import aiohttp
 from .errors import TandemError
 from .page_receiver import HTTPStatusError, PageStream, ReceiverPool
 from .pages import PROTOCOL_VERSION, FrameExpectation
+from .settings import settings
 
 # The client side of the wire, for the callers that catch transport failures.
 TransportError = (aiohttp.ClientError, ConnectionError, TimeoutError)  # StreamBroken is a ConnectionError
@@ -59,7 +59,8 @@ class AgentClient:
         TANDEM_CA_FILE environment variable when set (how a cluster with self-signed agent
         certificates is trusted) and the system CAs otherwise."""
         if verify is None:
-            verify = os.environ.get("TANDEM_CA_FILE") or True
+            ca_file = settings().ca_file
+            verify = str(ca_file) if ca_file else True
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {key}", "X-Tandem-Protocol": str(PROTOCOL_VERSION)}
         self._ssl: ssl.SSLContext | bool = (

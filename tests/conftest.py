@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine_adapters.embedded_model import fetch
-from tandem_protocol.paths import data_dir
+from tandem_protocol.settings import data_dir
 
 from . import prerequisites
 from .seed import run_seed

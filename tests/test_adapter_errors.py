@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_adapters.base import EngineAdapter, EngineRequest
+from engine_adapters.base import EngineRequest
+from engine_adapters.in_process import InProcessEngine
 from node_agent.inprocess import PairStats, run_pair
 from tandem_protocol.contract import token_digest
 from tandem_protocol.errors import Cancelled, ContractMismatch, FrameError, RequestError
@@ -65,7 +66,7 @@ def test_pages_leave_before_prefill_finishes(engines, long_ids, engine, monkeypa
 def log_chunks(adapter, monkeypatch) -> list:
     """Record each chunk the adapter computes (with or without logits) in a list of events."""
     events = []
-    overridden = type(adapter).forward_chunk is not EngineAdapter.forward_chunk  # else it calls forward
+    overridden = type(adapter).forward_chunk is not InProcessEngine.forward_chunk  # else it calls forward
     for name in ("forward", "forward_chunk") if overridden else ("forward",):
         real = getattr(adapter, name)
         monkeypatch.setattr(

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from tandem_protocol.client import AgentClient, TransportError
+from tandem_protocol.settings import settings
 from tests.agents import AgentProcess, generate_request, pd_request, settle, tokens_of
 
 SAMPLING = {"max_tokens": 12, "ignore_eos": True}
@@ -55,6 +56,7 @@ def test_pd_over_tls(smol_dir, long_ids, cert, tmp_path, monkeypatch):
         assert p.url.startswith("https://") and d.url.startswith("https://")
         ids = list(long_ids[:130])
         monkeypatch.setenv("TANDEM_CA_FILE", str(cert_file))  # this process routes, as a panel would
+        settings.cache_clear()  # a process reads its settings once: read them again
         over_tls = tokens_of(asyncio.run(pd_request(p.url, d.url, ids, SAMPLING)))
         alone = tokens_of(asyncio.run(generate_request(d.url, ids, SAMPLING)))
         assert over_tls == alone and len(over_tls) == SAMPLING["max_tokens"]
@@ -62,6 +64,7 @@ def test_pd_over_tls(smol_dir, long_ids, cert, tmp_path, monkeypatch):
 
         # without the CA, a client refuses the self-signed certificate and says so
         monkeypatch.delenv("TANDEM_CA_FILE")
+        settings.cache_clear()
 
         async def untrusted():
             client = AgentClient(p.url, p.key)

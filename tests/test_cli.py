@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine_adapters.settings import EngineSettings
+from tandem_protocol.settings import TandemSettings, env_table
+
 from .conftest import make_tiny_checkpoint
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
@@ -51,3 +54,33 @@ def test_model_import_refuses_unsupported(tmp_path, smol_dir):
     result = tandem("model", "import", str(tiny), env=env)
     assert result.returncode == 1
     assert "sliding-window attention is not supported" in result.stdout
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_every_variable_is_documented_and_printed_by_the_doctor(tmp_path):
+    """Each TANDEM_* variable the code names is in the README's table and in `tandem agent
+    doctor`'s environment section, which shows the value in effect (and hides secrets)."""
+    named = set()
+    for path in REPO.glob("**/*.py"):
+        if not path.relative_to(REPO).parts[0].startswith("."):
+            named |= set(re.findall(r"\bTANDEM_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    named |= {var for cls in (TandemSettings, EngineSettings) for var, _, _ in env_table(cls)}
+    readme = (REPO / "README.md").read_text()
+    table = set(re.findall(r"^\| `(TANDEM_[A-Z0-9_]+)` \|", readme, re.MULTILINE))
+    assert table == named and len(table) == 23, sorted(table ^ named)
+    env = {"TANDEM_HOME": str(tmp_path / "home"), "TANDEM_VLLM_THREADS": "3", "TANDEM_CLUSTER_KEY": "k" * 20}
+    result = tandem("agent", "doctor", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"(TANDEM_[A-Z0-9_]+)\s*│\s*(\S+)", result.stdout)}
+    assert set(rows) == table, sorted(set(rows) ^ table)
+    assert rows["TANDEM_VLLM_THREADS"] == "3" and rows["TANDEM_SGLANG_ROLE"] == "prefill"
+    assert rows["TANDEM_CLUSTER_KEY"] == "(set)" and "k" * 20 not in result.stdout
+    assert rows["TANDEM_HOME"] == str(tmp_path / "home")
+
+
+def test_a_bad_setting_is_refused_at_start(tmp_path):
+    result = tandem("agent", "doctor", env={"TANDEM_HOME": str(tmp_path), "TANDEM_SGLANG_ROLE": "both"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "bad environment variable: TANDEM_SGLANG_ROLE='both': Input should be" in result.stderr

@@ -35,7 +35,7 @@ def gpu_and_cpu(tmp_path_factory):
     tokenizer_dir = os.environ.get("TANDEM_TOKENIZER_DIR")
     if not tokenizer_dir:
         from engine_adapters.embedded_model import fetch
-        from tandem_protocol.paths import data_dir
+        from tandem_protocol.settings import data_dir
 
         tokenizer_dir = fetch(data_dir())[0]
     path = make_tiny_checkpoint(

@@ -8,8 +8,8 @@ import numpy as np
 
 from engine_adapters.base import EngineRequest
 from engine_adapters.embedded_model import _unpermute, fetch, is_fetched
-from tandem_protocol.paths import data_dir
 from tandem_protocol.sampling import SamplingParams
+from tandem_protocol.settings import data_dir
 
 from .conftest import collect, run
 

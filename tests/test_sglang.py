@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from engine_adapters.base import EngineRequest
+from engine_adapters.settings import EngineSettings
 from engine_adapters.sglang_adapter import sglang_environment
 from tandem_cli.bench_ttft import prompt_ids
 from tandem_protocol.client import AgentClient
@@ -37,6 +38,7 @@ from .agents import (
     wait_until_streaming,
 )
 from .conftest import collect, prompt, run, write_report
+from .engine_probes import sglang_decode_step_logprobs
 from .fuzzing import VOCAB, fuzz_engine_routes
 from .server_engines import (
     QUESTION,
@@ -68,7 +70,7 @@ PAIRS = {
 @pytest.fixture(scope="module")
 def cluster(smol_dir, tmp_path_factory):
     try:
-        sglang_environment()
+        sglang_environment(EngineSettings())
     except Exception as e:
         pytest.fail(f"SGLang is part of `make test`: {e}")
     home = tmp_path_factory.mktemp("sglang")
@@ -186,8 +188,10 @@ def test_sglang_decoder_meets_the_cross_engine_rules(cluster, engines, prefiller
         theirs = run(collect(p.prefill(EngineRequest(f"x-{i}", ids, SamplingParams(max_tokens=1)))))
         ours = run(collect(sglang_engine.prefill(EngineRequest(f"s-{i}", ids, SamplingParams(max_tokens=1)))))
         first = theirs[-1].first_token
-        imported = run(sglang_engine.decode_step_logprobs(ids, first, [x for x in theirs if isinstance(x, KVPage)]))
-        local = run(sglang_engine.decode_step_logprobs(ids, first, [x for x in ours if isinstance(x, KVPage)]))
+        imported = run(
+            sglang_decode_step_logprobs(sglang_engine, ids, first, [x for x in theirs if isinstance(x, KVPage)])
+        )
+        local = run(sglang_decode_step_logprobs(sglang_engine, ids, first, [x for x in ours if isinstance(x, KVPage)]))
         shared = set(imported) & set(local)
         assert max(imported, key=imported.get) == max(local, key=local.get), text
         diffs.append(max(abs(imported[t] - local[t]) for t in shared))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from engine_adapters.base import EngineRequest
+from engine_adapters.settings import EngineSettings
 from engine_adapters.vllm_adapter import vllm_python
 from tandem_cli.bench_ttft import prompt_ids
 from tandem_protocol.client import AgentClient
@@ -24,6 +25,7 @@ from tandem_protocol.sampling import SamplingParams
 
 from .agents import TEST_KEY, AgentProcess, generate_request, pd_request, settle, wait_until_streaming
 from .conftest import collect, prompt, run, write_report
+from .engine_probes import vllm_first_step_logprobs
 from .fuzzing import VOCAB, fuzz_engine_routes
 from .server_engines import (
     at_engine_baseline,
@@ -52,7 +54,7 @@ PAIRS = {
 @pytest.fixture(scope="module")
 def cluster(smol_dir, tmp_path_factory):
     try:
-        vllm_python()
+        vllm_python(EngineSettings())
     except Exception as e:
         pytest.fail(f"vLLM is part of `make test`: {e}")
     home = tmp_path_factory.mktemp("vllm")
@@ -261,7 +263,7 @@ def test_gpu_layouts_with_vllms_own_views():
     from pathlib import Path
 
     script = Path(__file__).with_name("vllm_layouts_check.py")
-    out = subprocess.run([str(vllm_python()), str(script)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([str(vllm_python(EngineSettings())), str(script)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(results) >= 6 and all(all(r.values()) for r in results.values()), results
@@ -306,8 +308,8 @@ def test_vllm_decoder_meets_the_cross_engine_rules(cluster, engines, prefiller, 
         ids = p.chat_token_ids([{"role": "user", "content": text}])
         req = EngineRequest(f"lp-{i}", ids, SamplingParams(max_tokens=1), FirstTokenMode.RECOMPUTE_LAST)
         pages = [x for x in run(collect(p.prefill(req))) if isinstance(x, KVPage)]
-        imported = run(vllm_engine.first_step_logprobs(ids, pages))
-        local = run(vllm_engine.first_step_logprobs(ids))
+        imported = run(vllm_first_step_logprobs(vllm_engine, ids, pages))
+        local = run(vllm_first_step_logprobs(vllm_engine, ids))
         shared = set(imported) & set(local)
         assert max(imported, key=imported.get) == max(local, key=local.get), text
         diffs.append(max(abs(imported[t] - local[t]) for t in shared))

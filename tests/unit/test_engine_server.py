@@ -1,4 +1,4 @@
-"""The supervision of engines that run as their own servers (engine_adapters/engine_server.py),
+"""The supervision of engines that run as their own servers (engine_adapters/server_process.py),
 with a tiny HTTP server standing in for vLLM or SGLang: the start-up path that does not need one."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine_adapters.engine_server import EngineServer
+from engine_adapters.server_process import ServerProcess
 from tandem_protocol.errors import TandemError
 
 # binds the port it is given (as vLLM and SGLang do theirs) and answers /health
@@ -23,9 +23,8 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
-class TinyServer(EngineServer):
+class TinyServer(ServerProcess):
     engine = "tiny"
-    start_timeout = 30.0
 
     def command(self) -> list[str]:
         return [sys.executable, "-c", SERVER, str(self.port)]
@@ -34,7 +33,7 @@ class TinyServer(EngineServer):
 def test_a_port_taken_before_the_server_binds_it_is_picked_again(tmp_path, capfd):
     """Engines started side by side pick free ports the same way, so one can take another's before
     it binds: that start fails on "address already in use", and a new port is tried."""
-    server = TinyServer(tmp_path / "tiny.log")
+    server = TinyServer(tmp_path / "tiny.log", start_timeout=30.0)
     taken = server.port
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", taken))
@@ -50,7 +49,7 @@ def test_a_port_taken_before_the_server_binds_it_is_picked_again(tmp_path, capfd
 
 def test_a_server_that_cannot_bind_at_all_fails_with_its_log(tmp_path, monkeypatch):
     """Every attempt finds its port taken: the last failure is raised, with the log's tail."""
-    server = TinyServer(tmp_path / "tiny.log")
+    server = TinyServer(tmp_path / "tiny.log", start_timeout=30.0)
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()

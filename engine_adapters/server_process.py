@@ -21,10 +21,10 @@ from tandem_protocol.errors import TandemError
 REPO = Path(__file__).resolve().parent.parent
 
 
-def engine_python(engine: str, env_var: str, venv: str, make_target: str) -> Path:
-    """The interpreter an engine runs under: `env_var` if set, else the repository's `venv`."""
-    explicit = os.environ.get(env_var)
-    path = Path(explicit) if explicit else REPO / venv / "bin" / "python"
+def engine_python(engine: str, explicit: Path | None, env_var: str, venv: str, make_target: str) -> Path:
+    """The interpreter an engine runs under: `explicit` (the setting `env_var`) if given, else
+    the repository's `venv`."""
+    path = explicit or REPO / venv / "bin" / "python"
     if not path.exists():
         raise TandemError(
             f"{engine} is not installed: no interpreter at {path} (run `make {make_target}`, "
@@ -57,20 +57,18 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-class EngineServer:
+class ServerProcess:
     """One engine server process, restarted if it dies (a crash fails the requests in flight)."""
 
     engine = "engine"
     health_path = "/health"
-    start_timeout = 600.0
-
     # A port found free can be taken by another process before the server binds it (engines
     # starting side by side pick theirs the same way): a start that fails on a port in use picks
     # new ports and tries again, this many times in all.
     port_attempts = 3
 
-    def __init__(self, log_path: Path):
-        self.log_path = log_path
+    def __init__(self, log_path: Path, start_timeout: float):
+        self.log_path, self.start_timeout = log_path, start_timeout
         self.pick_ports()
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
@@ -81,6 +79,7 @@ class EngineServer:
         raise NotImplementedError
 
     def environment(self) -> dict[str, str]:
+        # the engine never downloads weights or tokenizers either
         return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
     def pick_ports(self) -> None:

@@ -1,39 +1,88 @@
-"""The adapter side of engines that run as their own server (vLLM, SGLang): what both share.
+"""Engines that run as their own server process (vLLM, SGLang): one exchange template for both.
 
-Such an engine owns its KV cache, so the six in-process engine primitives of `base.EngineAdapter`
-do not apply; the subclass implements prefill/decode/generate per request over HTTP, and pages
-move through the bridge (engine_adapters/bridge.py). This class holds the server, the bridge and
-the per-request cancel plumbing: `cancel()` may come from any thread and wakes the request's
-waits at once.
+Such an engine owns its KV cache, so the adapter works per request: each operation is one HTTP
+request to the engine's server, and pages move through the bridge (engine_adapters/bridge.py),
+a unix socket between this process and the engine's KV plugin, one *room* per request:
+
+    prefill   open an export room; POST the prompt with max_tokens 1 and the room; relay the
+              pages the plugin writes into the room, in order, then PrefillDone with the first
+              token of the server's answer.
+    decode    open an import room; POST the prompt (streaming) with the room; write the pages of
+              the incoming stream into it as they pass their checks, then the end of the room
+              (`_hand_over`); relay the server's tokens.
+    generate  POST the prompt without a room (an engine may override: SGLang).
+
+A subclass says how its server starts (`_server`), how a request body looks (`_body`), how an
+answer carries tokens (`_answer_tokens`) and, where needed, which role a request needs
+(`_role`). `cancel()` may come from any thread and wakes the request's waits at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
-from collections.abc import AsyncIterator
+import uuid
+from abc import abstractmethod
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import ClassVar
 
 from tandem_protocol.errors import Cancelled, FrameError, RequestError, TandemError
-from tandem_protocol.handoff import PrefillDone
+from tandem_protocol.handoff import PrefillDone, kv_tokens
 from tandem_protocol.pages import KVPage, make_page
-from tandem_protocol.sampling import ALL_FIELDS
+from tandem_protocol.sampling import ALL_FIELDS, SamplingParams
 
 from .base import EngineAdapter, EngineRequest
-from .bridge import END, Bridge, page_frame
-from .engine_server import EngineServer
+from .bridge import END, Bridge, Room, page_frame
+from .server_process import ServerProcess
 
 
-class ServerAdapter(EngineAdapter):
-    engine_label = "engine"  # how messages name the engine
+@dataclass(frozen=True)
+class Transfer:
+    """The bridge room a request's KV goes through: `op` "export" (a prefill) or "import" (a
+    decode) of `tokens` tokens."""
+
+    op: str
+    room: str
+    tokens: int
+
+
+class ServerEngine(EngineAdapter):
+    engine_label: ClassVar[str] = "engine"  # how messages name the engine
+    generate_path: ClassVar[str] = "/"  # the server's generation endpoint
+    exports_whole_prompt: ClassVar[bool] = False  # True: the engine exports every prompt token
     # the server samples every token itself, with every parameter Tandem knows
     sampling = ALL_FIELDS
     first_token_sampling = ALL_FIELDS
 
+    # ---- what a subclass provides -------------------------------------------------------------
+    @abstractmethod
+    def _server(self, run_dir: Path) -> ServerProcess:
+        """The engine's server process (not started), its files under `run_dir`."""
+
+    @abstractmethod
+    def _body(self, req: EngineRequest, max_tokens: int, stream: bool, transfer: Transfer | None) -> dict:
+        """The JSON body of one generation request for `req`."""
+
+    @abstractmethod
+    def _answer_tokens(self, response, stream: bool) -> AsyncIterator[int]:
+        """The new token ids of one answer from the server (an aiohttp response)."""
+
+    def _role(self, role: str) -> contextlib.AbstractAsyncContextManager:
+        """Held while a request of `role` ("prefill"/"decode") runs (SGLang switches roles)."""
+        return contextlib.nullcontext()
+
+    def _new_room(self) -> str:
+        return uuid.uuid4().hex
+
+    def _hand_over(self, room: Room, done: PrefillDone) -> None:
+        """Every page of a decode is in `room`: tell the engine's loader it has them all."""
+        room.outgoing.put(END)
+
+    # ---- the server and its bridge ----------------------------------------------------------
     def _load(self) -> None:
         run_dir = Path(tempfile.mkdtemp(prefix=f"tandem-{self.name}-"))
         self.bridge = Bridge(run_dir / "bridge.sock", self.engine_label)
@@ -42,27 +91,6 @@ class ServerAdapter(EngineAdapter):
         # request id -> (its event loop, an event set by cancel() from any thread)
         self._cancel_events: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
         self._http, self._http_loop = None, None  # one aiohttp session, opened at first use
-
-    def _server(self, run_dir: Path) -> EngineServer:
-        raise NotImplementedError
-
-    # The engine primitives are the engine's business: these adapters work per request.
-    def new_session(self, capacity: int) -> Any:
-        raise NotImplementedError
-
-    def forward(self, session: Any, token_ids: list[int]) -> np.ndarray:
-        raise NotImplementedError
-
-    def export_kv(self, session: Any, start: int, end: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def set_length(self, session: Any, length: int) -> None:
-        raise NotImplementedError
-
-    def import_kv(self, room: str, start: int, kv: np.ndarray) -> None:
-        """Hand a checked page to the engine's loader (called by `_import_stream`)."""
-        page = make_page(self.geometry, start // self.geometry.page_tokens, kv)
-        self.bridge.rooms[room].outgoing.put(page_frame(page))
 
     def http(self):
         """The adapter's HTTP session to its own server (kept open: no connection set-up per request)."""
@@ -75,27 +103,23 @@ class ServerAdapter(EngineAdapter):
             self._http_loop = loop
         return self._http
 
-    async def metrics(self) -> str | None:
-        """The server's Prometheus text, or None while it is down or restarting."""
-        import aiohttp
-
-        try:
-            async with self.http().get(self.server.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return await r.text()
-        except Exception:
-            return None
-
     async def server_stats(self, gauges: dict[str, str]) -> dict:
         """Engine figures for the agent's status: the process (pid, restarts) and the server's
         Prometheus gauges named in `gauges` (metric -> key); nulls while it is down."""
+        import aiohttp
+
         proc = self.server.proc
         stats = {
             "restarts": self.server.restarts,
             "pid": proc.pid if proc and proc.poll() is None else None,
             **{key: None for key in gauges.values()},
         }
-        text = await self.metrics()
-        for line in (text or "").splitlines():
+        try:
+            async with self.http().get(self.server.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                text = await r.text()
+        except Exception:  # down or restarting
+            return stats
+        for line in text.splitlines():
             metric = line.split("{", 1)[0].split(" ", 1)[0]
             if metric in gauges:
                 stats[gauges[metric]] = float(line.rsplit(" ", 1)[1])
@@ -111,18 +135,65 @@ class ServerAdapter(EngineAdapter):
                 pass
         super().close()
 
-    # ---- talking to the server ---------------------------------------------------------------
-    generate_path = "/"
+    # ---- the three operations ---------------------------------------------------------------
+    async def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
+        self.validate(req, generates=False)
+        export = kv_tokens(len(req.token_ids), req.mode)
+        room = self._new_room()
+        box = self.bridge.open("export", room, len(req.token_ids) if self.exports_whole_prompt else export)
+        self._start(req)
+        task = None
+        try:
+            async with self._role("prefill"):
+                out: asyncio.Queue = asyncio.Queue()
+                t0 = time.perf_counter()
+                body = self._body(req, 1, stream=False, transfer=Transfer("export", room, export))
+                task = asyncio.create_task(self._tokens(body, out, box.incoming))
+                async for item in self._relay_prefill(req, box.incoming, export, out, t0):
+                    yield item
+        finally:
+            self.bridge.close_room(room)
+            self._end(req, task)
 
-    def _top_k(self, sampling) -> int:
+    async def decode(self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone]) -> AsyncIterator[int]:
+        self._check_mode(req)
+        self.validate(req, generates=True)
+        expected = kv_tokens(len(req.token_ids), req.mode)
+        room = self._new_room()
+        box = self.bridge.open("import", room, expected)
+        self._start(req)
+        task = None
+        try:
+            async with self._role("decode"):
+                out: asyncio.Queue = asyncio.Queue()
+                body = self._body(
+                    req, req.sampling.max_tokens, stream=True, transfer=Transfer("import", room, expected)
+                )
+                task = asyncio.create_task(self._tokens(body, out))
+                done = await self._import_stream(req, stream, expected, box)
+                self._hand_over(box, done)
+                while (token := await self._next(req, out)) is not None:
+                    yield token
+        finally:
+            self.bridge.close_room(room)
+            self._end(req, task)
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
+        self.validate(req, generates=True)
+        self._start(req)
+        out: asyncio.Queue = asyncio.Queue()
+        task = asyncio.create_task(self._tokens(self._body(req, req.sampling.max_tokens, True, None), out))
+        try:
+            while (token := await self._next(req, out)) is not None:
+                yield token
+        finally:
+            self._end(req, task)
+
+    # ---- talking to the server ---------------------------------------------------------------
+    def _top_k(self, sampling: SamplingParams) -> int:
         """top_k as the server takes it: -1 (off) when unset or not below the vocabulary, where it
         keeps every token anyway (SGLang's scheduler died on a top_k past int32)."""
         return sampling.top_k if 0 < sampling.top_k < self.info.vocab_size else -1
-
-    async def _answer_tokens(self, response, stream: bool) -> AsyncIterator[int]:
-        """The new token ids of one answer from the server (engine-specific format)."""
-        raise NotImplementedError
-        yield 0
 
     async def _tokens(self, body: dict, out: asyncio.Queue, pages: asyncio.Queue | None = None) -> None:
         """Stream an answer's token ids into `out`, then None (or the exception). A prefill's page
@@ -143,16 +214,15 @@ class ServerAdapter(EngineAdapter):
         except asyncio.CancelledError:
             raise
         except Exception as e:  # connection refused or reset: the server is down or restarting
-            error = (
-                e
-                if isinstance(e, TandemError)
-                else TandemError(
-                    f"{label} is not answering ({type(e).__name__}: {e}); log tail:\n{self.server.log_tail(5)}"
-                )
-            )
+            error = e if isinstance(e, TandemError) else self._not_answering(e)
             out.put_nowait(error)
             if pages is not None:
                 pages.put_nowait(error)
+
+    def _not_answering(self, e: Exception) -> TandemError:
+        return TandemError(
+            f"{self.engine_label} is not answering ({type(e).__name__}: {e}); log tail:\n{self.server.log_tail(5)}"
+        )
 
     async def _relay_prefill(
         self, req: EngineRequest, incoming: asyncio.Queue, export: int, out: asyncio.Queue, t0: float
@@ -179,6 +249,21 @@ class ServerAdapter(EngineAdapter):
         yield PrefillDone(
             first_token=int(first), kv_tokens=export, pages=pages, prefill_seconds=seconds, finished_at=finished_at
         )
+
+    async def _import_stream(
+        self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone], expected_tokens: int, box: Room
+    ) -> PrefillDone:
+        """Write the incoming pages into the engine's import room as they pass their checks;
+        return the prefiller's final item once every page is in."""
+        event = self._cancels[req.request_id]
+
+        def write(page: KVPage) -> None:
+            box.outgoing.put(page_frame(page))
+
+        async with contextlib.aclosing(self._import_pages(req, event, stream, expected_tokens, write)) as complete:
+            async for done in complete:  # noqa: B007 (the last item is the answer)
+                pass
+        return done
 
     # ---- per-request bookkeeping -----------------------------------------------------------
     async def _next(self, req: EngineRequest, out: asyncio.Queue):

@@ -1,0 +1,238 @@
+"""Engines that run the model in the agent's own process (transformers, mlx-lm).
+
+A subclass implements six *engine primitives*, always called on the adapter's engine thread
+(one thread per adapter, so engines that are not thread-safe stay correct):
+
+    _load()                        load weights (called once, on the engine thread)
+    new_session(capacity)          an empty KV cache for one request
+    forward(session, ids)          run `ids` after the cached tokens; return last-position logits
+    export_kv(session, start, end) K/V of cached positions [start, end) as [layers][2][n][heads][dim]
+    import_kv(session, start, kv)  write K/V for positions [start, start + n) into the cache
+    set_length(session, n)         declare the first n positions valid (after imports)
+
+and may override `release` (free a session), plus three more where the engine runs
+asynchronously (CUDA): `forward_chunk` (a chunk whose logits nobody reads) and
+`export_start`/`export_finish` with `export_lag` (pages copied off the device while it
+computes the next chunk). On CPU the math runs in float32 and K/V are rounded to FP16 as they
+enter the cache.
+
+From them this class builds the agent's operations (`base.EngineAdapter`): prefill computes
+the prompt in chunks (`prefill_chunks`) and yields each chunk's pages as soon as it is done;
+decode imports pages as they arrive; generate runs the same chunks locally, so its numbers are
+P/D's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from abc import abstractmethod
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import numpy as np
+
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone, kv_tokens
+from tandem_protocol.pages import KVPage, make_page
+
+from . import failpoints
+from .base import EngineAdapter, EngineRequest
+from .sampler import Sampler
+
+
+class InProcessEngine(EngineAdapter):
+    prefill_chunk_tokens: int = 256  # an engine may choose its own per device (torch on CUDA: 2,048)
+
+    # ---- engine primitives (engine thread only) -------------------------------------------
+    @abstractmethod
+    def new_session(self, capacity: int) -> Any: ...
+
+    @abstractmethod
+    def forward(self, session: Any, token_ids: list[int]) -> np.ndarray: ...
+
+    @abstractmethod
+    def export_kv(self, session: Any, start: int, end: int) -> np.ndarray: ...
+
+    @abstractmethod
+    def import_kv(self, session: Any, start: int, kv: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def set_length(self, session: Any, length: int) -> None: ...
+
+    def release(self, session: Any) -> None:  # noqa: B027 (optional hook, not abstract)
+        """Free the session's KV memory (engines with pooled memory override this)."""
+
+    def forward_chunk(self, session: Any, token_ids: list[int]) -> None:
+        """Compute a prompt chunk whose logits nobody reads (every chunk but the last). An
+        asynchronous device (CUDA) overrides it so that nothing here waits for the device."""
+        self.forward(session, token_ids)
+
+    # A prompt's pages leave in two steps, so that an asynchronous device can copy one chunk's KV
+    # to the host while it computes the next: `export_start` begins the copy of whole pages from
+    # token `start` (a page boundary) to `end`, `export_finish` waits for it and returns the pages.
+    # `export_lag` is how many chunks the prefill loop lets that wait trail: 0 (the default, for
+    # engines that compute as they are called: waiting later would only hold pages back) or 1
+    # (CUDA: the device still has the next chunk queued when the host waits, so the wait costs
+    # the device nothing). Both run on the engine thread, so cutting pages never competes with
+    # the event loop.
+    export_lag = 0
+
+    def export_start(self, session: Any, start: int, end: int) -> Any:
+        return start, self.export_kv(session, start, end)
+
+    def export_finish(self, handle: Any) -> list[KVPage]:
+        start, kv = handle
+        P = self.geometry.page_tokens
+        return [make_page(self.geometry, (start + a) // P, kv[:, :, a : a + P]) for a in range(0, kv.shape[2], P)]
+
+    # ---- the chunk loop -------------------------------------------------------------------
+    def prefill_chunks(self, n: int) -> list[tuple[int, int]]:
+        """The [start, end) spans a prompt of n tokens is computed in: prefill_chunk_tokens each,
+        except that the last page gets a chunk of its own. Pages leave after their chunk is
+        computed, so the pages of the chunk before it travel while the last page computes, and
+        what is left to send after prefill is one page, not a whole chunk (on an 85 MB/s link,
+        ~18 ms instead of ~70). Local generation uses the same spans, so its numbers are P/D's."""
+        last_page = (n - 1) // self.geometry.page_tokens * self.geometry.page_tokens
+        spans, start = [], 0
+        while start < n:
+            end = min(start + self.prefill_chunk_tokens, n)
+            if end == n and start < last_page:
+                end = last_page
+            spans.append((start, end))
+            start = end
+        return spans
+
+    async def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
+        self.validate(req, generates=False)
+        export = kv_tokens(len(req.token_ids), req.mode)
+        event = self._begin(req)
+        session = None
+        try:
+            t0 = time.perf_counter()
+            ids, n, P = req.token_ids, len(req.token_ids), self.geometry.page_tokens
+            session = await self.on_engine(self.new_session, n)
+            sent, logits = 0, None
+            exports: deque = deque()  # export handles not yet collected
+            spans = self.prefill_chunks(n)
+            for i, (start, end) in enumerate(spans):
+                self._check(req, event)
+                failpoints.reach("prefill_chunk")
+                logits = await self._compute(session, ids[start:end], last=end == n)
+                ready = export if end == n else min(end, export) // P * P
+                if ready > sent:
+                    exports.append(await self.on_engine(self.export_start, session, sent, ready))
+                    sent = ready
+                # The lag applies between the first chunk and the one before the last. The first
+                # chunk's pages go at once, so the link starts one chunk earlier (on a slow link that
+                # is TTFT itself); so do those of the chunk before the last, whose forward waits for
+                # the device to read logits back anyway: lagged, they would wait for it too.
+                lag = self.export_lag if 0 < i < len(spans) - 2 else 0
+                while len(exports) > lag:
+                    for page in await self.on_engine(self.export_finish, exports.popleft()):
+                        yield page
+            first = Sampler(req.sampling)(logits)
+            yield PrefillDone(
+                first_token=first,
+                kv_tokens=export,
+                pages=self.geometry.pages_for(export),
+                prefill_seconds=time.perf_counter() - t0,
+                finished_at=time.time(),
+            )
+        finally:
+            self._cancels.pop(req.request_id, None)
+            if session is not None:
+                await self._release(session)
+
+    async def decode(self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone]) -> AsyncIterator[int]:
+        self._check_mode(req)
+        self.validate(req, generates=True)
+        expected_tokens = kv_tokens(len(req.token_ids), req.mode)
+        event = self._begin(req)
+        session = None
+        try:
+            session = await self.on_engine(self.new_session, len(req.token_ids) + req.sampling.max_tokens)
+            P = self.geometry.page_tokens
+
+            def write(page: KVPage) -> None:
+                self.import_kv(session, page.index * P, page.kv)
+
+            commit_first, done = req.mode is FirstTokenMode.COMMIT_FIRST, None
+            async with aclosing(self._import_pages(req, event, stream, expected_tokens, write)) as complete:
+                async for done in complete:
+                    if commit_first:
+                        # Every page has arrived and passed its checks; P's token is final. Out it
+                        # goes while the engine thread is still importing the last pages.
+                        yield done.first_token
+            await self.on_engine(self.set_length, session, expected_tokens)
+            sampler = Sampler(req.sampling)
+            if commit_first:
+                sampler.skip()
+                first = done.first_token
+            else:
+                self._check(req, event)
+                first = await self.on_engine(self._next_token, session, req.token_ids[-1], sampler)
+            async for token in self._continue(req, event, session, sampler, first, emitted=commit_first):
+                yield token
+        finally:
+            self._cancels.pop(req.request_id, None)
+            if session is not None:
+                await self._release(session)
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
+        self.validate(req, generates=True)
+        event = self._begin(req)
+        session = None
+        try:
+            ids = req.token_ids
+            session = await self.on_engine(self.new_session, len(ids) + req.sampling.max_tokens)
+            logits = None
+            for start, end in self.prefill_chunks(len(ids)):
+                self._check(req, event)
+                logits = await self._compute(session, ids[start:end], last=end == len(ids))
+            sampler = Sampler(req.sampling)
+            async for token in self._continue(req, event, session, sampler, sampler(logits)):
+                yield token
+        finally:
+            self._cancels.pop(req.request_id, None)
+            if session is not None:
+                await self._release(session)
+
+    async def _continue(
+        self,
+        req: EngineRequest,
+        event: threading.Event,
+        session: Any,
+        sampler: Sampler,
+        token: int,
+        emitted: bool = False,
+    ) -> AsyncIterator[int]:
+        """Yield `token` (unless the caller already has), then decode until a stop or max_tokens."""
+        params = req.sampling
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        produced = 0
+        while True:
+            if not emitted:
+                yield token
+            emitted = False
+            produced += 1
+            if produced >= params.max_tokens or token in stops:
+                return
+            self._check(req, event)
+            token = await self.on_engine(self._next_token, session, token, sampler)
+
+    def _next_token(self, session: Any, token: int, sampler: Sampler) -> int:
+        return sampler(self.forward(session, [token]))
+
+    async def _compute(self, session: Any, ids: list[int], last: bool) -> np.ndarray | None:
+        """One prompt chunk on the engine thread; the logits of the last one only."""
+        if last:
+            return await self.on_engine(self.forward, session, ids)
+        await self.on_engine(self.forward_chunk, session, ids)
+        return None
+
+    async def _release(self, session: Any) -> None:
+        # Release on the engine thread so it runs after any engine work still queued for it.
+        await asyncio.shield(self.on_engine(self.release, session))
