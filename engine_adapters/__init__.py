@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem_protocol import ENGINES
+from tandem_protocol.settings import load
 
 from . import openblas
 from .settings import EngineSettings
@@ -46,7 +47,7 @@ def load_adapter(
 ) -> EngineAdapter:
     """Start `engine` on the model in `model_dir` with the process's engine `settings` (default:
     read from the environment now)."""
-    settings = settings if settings is not None else EngineSettings()
+    settings = settings if settings is not None else load(EngineSettings)
     if engine == "mlx":
         openblas.preload(settings.openblas)  # before the adapter's module imports mlx
     return adapter_class(engine)(model_dir, context_length, settings=settings, **kwargs)

@@ -40,6 +40,7 @@ from tandem_protocol.handoff import FirstTokenMode, PrefillDone
 from tandem_protocol.model_dir import inspect_model
 from tandem_protocol.pages import KVPage
 from tandem_protocol.sampling import OUTPUT_ONLY_FIELDS, SAMPLER_FIELDS, SamplingParams
+from tandem_protocol.settings import load
 
 from .settings import EngineSettings
 
@@ -82,7 +83,7 @@ class EngineAdapter(ABC):
         """Load the model in `model_dir` for contexts of `context_length` tokens (default: the
         model's own maximum), with the process's engine `settings` (default: read from the
         environment now). Raises RequestError for a context length the model cannot serve."""
-        self.settings = settings if settings is not None else EngineSettings()
+        self.settings = settings if settings is not None else load(EngineSettings)
         self.info = inspect_model(model_dir)
         self.model_dir = self.info.path
         max_context = self.info.max_context or context_length or 0

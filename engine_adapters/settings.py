@@ -18,7 +18,7 @@ from tandem_protocol.settings import ENV_PREFIX
 
 
 class EngineSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="ignore")
 
     vllm_python: Path | None = Field(
         None, description="Python with vLLM installed (default: the repository's .venv-vllm, `make vllm`)"

@@ -105,6 +105,7 @@ def serve(
     from tandem_protocol.contract import HashCache
     from tandem_protocol.discovery import Announcer, announced_properties, lan_addresses
     from tandem_protocol.http_server import PageStreamProtocol
+    from tandem_protocol.settings import load
 
     from .app import AgentConfig, create_app
     from .model_roots import default_roots
@@ -121,7 +122,7 @@ def serve(
     sock.listen(1024)
     port = sock.getsockname()[1]
 
-    engine_settings = EngineSettings()  # read once, at start: every engine this agent loads gets them
+    engine_settings = load(EngineSettings)  # read once, at start: every engine this agent loads gets them
 
     def loader(engine: str, path: Path, context_length: int | None):
         kwargs = {"device": device} if device and engine == "torch" else {}
@@ -295,7 +296,7 @@ def doctor(
     from engine_adapters.doctor import accelerators, engine_imports, environment, package_versions
     from engine_adapters.settings import EngineSettings
     from tandem_protocol.discovery import lan_addresses
-    from tandem_protocol.settings import settings
+    from tandem_protocol.settings import load, settings
 
     def section(title: str, rows: list[tuple[str, str]]) -> None:
         table = Table(title=title, show_header=False, title_justify="left")
@@ -303,7 +304,7 @@ def doctor(
             table.add_row(k, v)
         console.print(table)
 
-    engine_settings = EngineSettings()
+    engine_settings = load(EngineSettings)
     section("packages", list(package_versions().items()))
     variables = Table("variable", "value", "meaning", title="environment", title_justify="left")
     for row in environment(settings(), engine_settings):

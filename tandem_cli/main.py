@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import typer
-from pydantic import ValidationError
 
 from control_panel import cli as panel_cli
 from node_agent import cli as agent_cli
-from tandem_protocol.settings import explain
+from tandem_protocol.settings import SettingsError
 
 from . import bench_ttft, demo_cmd, model_cmd, up_cmd
 
@@ -29,8 +28,8 @@ app.add_typer(bench, name="bench")
 def main() -> None:
     try:
         app()
-    except ValidationError as e:  # a settings class read the environment at the start of a command
-        raise SystemExit(explain(e)) from None
+    except SettingsError as e:  # read at the start of a command: say which variable, no traceback
+        raise SystemExit(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .errors import TandemError
+
 ENV_PREFIX = "TANDEM_"
+S = TypeVar("S", bound=BaseSettings)
+
+
+class SettingsError(TandemError):
+    """An environment variable with a value its setting cannot take."""
 
 
 class TandemSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="ignore")
 
     home: Path = Field(
         Path("~/.local/share/tandem"),
@@ -37,10 +45,18 @@ class TandemSettings(BaseSettings):
         return path
 
 
+def load(cls: type[S]) -> S:
+    """Read the settings `cls` from the environment; SettingsError names each bad variable."""
+    try:
+        return cls()
+    except ValidationError as e:
+        raise SettingsError(explain(e)) from None
+
+
 @functools.cache
 def settings() -> TandemSettings:
     """This process's settings (read from the environment on the first call)."""
-    return TandemSettings()
+    return load(TandemSettings)
 
 
 def data_dir() -> Path:
