@@ -12,13 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem_protocol import ENGINES
-from tandem_protocol.settings import load
-
-from . import openblas
-from .settings import EngineSettings
 
 if TYPE_CHECKING:
     from .base import EngineAdapter
+    from .settings import EngineSettings
 
 # engine name -> "module:Class"
 ADAPTERS = {
@@ -47,6 +44,13 @@ def load_adapter(
 ) -> EngineAdapter:
     """Start `engine` on the model in `model_dir` with the process's engine `settings` (default:
     read from the environment now)."""
+    # Imported here: engine processes import this package (their KV plugins use `bridge`) and
+    # may not have pydantic-settings.
+    from tandem_protocol.settings import load
+
+    from . import openblas
+    from .settings import EngineSettings
+
     settings = settings if settings is not None else load(EngineSettings)
     if engine == "mlx":
         openblas.preload(settings.openblas)  # before the adapter's module imports mlx
