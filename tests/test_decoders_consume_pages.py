@@ -34,7 +34,8 @@ import pytest
 
 from engine_adapters.base import EngineRequest
 from engine_adapters.failpoints import PERTURBED_LAYER
-from engine_adapters.sglang_adapter import SGLangServer
+from engine_adapters.settings import EngineSettings
+from engine_adapters.sglang_adapter import SGLangProcess
 from tandem_protocol.client import AgentClient
 from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.pages import KVPage
@@ -42,6 +43,7 @@ from tandem_protocol.sampling import SamplingParams
 
 from .agents import TEST_KEY, AgentProcess, wait_for
 from .conftest import collect, own_greedy, run, write_report
+from .engine_probes import sglang_decode_step_logprobs, vllm_first_step_logprobs
 from .test_cross_engine import LOGIT_TOLERANCE, logits_after_import
 
 RL, CF = FirstTokenMode.RECOMPUTE_LAST, FirstTokenMode.COMMIT_FIRST
@@ -183,7 +185,7 @@ def test_in_process_decoders_consume_the_pages(engines, handoffs, prompt_ids, de
 CONTEXT = 4096
 
 
-class PlainSGLangServer(SGLangServer):
+class PlainSGLangServer(SGLangProcess):
     """SGLang as a user runs it alone: Tandem's command line for the same model and CPU recipe,
     less everything of PD disaggregation."""
 
@@ -194,8 +196,8 @@ class PlainSGLangServer(SGLangServer):
         "--disaggregation-decode-retraction-backup",
     }
 
-    def __init__(self, model_dir: Path, log_path: Path):
-        super().__init__(model_dir, CONTEXT, log_path.with_suffix(".sock"), log_path, lambda: "null")
+    def __init__(self, model_dir: Path, log_path: Path, settings: EngineSettings):
+        super().__init__(model_dir, CONTEXT, log_path.with_suffix(".sock"), log_path, lambda: "null", settings)
 
     def command(self) -> list[str]:
         cmd, plain = iter(super().command()), []
@@ -215,23 +217,19 @@ def servers(smol_dir, tmp_path_factory):
 
     os.environ.setdefault("TANDEM_VLLM_THREADS", "1")
     os.environ.setdefault("TANDEM_SGLANG_THREADS", "1")
-    plain = PlainSGLangServer(smol_dir, tmp_path_factory.mktemp("plain-sglang") / "sglang.log")
-    role = os.environ.get("TANDEM_SGLANG_ROLE")
-    os.environ["TANDEM_SGLANG_ROLE"] = "decode"  # read when the adapter starts its server
+    settings = EngineSettings()
+    plain = PlainSGLangServer(smol_dir, tmp_path_factory.mktemp("plain-sglang") / "sglang.log", settings)
+    decode_role = settings.model_copy(update={"sglang_role": "decode"})
     pool = ThreadPoolExecutor(3)
     jobs = {
-        "vllm": pool.submit(load_adapter, "vllm", smol_dir, CONTEXT),
-        "sglang": pool.submit(load_adapter, "sglang", smol_dir, CONTEXT),
+        "vllm": pool.submit(load_adapter, "vllm", smol_dir, CONTEXT, settings),
+        "sglang": pool.submit(load_adapter, "sglang", smol_dir, CONTEXT, decode_role),
         "plain": pool.submit(plain.start),
     }
     try:
         yield {"vllm": jobs["vllm"].result(), "sglang": jobs["sglang"].result(), "plain": plain}
     finally:
         pool.shutdown(wait=True)  # every start has ended, one way or the other
-        if role is None:
-            del os.environ["TANDEM_SGLANG_ROLE"]
-        else:
-            os.environ["TANDEM_SGLANG_ROLE"] = role
         plain.stop()
         for name in ("vllm", "sglang"):
             if jobs[name].exception() is None:
@@ -282,10 +280,10 @@ def test_vllm_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
         "perturbed_layer_k": PERTURBED_LAYER,
         "alone": {"prompt_tokens_by_source": by_source(before)},
     }
-    reference = run(v.first_step_logprobs(ids))
+    reference = run(vllm_first_step_logprobs(v, ids))
     for kind in ("perturbed", "true"):
         items = handoffs[kind, RL]
-        logprobs = run(v.first_step_logprobs(ids, pages(items)))
+        logprobs = run(vllm_first_step_logprobs(v, ids, pages(items)))
         before = run(v.metrics())
         out = run(collect(v.decode(EngineRequest(kind, ids, sampling(), RL), replay(items))))
         figures[kind] = {
@@ -342,7 +340,7 @@ def test_sglang_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
     for kind in ("perturbed", "true"):
         items = handoffs[kind, CF]
         first = items[-1].first_token
-        logprobs = run(s.decode_step_logprobs(ids, first, pages(items)))
+        logprobs = run(sglang_decode_step_logprobs(s, ids, first, pages(items)))
         steps = plain_generate(plain, ids + [first], 1, TOP)["meta_info"]["output_top_logprobs"]
         reference = {int(token): float(logprob) for logprob, token, *_ in steps[0]}
         before = sglang_metrics(s.server.url)
