@@ -190,17 +190,17 @@ async def generate_request(url: str, token_ids: list[int], sampling: dict, key: 
 
 async def decode_foreign_pages(p_url: str, d_url: str, token_ids: list[int], key: str = TEST_KEY) -> list[dict]:
     """A handoff made for P's own contract, decoded by D anyway (a router that skipped the
-    contract check): D's NDJSON lines."""
+    contract check), in D's first decoder mode: D's NDJSON lines."""
     from tandem_protocol.client import AgentClient
 
     p, d = AgentClient(p_url, key), AgentClient(d_url, key)
     try:
-        room = uuid.uuid4().hex
+        room, mode = uuid.uuid4().hex, (await d.info())["decoder_modes"][0]
         await p.create_handoff(
             room=room,
             token_ids=token_ids,
             sampling={"max_tokens": 4},
-            mode="commit-first",
+            mode=mode,
             contract=(await p.info())["contract"]["fingerprint"],
         )
         return [
@@ -210,7 +210,7 @@ async def decode_foreign_pages(p_url: str, d_url: str, token_ids: list[int], key
                 {
                     "room": room,
                     "token_ids": token_ids,
-                    "mode": "commit-first",
+                    "mode": mode,
                     "sampling": {"max_tokens": 4},
                     "prefill_url": p_url,
                 },
@@ -228,6 +228,11 @@ def tokens_of(lines: list[dict]) -> list[int]:
 
 async def pages_of(agent: AgentProcess, ids: list[int], mode: str = "commit-first") -> list:
     """Ask an agent to prefill `ids` and read its pages (KVPage) off the wire."""
+    return (await prefill_of(agent, ids, mode))[0]
+
+
+async def prefill_of(agent: AgentProcess, ids: list[int], mode: str = "commit-first") -> tuple[list, object]:
+    """Ask an agent to prefill `ids`: its pages (KVPage) off the wire and its PrefillDone."""
     from tandem_protocol.client import AgentClient
     from tandem_protocol.pages import KVPage
 
@@ -239,7 +244,8 @@ async def pages_of(agent: AgentProcess, ids: list[int], mode: str = "commit-firs
             room=room, token_ids=ids, sampling={"max_tokens": 1}, mode=mode, contract=info["contract"]["fingerprint"]
         )
         async with client.page_stream(room, None) as stream:
-            return [item async for item in stream if isinstance(item, KVPage)]
+            items = [item async for item in stream]
+        return [x for x in items if isinstance(x, KVPage)], items[-1]
     finally:
         await client.aclose()
 
@@ -264,8 +270,8 @@ def wait_until_streaming(p: AgentProcess, timeout: float = 120) -> None:
     raise AssertionError(f"no transfer under way on {p.url}")
 
 
-def complete(client, model: str, ids: list[int], stream: bool) -> str:
-    args = dict(model=model, prompt=ids, max_tokens=16, temperature=0)
+def complete(client, model: str, ids: list[int], stream: bool, max_tokens: int = 16) -> str:
+    args = dict(model=model, prompt=ids, max_tokens=max_tokens, temperature=0)
     if not stream:
         return client.completions.create(**args).choices[0].text
     return "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))

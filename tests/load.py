@@ -1,6 +1,5 @@
 """The load check: CONCURRENT streaming requests at once through one pair whose prefiller's staging
-budget fits only a few prompts (tests/test_load.py on torch; tests/test_vllm.py and
-tests/test_sglang.py on their engines). Every request either completes with exactly the text the
+budget fits only a few prompts (tests/integration/test_load.py, on each engine family's pair). Every request either completes with exactly the text the
 decoder alone gives for its prompt (so none is lost, cut short or mixed up with another), or is
 refused with 429 and a Retry-After, the policy when the prefiller's budget stays busy past the
 request's wait (30 s, FIFO). Afterwards both agents are idle and the request log has one final row
@@ -17,7 +16,7 @@ import httpx
 
 from .agents import AgentProcess, generate_request, log_rows, settle, tokens_of
 from .conftest import LONG_TEXT
-from .test_cross_engine import PROMPTS
+from .integration.rules import PROMPTS
 
 CONCURRENT = 64
 PAGE_BYTES = 1_474_560

@@ -20,7 +20,7 @@ from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.sampling import SamplingParams
 
 from .conftest import collect, make_tiny_checkpoint, max_abs_diff, run
-from .test_cross_engine import first_step_logits
+from .integration.rules import first_step_logits
 
 # a skip even in CI, which never has a GPU: these tests are run by hand on a lent GPU (README)
 pytestmark = pytest.mark.skipif(

@@ -1,0 +1,176 @@
+"""The integration tier's cluster: one agent per engine role, a panel with a pair for every direction
+the tier checks, and a TamperProxy in front of the prefiller of each fault pair. Started once for
+the tier (tests/integration/conftest.py) and reused by every scenario."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import openai
+
+from ..agents import AgentProcess, PanelProcess, TamperProxy, complete, log_rows, settle, wait_for
+
+STALL_SECONDS = "15"  # a page stream silent this long is broken (the agents' --stall-timeout)
+
+# name -> (engine, environment). SGLang starts one agent in each of its roles (either switches when
+# asked for the other, slowly), so SGLang prefills on "sglang" and decodes on "sglang2".
+AGENTS = {
+    "torch": ("torch", {}),
+    "mlx": ("mlx", {}),
+    "vllm": ("vllm", {}),
+    "vllm2": ("vllm", {}),
+    "sglang": ("sglang", {"TANDEM_SGLANG_ROLE": "prefill"}),
+    "sglang2": ("sglang", {"TANDEM_SGLANG_ROLE": "decode"}),
+}
+
+# Every direction between the four engines (P, D); the same-engine ones run between two agents.
+DIRECTIONS = [
+    ("torch", "mlx"),
+    ("mlx", "torch"),
+    ("vllm", "mlx"),
+    ("mlx", "vllm"),
+    ("vllm", "torch"),
+    ("torch", "vllm"),
+    ("vllm", "vllm2"),
+    ("sglang", "mlx"),
+    ("mlx", "sglang2"),
+    ("sglang", "torch"),
+    ("torch", "sglang2"),
+    ("sglang", "sglang2"),
+    ("sglang", "vllm"),
+    ("vllm", "sglang2"),
+]
+# The pairs the fault scenarios run on, one per engine family (the prefiller's side is proxied).
+FAULT_PAIRS = [("mlx", "torch"), ("vllm", "vllm2"), ("sglang", "sglang2")]
+
+# What each server engine's own KV pool reads when it holds nothing (its agent's engine_stats).
+# The in-process engines' memory is the agent's own: settle() covers it.
+POOL_IDLE = {"vllm": {"kv_cache_usage": 0.0}, "sglang": {"kv_tokens_used": 0}}
+READY_STAT = {"vllm": "kv_cache_usage", "sglang": "kv_tokens_used"}
+
+
+def pair_name(p: str, d: str) -> str:
+    return f"{p}-to-{d}"
+
+
+def tampered_name(p: str, d: str) -> str:
+    return f"tampered-{p}-to-{d}"
+
+
+class Cluster:
+    """The agents (by name, `cluster["vllm"]`), the panel, one OpenAI client for it, the proxies."""
+
+    def __init__(self, model: Path, home: Path, stack: ExitStack):
+        self.model, self.home, self.panel_home = model, home, home / "panel"
+        # equal thread counts: same-engine outputs comparable bit for bit
+        os.environ.setdefault("TANDEM_VLLM_THREADS", "1")
+        os.environ.setdefault("TANDEM_SGLANG_THREADS", "1")
+        started = {}
+        for name, (engine, env) in AGENTS.items():  # all at once: server engines take most of a minute
+            started[name] = AgentProcess(engine, model, home / name, "--stall-timeout", STALL_SECONDS, env=env)
+            stack.callback(started[name].stop)
+        for agent in started.values():  # four engine servers loading side by side on two cores: minutes
+            agent.wait_ready(900)
+        self.agents = started
+        self.proxies: dict[tuple[str, str], TamperProxy] = {}
+        for p, d in FAULT_PAIRS:
+            self.proxies[(p, d)] = TamperProxy(self[p].port)
+            stack.callback(self.proxies[(p, d)].close)
+        pairs = {pair_name(p, d): (self[p].url, self[d].url) for p, d in DIRECTIONS}
+        pairs |= {tampered_name(p, d): (proxy.url, self[d].url) for (p, d), proxy in self.proxies.items()}
+        self.start_panel(*(a for name, (p, d) in pairs.items() for a in ("--pair", f"{name}={p},{d}")))
+        stack.callback(lambda: self.panel.stop())  # whichever panel runs by then (see the restart)
+
+    def __getitem__(self, name: str) -> AgentProcess:
+        return self.agents[name]
+
+    def start_panel(self, *args: str) -> None:
+        """A panel on the cluster's panel home (its pairs are kept there), and a client for it."""
+        self.panel = PanelProcess(self.panel_home, *args)
+        self.api_key = self.panel.api_key or self.api_key  # a panel prints a new key only once
+        self.client = openai.OpenAI(base_url=self.panel.url + "/v1", api_key=self.api_key, max_retries=0, timeout=300)
+
+    def log(self) -> list:
+        return log_rows(self.panel_home)
+
+    def last_row(self):
+        """The newest request's row once it is final (a streaming client may see [DONE] a moment
+        before the panel has written how the request ended)."""
+
+        def final():
+            rows = self.log()
+            return rows[-1] if rows and rows[-1].outcome != "running" else None
+
+        return wait_for(final, 10)
+
+    def alone(self, decoder: str, ids: list[int], max_tokens: int = 16) -> str:
+        """The decoder's own answer through the panel (its node's model): what a fallback must give."""
+        return complete(self.client, f"node/{self[decoder].engine}-{decoder}", ids, False, max_tokens)
+
+    def idle(self, *names: str, timeout: float = 30) -> None:
+        """The agents idle (nothing reserved, no handoff, no request holding engine memory) and each
+        server engine's own KV pool back to empty (it frees on its own schedule)."""
+        agents = [self[n] if isinstance(n, str) else n for n in names]
+        settle(*agents, timeout=timeout)
+        for agent in agents:
+            idle = POOL_IDLE.get(agent.engine, {})
+            wait_for(lambda a=agent, i=idle: all(a.status()["engine_stats"][k] == v for k, v in i.items()), timeout)
+
+
+def ask_in_thread(client, model: str, ids: list[int], result: dict, max_tokens: int = 16) -> threading.Thread:
+    """complete() on `model` in a started thread; its text, or the exception the client saw, lands
+    in `result` ("text" / "error")."""
+
+    def go() -> None:
+        try:
+            result["text"] = complete(client, model, ids, False, max_tokens)
+        except Exception as e:  # what the client saw is what the test checks
+            result["error"] = e
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread
+
+
+def kill_engine_server(agent: AgentProcess, timeout: float = 300) -> dict:
+    """SIGKILL the agent's engine server; wait until the agent has started it again and it
+    answers. Returns the engine stats then."""
+    os.kill(agent.status()["engine_stats"]["pid"], 9)
+    ready = READY_STAT[agent.engine]
+
+    def restarted():
+        stats = agent.status()["engine_stats"]
+        return stats if stats["restarts"] == 1 and stats[ready] is not None and stats["pid"] else None
+
+    return wait_for(restarted, timeout, step=0.5)
+
+
+def streaming_chunks(client, model: str, ids: list[int], result: dict, max_tokens: int = 400) -> threading.Thread:
+    """A streaming completion in a started thread, counting chunks in result["chunks"]; the
+    exception the client saw, if any, in result["error"]."""
+    result["chunks"] = 0
+
+    def go() -> None:
+        try:
+            for _ in client.completions.create(
+                model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True
+            ):
+                result["chunks"] += 1
+        except Exception as e:  # what the client saw is what the test checks
+            result["error"] = e
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread
+
+
+def wait_while_alive(thread: threading.Thread, what, timeout: float = 120) -> None:
+    """Until what() holds; fails at once if `thread` ended first."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline and thread.is_alive(), "the request ended before the moment to act"
+        time.sleep(0.02)

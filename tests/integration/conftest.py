@@ -1,0 +1,24 @@
+"""The integration tier's one cluster (tests/integration/cluster.py), started once for the tier."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import pytest
+
+from engine_adapters.settings import EngineSettings
+from engine_adapters.sglang_adapter import sglang_environment
+from engine_adapters.vllm_adapter import vllm_python
+
+from .cluster import Cluster
+
+
+@pytest.fixture(scope="package")
+def cluster(smol_dir, tmp_path_factory):
+    for name, check in (("vLLM", vllm_python), ("SGLang", sglang_environment)):
+        try:
+            check(EngineSettings())
+        except Exception as e:
+            pytest.fail(f"{name} is part of `make test`: {e}")
+    with ExitStack() as stack:
+        yield Cluster(smol_dir, tmp_path_factory.mktemp("cluster"), stack)

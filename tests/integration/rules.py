@@ -1,0 +1,79 @@
+"""The core issue's cross-engine rules: the 20 chat prompts, how the decoder's first step is
+compared with and without the other engine's pages, and each direction's measured maximum."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine_adapters.base import EngineRequest
+from tandem_protocol.handoff import FirstTokenMode
+from tandem_protocol.pages import KVPage
+from tandem_protocol.sampling import SamplingParams
+
+from ..conftest import collect
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis to a child.",
+    "List three uses of a paperclip.",
+    "What is 17 times 23?",
+    "Translate 'thank you' into Spanish.",
+    "Give me a recipe for pancakes.",
+    "Why do cats purr?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "What is the difference between a virus and a bacterium?",
+    "Suggest a name for a bakery.",
+    "How does a refrigerator keep food cold?",
+    "Write a limerick about a programmer.",
+    "What causes the seasons on Earth?",
+    "Describe the colour blue to someone who cannot see.",
+    "Give two arguments for learning a second language.",
+    "What is a prime number? Give examples.",
+    "How do I make a cup of green tea?",
+    "Tell me a fun fact about octopuses.",
+    "Plan a one-day trip to Kyoto.",
+]
+
+# The largest first-step difference measured over the 20 prompts, per direction (P, D): logits where
+# the decoder is torch or MLX (they span about 30 units), top-20 log-probabilities where it is vLLM
+# or SGLang (their APIs expose those). A run is held to twice its direction's figure.
+MEASURED_MAX = {
+    ("torch", "mlx"): 0.0210,
+    ("mlx", "torch"): 0.0201,
+    ("vllm", "mlx"): 0.050,
+    ("mlx", "vllm"): 0.059,
+    ("sglang", "mlx"): 0.056,
+    ("mlx", "sglang"): 0.046,
+}
+
+
+def tolerance(p: str, d: str) -> float:
+    return 2 * MEASURED_MAX[(p, d)]
+
+
+# Any direction's tolerance: the bound a perturbed page must move the first step well past.
+LOGIT_TOLERANCE = max(tolerance(p, d) for p, d in MEASURED_MAX)
+
+
+async def first_step_logits(prefiller, decoder, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """In-process engines: the decoder's logits for the last prompt token after importing the
+    prefiller's pages of prompt[:-1] (recompute-last), and its logits from its own prefill."""
+    req = EngineRequest("logits-p", ids, SamplingParams(max_tokens=1), FirstTokenMode.RECOMPUTE_LAST)
+    pages = [p for p in await collect(prefiller.prefill(req)) if isinstance(p, KVPage)]
+    return await logits_after_import(decoder, pages, ids)
+
+
+async def logits_after_import(decoder, pages: list, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """An in-process decoder's logits for the last prompt token over imported pages of prompt[:-1]
+    (recompute-last), and its own logits from a local prefill of the prompt."""
+    session = await decoder.on_engine(decoder.new_session, len(ids) + 1)
+    for page in pages:
+        await decoder.on_engine(decoder.import_kv, session, page.start, page.kv)
+    await decoder.on_engine(decoder.set_length, session, len(ids) - 1)
+    imported = await decoder.on_engine(decoder.forward, session, ids[-1:])
+    local_session = await decoder.on_engine(decoder.new_session, len(ids))
+    local = await decoder.on_engine(decoder.forward, local_session, ids)
+    for s in (session, local_session):
+        await decoder.on_engine(decoder.release, s)
+    return imported, local

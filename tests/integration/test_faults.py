@@ -1,0 +1,329 @@
+"""Faults on real pairs, one scenario written once and run on each engine family's pair
+(cluster.FAULT_PAIRS: MLX -> torch, vLLM -> vLLM, SGLang -> SGLang) or each decoder.
+
+Through the panel, every scenario ends with a clear error to the client or a completed fallback
+(the decoder-alone text), and the request log says what happened. Between agents alone, every
+damaged stream ends with its own error and decodes nothing. Afterwards every agent is idle — 0
+reserved bytes, 0 open handoffs, 0 requests holding engine memory — and each server engine's own
+KV pool is empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tandem_cli.bench_ttft import prompt_ids
+from tandem_protocol.client import AgentClient, AgentHTTPError
+
+from ..agents import (
+    TEST_KEY,
+    AgentProcess,
+    PanelProcess,
+    TamperProxy,
+    complete,
+    decode_foreign_pages,
+    log_rows,
+    pd_request,
+    wait_for,
+    wait_until_streaming,
+)
+from ..conftest import prompt, run, write_report
+from .cluster import FAULT_PAIRS, ask_in_thread, kill_engine_server, pair_name, streaming_chunks, tampered_name
+
+VOCAB = 49152
+FAULT_IDS = [f"{p}-to-{d}" for p, d in FAULT_PAIRS]
+PAGE_BYTES = 1_474_560
+LONG = 1500  # prompt tokens: several prefill chunks, time to act mid-stream
+
+# Into each decoder, from a prefiller of another engine (agents alone, no panel).
+DECODERS = {"torch": "mlx", "mlx": "torch", "vllm": "torch", "sglang2": "torch"}
+
+
+@pytest.fixture(scope="module")
+def other(smol_dir, tmp_path_factory):
+    """A torch agent of another model contract (context length 4096)."""
+    with AgentProcess("torch", smol_dir, tmp_path_factory.mktemp("other"), "--context-length", "4096") as agent:
+        yield agent
+
+
+@pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (dict(flip_at=300_000), "checksum mismatch on page 0"),
+        (dict(cut_at=700_000), "broke off"),
+        (dict(freeze_at=700_000), "stalled"),  # a pulled cable: no byte, no close; D's stall timeout ends it
+    ],
+    ids=["flipped-bit", "truncated", "stalled"],
+)
+def test_damaged_stream_through_the_panel_falls_back(cluster, long_ids, p, d, damage, reason):
+    ids = prompt(long_ids, 130)
+    expected, proxy = cluster.alone(d, ids), cluster.proxies[(p, d)]
+    for name, value in damage.items():
+        setattr(proxy, name, value)
+    try:
+        text = complete(cluster.client, tampered_name(p, d), ids, False)
+    finally:
+        proxy.flip_at = proxy.cut_at = proxy.freeze_at = None
+    assert text == expected, (text, expected)
+    row = cluster.last_row()
+    assert row.route == "decode_alone" and reason in row.reason, row
+    cluster.idle(p, d)
+
+
+@pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
+def test_a_slow_link_holds_memory_flat(cluster, p, d, rate=4e6):
+    """16 pages through a link held to 4 MB/s: the request completes P->D and neither agent's
+    memory grows with the backed-up stream (the prefiller holds what it reserved, the decoder a few
+    pages). A first request of the same length, at full speed, warms both up."""
+    ids, pair, proxy = prompt_ids(1000, 5, VOCAB), tampered_name(p, d), cluster.proxies[(p, d)]
+    complete(cluster.client, pair, ids[::-1], False)
+    procs = {name: psutil.Process(cluster[name].proc.pid) for name in (p, d)}
+    base = {name: proc.memory_info().rss for name, proc in procs.items()}
+    peak, result = dict(base), {}
+    proxy.rate = rate
+    try:
+        thread = ask_in_thread(cluster.client, pair, ids, result)
+        while thread.is_alive():
+            for name, proc in procs.items():
+                peak[name] = max(peak[name], proc.memory_info().rss)
+            time.sleep(0.02)
+    finally:
+        proxy.rate = None
+    assert "text" in result, result
+    row = cluster.last_row()
+    assert row.route == "pd" and row.bytes_moved >= 15 * PAGE_BYTES, row
+    grew = {name: (peak[name] - base[name]) / (len(ids) * 23_040) for name in procs}
+    print(f"\n{p}->{d} RSS growth over a 16-page stream at 4 MB/s: {grew} (x the prompt's KV)")
+    write_report(f"slow_link_{p}_to_{d}", {"rss_growth_x_kv": grew})
+    # P stages every page it reserved (1x KV) on top of its engine's own working memory for the
+    # prompt; D holds the prompt's KV plus a few pages in flight. Without back-pressure the wire
+    # would buffer the whole stream again on either side.
+    assert grew[p] < 4 and grew[d] < 3, grew
+    cluster.idle(p, d)
+
+
+@pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
+def test_panel_killed_or_stopped_while_a_request_streams(cluster, p, d):
+    """Killed: the client's stream breaks, the agents and engines let go, the next panel logs the
+    request as interrupted. Stopped (Ctrl-C / SIGTERM): the stream is cancelled within the grace
+    period and logged so. Each time the next panel serves."""
+    pair, ids = pair_name(p, d), prompt_ids(200, 7, VOCAB)
+    result: dict = {}
+    thread = streaming_chunks(cluster.client, pair, ids, result)
+    wait_for(lambda: result["chunks"] >= 3 or not thread.is_alive(), 120)
+    running = wait_for(lambda: [r.id for r in cluster.log() if r.outcome == "running"], 10)
+    cluster.panel.proc.kill()
+    thread.join(60)
+    assert isinstance(result.get("error"), (openai.APIConnectionError, httpx.TransportError)), result
+    cluster.idle(p, d)
+    cluster.start_panel()
+    row = {r.id: r for r in cluster.log()}[running[-1]]
+    assert row.outcome == "interrupted" and "panel stopped" in row.error, row
+
+    thread = streaming_chunks(cluster.client, pair, ids, result)
+    wait_for(lambda: result["chunks"] >= 3 or not thread.is_alive(), 120)
+    t0 = time.monotonic()
+    cluster.panel.stop()
+    assert time.monotonic() - t0 < 15
+    thread.join(60)
+    assert result.get("error") is not None or result["chunks"] < 400, result
+    cluster.idle(p, d)
+    cluster.start_panel()
+    assert cluster.log()[-1].outcome == "cancelled", cluster.log()[-1]
+    assert complete(cluster.client, pair, ids[:64], False) == cluster.alone(d, ids[:64])
+    cluster.idle(p, d)
+
+
+@pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
+def test_an_engine_crash_while_prefilling_falls_back_and_the_engine_recovers(
+    cluster, smol_dir, tmp_path, long_ids, p, d
+):
+    """The prefiller's engine fails while it prefills a request through the panel: the client gets
+    the decoder-alone answer (the router's fallback), the log says why, and the same prefiller
+    serves the next request itself. In-process engines fail by failpoint (a fresh agent armed to
+    raise in its 2nd prefill chunk); a server engine's process is SIGKILLed and its agent starts
+    it again."""
+    ids = prompt(long_ids, 193) * 3  # several prefill chunks
+    expected = cluster.alone(d, ids)
+    engine = cluster[p].engine
+    if engine in ("torch", "mlx"):
+        with (
+            AgentProcess(engine, smol_dir, tmp_path / "armed", env={"TANDEM_FAILPOINTS": "prefill_chunk@2"}) as armed,
+            PanelProcess(tmp_path / "crash-panel", "--pair", f"crash={armed.url},{cluster[d].url}") as panel,
+        ):
+            client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
+            assert complete(client, "crash", ids, False) == expected
+            row = log_rows(tmp_path / "crash-panel")[-1]
+            assert row.route == "decode_alone" and "engine failure injected" in row.reason, row
+            assert complete(client, "crash", ids, False) == expected
+            assert log_rows(tmp_path / "crash-panel")[-1].route == "pd"
+            cluster.idle(armed, cluster[d])
+        return
+    result: dict = {}
+    thread = ask_in_thread(cluster.client, pair_name(p, d), ids, result)
+    wait_for(lambda: cluster[p].status()["handoffs"] or not thread.is_alive(), 120)  # prefill has started
+    kill_engine_server(cluster[p])
+    thread.join(300)
+    assert result.get("text") == expected, result
+    row = cluster.last_row()
+    assert row.route == "decode_alone" and "transfer failed before the first token" in row.reason, row
+    assert complete(cluster.client, pair_name(p, d), ids, False) == expected
+    assert cluster.last_row().route == "pd"
+    cluster.idle(p, d)
+
+
+# (decoder, prefiller): the agents that survive a torch peer killed on the other side
+SURVIVORS = [("torch", "mlx"), ("vllm2", "vllm"), ("sglang2", "sglang")]
+
+
+@pytest.mark.parametrize("decoder, prefiller", SURVIVORS, ids=[p for _, p in SURVIVORS])
+def test_a_peer_killed_mid_stream(cluster, smol_dir, long_ids, tmp_path, decoder, prefiller):
+    """A torch peer, through a panel of its own, killed mid-stream: as prefiller of `decoder`
+    once its first page is out (the client gets the decoder-alone answer, logged), and as decoder
+    of `prefiller` once it has imported a page (a clear 503 naming it unreachable, logged); each
+    time the surviving agent and its engine's pool let go."""
+    ids = (list(long_ids) * 8)[:LONG]
+    home = tmp_path
+    with (
+        AgentProcess("torch", smol_dir, home / "doomed-p") as dp,
+        AgentProcess("torch", smol_dir, home / "doomed-d") as dd,
+        PanelProcess(
+            home / "kill-panel",
+            "--pair",
+            f"in={dp.url},{cluster[decoder].url}",
+            "--pair",
+            f"out={cluster[prefiller].url},{dd.url}",
+        ) as panel,
+    ):
+        client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
+        expected = complete(client, f"node/{cluster[decoder].engine}-{decoder}", ids, False)
+        result: dict = {}
+        thread = ask_in_thread(client, "in", ids, result)
+        wait_until_streaming(dp)
+        dp.proc.kill()
+        thread.join(300)
+        assert result.pop("text", None) == expected, result
+        row = log_rows(home / "kill-panel")[-1]
+        assert row.route == "decode_alone" and "transfer failed before the first token" in row.reason, row
+        assert "broke off" in row.reason, row
+        cluster.idle(decoder)
+        fallback = row.reason
+
+        before = dd.status()["totals"]["pages_received"]
+        thread = ask_in_thread(client, "out", ids, result)
+        wait_for(lambda: dd.status()["totals"]["pages_received"] > before, 120)
+        dd.proc.kill()
+        thread.join(300)
+        error = result.get("error")
+        assert (
+            isinstance(error, openai.APIStatusError) and error.status_code == 503 and "not reachable" in str(error)
+        ), result
+        row = log_rows(home / "kill-panel")[-1]
+        assert row.outcome == "error" and "not reachable" in row.error, row
+        cluster.idle(prefiller)
+    write_report(f"peer_kills_{prefiller}", {"prefiller_killed": fallback[:200], "decoder_killed": row.error[:200]})
+
+
+# (P, D): each engine on each side of a cancelled transfer
+CANCELLED = [
+    ("mlx", "torch"),
+    ("torch", "mlx"),
+    ("torch", "vllm"),
+    ("vllm", "torch"),
+    ("torch", "sglang2"),
+    ("sglang", "torch"),
+]
+
+
+@pytest.mark.parametrize("p, d", CANCELLED, ids=[pair_name(*x) for x in CANCELLED])
+def test_a_handoff_cancelled_mid_transfer(cluster, long_ids, p, d):
+    """The handoff cancelled on the prefiller mid-transfer: the decoder's answer ends with
+    "cancelled", and both sides let go."""
+    ids = (list(long_ids) * 8)[:LONG]
+
+    async def cancel_mid_transfer() -> list[dict]:
+        room = uuid.uuid4().hex
+        task = asyncio.create_task(
+            pd_request(cluster[p].url, cluster[d].url, ids, {"max_tokens": 64, "ignore_eos": True}, room=room)
+        )
+        await asyncio.to_thread(wait_until_streaming, cluster[p])
+        client = AgentClient(cluster[p].url, TEST_KEY)
+        await client.cancel_handoff(room)
+        await client.aclose()
+        return await task
+
+    lines = asyncio.run(cancel_mid_transfer())
+    assert "error" in lines[-1] and "cancelled" in lines[-1]["error"]["message"], lines[-1]
+    cluster.idle(p, d)
+
+
+def error_of(lines: list[dict]) -> dict:
+    assert "error" in lines[-1], lines[-1]
+    assert not any("token" in line for line in lines), "a damaged stream must decode nothing"
+    return lines[-1]["error"]
+
+
+@pytest.mark.parametrize("decoder", list(DECODERS))
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (dict(flip_at=300_000), "checksum mismatch on page 0"),
+        (dict(flip_at=1_800_000), "checksum mismatch on page 1"),  # after page 0 is in the decoder's cache
+        (dict(cut_at=700_000), "broke off"),
+        (dict(cut_at=1_474_800), "broke off"),  # just after page 0's frame: pages missing
+    ],
+    ids=["flip-page-0", "flip-page-1", "cut-in-page-0", "cut-after-page-0"],
+)
+def test_damaged_stream_between_agents_decodes_nothing(cluster, long_ids, decoder, damage, message):
+    p, d = cluster[DECODERS[decoder]], cluster[decoder]
+    proxy = TamperProxy(p.port, **damage)
+    try:
+        lines = run(pd_request(p.url, d.url, prompt(long_ids, 150), {"max_tokens": 4}, prefill_url=proxy.url))
+    finally:
+        proxy.close()
+    error = error_of(lines)
+    assert error["type"] == "FrameError" and message in error["message"], error
+    cluster.idle(p, d)
+
+
+@pytest.mark.parametrize("decoder", list(DECODERS))
+def test_wrong_token_list_is_a_contract_mismatch(cluster, long_ids, decoder):
+    p, d = cluster[DECODERS[decoder]], cluster[decoder]
+    ids = prompt(long_ids, 150)
+    lines = run(pd_request(p.url, d.url, ids, {"max_tokens": 4}, d_token_ids=ids[:-1] + [ids[-1] + 1]))
+    error = error_of(lines)
+    assert error["type"] == "ContractMismatch" and error["fields"] == ["token_ids"], error
+    cluster.idle(p, d)
+
+
+def test_wrong_contract_refused_by_the_prefiller(cluster, other, long_ids):
+    p = cluster["torch"]
+    before = p.status()["totals"]["prefills_started"]
+    with pytest.raises(AgentHTTPError) as e:
+        run(pd_request(p.url, other.url, prompt(long_ids, 70), {"max_tokens": 4}))
+    assert e.value.status == 409 and "contract" in str(e.value)
+    assert p.status()["totals"]["prefills_started"] == before  # refused before any compute
+    cluster.idle(p, other)
+
+
+@pytest.mark.parametrize("decoder", list(DECODERS))
+def test_wrong_contract_caught_by_the_decoder(cluster, other, long_ids, decoder):
+    """Even if a router skips the prefiller's check, the decoder refuses foreign pages."""
+    d = cluster[decoder]
+    error = error_of(run(decode_foreign_pages(other.url, d.url, prompt(long_ids, 70))))
+    assert error["type"] == "ContractMismatch" and error["fields"] == ["contract fingerprint"], error
+    cluster.idle(other, d)
+
+
+def test_protocol_version_mismatch_is_explained(cluster):
+    with cluster["torch"].client() as c:
+        r = c.get("/v1/info", headers={"X-Tandem-Protocol": "99"})
+    assert r.status_code == 400 and "protocol 99" in r.json()["error"]["message"]
