@@ -294,7 +294,12 @@ def test_damaged_stream_between_agents_decodes_nothing(cluster, long_ids, decode
     cluster.idle(p, d)
 
 
-@pytest.mark.parametrize("decoder", list(DECODERS))
+# A vLLM decoder given another token list than the handoff's waits out the stall timeout (0 bytes
+# in 15 s) and reports a broken stream, not the mismatch (found by this test; open).
+VLLM_TOKEN_LIST = pytest.mark.xfail(strict=True, reason="vLLM decoder: stalls instead of naming the token list")
+
+
+@pytest.mark.parametrize("decoder", [pytest.param(d, marks=VLLM_TOKEN_LIST) if d == "vllm" else d for d in DECODERS])
 def test_wrong_token_list_is_a_contract_mismatch(cluster, long_ids, decoder):
     p, d = cluster[DECODERS[decoder]], cluster[decoder]
     ids = prompt(long_ids, 150)
