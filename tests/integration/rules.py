@@ -52,8 +52,9 @@ def tolerance(p: str, d: str) -> float:
     return 2 * MEASURED_MAX[(p, d)]
 
 
-# Any direction's tolerance: the bound a perturbed page must move the first step well past.
-LOGIT_TOLERANCE = max(tolerance(p, d) for p, d in MEASURED_MAX)
+# The core issue's stated bound on first-step differences, which tests/test_decoders_consume_pages.py
+# holds a perturbed page well past; each direction's own tolerance above is the tighter check.
+LOGIT_TOLERANCE = 0.1
 
 
 async def first_step_logits(prefiller, decoder, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
