@@ -14,6 +14,20 @@ from rich.console import Console
 console = Console()
 
 
+def issue_credentials(data_dir: Path, api_key_name: str) -> tuple[str | None, str]:
+    """For a program that starts the panel (`tandem up`): the admin password if none was set yet
+    (None otherwise: it is stored hashed) and a new API key, written to the panel's database in
+    `data_dir` before the panel starts, and returned to the caller rather than printed."""
+    from .db import open_db
+    from .security import create_api_key, ensure_admin_password
+
+    engine = open_db(data_dir / "panel.db")
+    try:
+        return ensure_admin_password(engine), create_api_key(engine, api_key_name)
+    finally:
+        engine.dispose()
+
+
 def panel(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on (0 picks a free one)."),

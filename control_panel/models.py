@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import time
 
+from sqlalchemy import Index, text
 from sqlmodel import Field, SQLModel
 
 
 class Node(SQLModel, table=True):
-    """An agent the panel knows, found by mDNS or added by URL."""
+    """An agent the panel knows, found by mDNS or added by URL: one row per node id (the agent's
+    lasting identity), whatever its address. `url` is "" while the node's last address is known
+    to be another node's (it gets one again when it proves itself at a new one)."""
+
+    __table_args__ = (
+        Index("ix_node_url", "url", unique=True, sqlite_where=text("url != ''")),
+        Index("ix_node_node_id", "node_id", unique=True, sqlite_where=text("node_id != ''")),
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     name: str
-    url: str = Field(unique=True, index=True)
+    url: str
     node_id: str = ""
     source: str = "manual"  # "manual" or "mdns"
     paired: bool = False

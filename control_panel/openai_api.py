@@ -31,7 +31,7 @@ from .models import Node, Pair, RequestLog
 from .request_log import RequestLogWriter
 from .router import RouteError, Router, RouteStats, Target
 from .security import api_key_valid
-from .services import model_names
+from .services import model_names, node_by_model_name
 
 
 class OpenAIError(Exception):
@@ -164,7 +164,7 @@ def _find_target(engine: Engine, model: str) -> Target | None:
             p, d = s.get(Node, pair.prefill_node_id), s.get(Node, pair.decode_node_id)
             return Target(pair.name, d.url, p.url, pair.local_threshold, pair.fallback, pair.page_encoding)
         if model.startswith("node/"):
-            node = s.exec(select(Node).where(Node.name == model[5:], Node.paired == True)).first()  # noqa: E712
+            node = node_by_model_name(s, model)
             if node is not None:
                 return Target(model, node.url)
     return None

@@ -1,18 +1,34 @@
-"""What the panel does to its state: add nodes, pair them, remove them."""
+"""What the panel does to its state: add nodes, pair them, remove them.
+
+A node is its node id, not its URL: an agent that comes back at a new address (a `tandem up`
+restart gives new ports, DHCP a new IP) keeps its row, pairs and `node/<name>` — once it has
+proved at the new address that it holds the cluster key (`verify_identity`, no key sent).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import socket
 import time
+from urllib.parse import urlsplit
 
+import httpx
+from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
+from tandem_protocol.auth import IDENTITY_PATH, IdentityAnswer, canonical_address, new_nonce, proof_matches
 from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.contract import ModelContract
 from tandem_protocol.discovery import Peer
 from tandem_protocol.pages import ENCODINGS
 
 from .models import Node, Pair
+
+log = logging.getLogger("tandem.panel")
+IDENTITY_TIMEOUT = 10.0
 
 
 class PanelError(Exception):
@@ -38,13 +54,76 @@ async def agent_status(url: str, cluster_key: str) -> dict:
         await client.aclose()
 
 
+async def _addresses_of(url: str) -> set[str]:
+    """The `host:port` forms a connection to `url` may reach (a name resolves to several)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        found = []
+    return {canonical_address(host, port)} | {canonical_address(sockaddr[0], port) for *_, sockaddr in found}
+
+
+async def verify_identity(url: str, cluster_key: str, expect_node_id: str | None = None) -> str:
+    """The node id of the agent at `url` once it has proved, for a fresh nonce and at this very
+    address, that it holds `cluster_key` (tandem_protocol/auth.py). The key itself is not sent,
+    so an impostor at `url` learns nothing. `expect_node_id`: it must also be this node."""
+    if not cluster_key:
+        raise PanelError("the panel has no cluster key yet: pair a node with it first")
+    nonce = new_nonce()
+    try:
+        async with httpx.AsyncClient(verify=os.environ.get("TANDEM_CA_FILE") or True, timeout=IDENTITY_TIMEOUT) as c:
+            r = await c.post(url + IDENTITY_PATH, json={"nonce": nonce})
+    except httpx.HTTPError as e:
+        raise PanelError(f"{url} is not reachable ({type(e).__name__})") from e
+    if r.status_code == 404:
+        raise PanelError(f"{url} cannot prove its identity: update Tandem on that machine")
+    if r.status_code != 200:
+        raise PanelError(f"{url} answered {r.status_code} to the identity check")
+    try:
+        answer = IdentityAnswer.model_validate_json(r.content)
+    except ValidationError as e:
+        raise PanelError(f"{url} answered the identity check with something else") from e
+    if answer.address not in await _addresses_of(url):
+        raise PanelError(
+            f"{url} answered as {answer.address}: not the address reached (a relay, or a port forward, "
+            "which the identity check does not pass)"
+        )
+    if not proof_matches(answer, cluster_key, nonce, expect_node_id or answer.node_id, answer.address):
+        who = f"node {expect_node_id[:8]}" if expect_node_id else "an agent"
+        raise PanelError(f"{url} could not prove it is {who} holding the panel's cluster key")
+    return answer.node_id
+
+
+def _place(s: Session, node_id: str, url: str, name: str, source: str) -> Node:
+    """The row of node `node_id`, now at `url` (not committed). A node id has one row; another row
+    that had this URL loses it (the node there is gone), so no row ever names a node it is not."""
+    node = s.exec(select(Node).where(Node.node_id == node_id)).first()
+    displaced = s.exec(select(Node).where(Node.url == url)).first()
+    if displaced is not None and displaced is not node:
+        displaced.url, displaced.last_error = "", f"its address {url} is now node {node_id[:8]}'s"
+        s.add(displaced)
+        s.flush()  # before the URL is taken again (it is unique)
+    if node is None:
+        node = Node(name=name, url=url, node_id=node_id, source=source)
+    elif node.url != url:
+        log.info("node %s (%s) moved from %s to %s", node.name, node_id[:8], node.url or "nowhere", url)
+        node.url = url
+    return node
+
+
 async def add_node(engine: Engine, url: str, cluster_key: str, source: str = "manual") -> Node:
-    """Add (or refresh) a node by URL; it is paired once it accepts the cluster key."""
+    """Add (or refresh, or move) a node by URL; it is paired once it has proved it holds the
+    cluster key, and only then is the key sent to it."""
     url = url.rstrip("/")
+    proved = await verify_identity(url, cluster_key)
     info = await agent_status(url, cluster_key)
+    if info["node_id"] != proved:
+        raise PanelError(f"{url} proved to be node {proved[:8]} but reports {info['node_id'][:8]}: try again")
     with Session(engine) as s:
-        node = s.exec(select(Node).where(Node.url == url)).first() or Node(name=info["name"], url=url)
-        node.name, node.node_id, node.source, node.paired = info["name"], info["node_id"], source, True
+        node = _place(s, proved, url, info["name"], source)
+        node.name, node.source, node.paired = info["name"], source, True
         node.engine, node.model, node.contract = info["engine"], info["model"], info["contract"]["fingerprint"]
         node.last_seen, node.last_error = time.time(), ""
         s.add(node)
@@ -111,6 +190,11 @@ async def create_pair(
         raise PanelError("a pair needs a name without '/' (it becomes the model name on the API)", ["name"])
     if page_encoding not in ENCODINGS:
         raise PanelError(f"unknown page encoding {page_encoding!r} ({' or '.join(ENCODINGS)})", ["page_encoding"])
+    for role, url in (("prefill", prefill_url), ("decode", decode_url)):  # before either is sent the key
+        try:
+            await verify_identity(url.rstrip("/"), cluster_key)
+        except PanelError as e:
+            raise PanelError(f"{role} node: {e}", [role]) from e
     nodes = [
         ("prefill", prefill_url, prefill_engine, prefill_model_path, staging_bytes),
         ("decode", decode_url, decode_engine, decode_model_path, None),
@@ -148,29 +232,29 @@ async def create_pair(
         return pair
 
 
-def note_discovered(engine: Engine, peer: Peer, present: bool) -> None:
+async def note_discovered(engine: Engine, peer: Peer, present: bool, cluster_key: str) -> None:
     """Record an agent that appeared on (or withdrew from) the LAN. A new one is added unpaired:
     the panel sends it nothing, the cluster key least of all, until the user pairs it. mDNS is
-    unauthenticated, so an announcement never changes the address of a node already known."""
+    unauthenticated, so an announcement moves a known node (or takes a known node's address)
+    only once the agent there has proved its identity (`verify_identity`)."""
     url, node_id = peer.url.rstrip("/"), peer.properties.get("node_id", "")
-    if not url:
+    if not url or not node_id:
         return
     with Session(engine) as s:
-        node = s.exec(select(Node).where(Node.url == url)).first()
-        if not present:
-            if node is not None and node.source == "mdns":
-                node.last_error = "withdrawn: the agent stopped announcing itself on the network"
-                s.add(node)
-                s.commit()
+        node = s.exec(select(Node).where(Node.node_id == node_id)).first()
+        at_url = s.exec(select(Node).where(Node.url == url)).first()
+    if not present:
+        if node is not None and node.source == "mdns" and node.url == url:
+            _note(engine, node.id, last_error="withdrawn: the agent stopped announcing itself on the network")
+        return
+    if (node is not None and node.url != url) or (at_url is not None and at_url is not node):
+        try:
+            await verify_identity(url, cluster_key, expect_node_id=node_id)
+        except PanelError as e:
+            log.warning("announcement of node %s at %s not followed: %s", node_id[:8], url, e)
             return
-        if node is None:
-            node = Node(
-                name=peer.properties.get("name") or peer.service.split(".")[0],
-                url=url,
-                source="mdns",
-                paired=False,
-                node_id=node_id,
-            )
+    with Session(engine) as s:  # read again: the check above let other work run
+        node = _place(s, node_id, url, peer.properties.get("name") or peer.service.split(".")[0], "mdns")
         if not node.paired:  # a paired node's facts come from its authenticated /v1/status
             node.engine, node.model = peer.properties.get("engine", ""), peer.properties.get("model", "")
             node.contract, node.last_error = peer.properties.get("contract", ""), ""
@@ -199,12 +283,35 @@ def remove_node(engine: Engine, node_id: int) -> tuple[str, list[str]] | None:
     return url, names
 
 
-def model_names(engine: Engine) -> list[str]:
-    """The model names the API serves: every pair, and every paired node as `node/<name>`."""
+def _note(engine: Engine, row_id: int, last_error: str) -> None:
     with Session(engine) as s:
-        names = [p.name for p in s.exec(select(Pair).order_by(Pair.name))]
-        names += [f"node/{n.name}" for n in s.exec(select(Node).where(Node.paired == True).order_by(Node.name))]  # noqa: E712
-    return names
+        node = s.get(Node, row_id)
+        if node is not None:
+            node.last_error = last_error
+            s.add(node)
+            s.commit()
+
+
+def _served_nodes(s: Session) -> dict[str, Node]:
+    """Paired nodes with an address, by model name: `node/<name>`, or `node/<name>@<id8>` for each
+    of several nodes that share a name (one name must not pick a node at random)."""
+    nodes = list(s.exec(select(Node).where(Node.paired == True, Node.url != "").order_by(Node.name)))  # noqa: E712
+    names = [n.name for n in nodes]
+    return {f"node/{n.name}" + (f"@{n.node_id[:8]}" if names.count(n.name) > 1 else ""): n for n in nodes}
+
+
+def node_by_model_name(s: Session, model: str) -> Node | None:
+    return _served_nodes(s).get(model)
+
+
+def model_names(engine: Engine) -> list[str]:
+    """The model names the API serves, each once: every pair whose nodes have an address, and
+    every paired node with one (see `_served_nodes`)."""
+    with Session(engine) as s:
+        addressed = {n.id for n in s.exec(select(Node).where(Node.url != ""))}
+        pairs = s.exec(select(Pair).order_by(Pair.name))
+        names = [p.name for p in pairs if {p.prefill_node_id, p.decode_node_id} <= addressed]
+        return names + list(_served_nodes(s))
 
 
 def delete_row(engine: Engine, table: type, row_id: int) -> None:

@@ -50,10 +50,15 @@ def open_state(
     if cluster_key:
         set_setting(db, "cluster_key", cluster_key)
     mark_interrupted(db)  # requests that were running when the panel last stopped
-    watcher = Watcher(mdns_interfaces, lambda peer, present: note_discovered(db, peer, present)) if mdns else None
+    router = Router(get_setting(db, "cluster_key") or "")
+    watcher = (
+        Watcher(mdns_interfaces, lambda peer, present: note_discovered(db, peer, present, router.cluster_key))
+        if mdns
+        else None
+    )
     return PanelState(
         db=db,
-        router=Router(get_setting(db, "cluster_key") or ""),
+        router=router,
         request_log=RequestLogWriter(db),
         sessions=UiSessions(db),
         login_limiter=login_limiter or LoginLimiter(),

@@ -1,8 +1,9 @@
 """The node agent's HTTP API (FastAPI). One engine, pages in and out, tokens out.
 
-Routes (all but /healthz need `Authorization: Bearer <cluster key>`):
+Routes (all but /healthz and /v1/identity need `Authorization: Bearer <cluster key>`):
 
     GET    /healthz                        liveness, no key
+    POST   /v1/identity                    no key: proof of holding it (tandem_protocol/auth.py)
     GET    /v1/info                        node, engine, model contract, protocol version, modes
     GET    /v1/status                      info + budget + open handoffs + totals (JSON)
     GET    /metrics                        the same as Prometheus text
@@ -46,7 +47,14 @@ from starlette.exceptions import HTTPException
 
 from engine_adapters import ADAPTERS
 from engine_adapters.base import EngineAdapter, EngineRequest
-from tandem_protocol.auth import key_matches
+from tandem_protocol.auth import (
+    IDENTITY_PATH,
+    IdentityAnswer,
+    IdentityChallenge,
+    canonical_address,
+    identity_answer,
+    key_matches,
+)
 from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.contract import HashCache, compute_contract, token_digest
 from tandem_protocol.errors import Cancelled, ContractMismatch, FrameError, RequestError, TandemError, UnsupportedModel
@@ -317,6 +325,12 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
     @app.get("/healthz")
     async def healthz():
         return {"ok": True}
+
+    @app.post(IDENTITY_PATH)
+    async def identity(body: IdentityChallenge, request: Request) -> IdentityAnswer:
+        """No key: a panel checks, before it sends the key here, that this is the node it knows."""
+        host, port = request.scope["server"][:2]  # this connection's own socket: a client cannot choose it
+        return identity_answer(config.cluster_key, body.nonce, config.node_id, canonical_address(host, port))
 
     api = APIRouter(dependencies=[Depends(require_key)])
 

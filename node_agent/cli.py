@@ -18,7 +18,7 @@ from rich.table import Table
 from tandem_protocol.pages import PROTOCOL_VERSION
 from tandem_protocol.settings import data_dir, hash_cache_path
 
-from .identity import cluster_key, key_path, node_id, set_cluster_key
+from .identity import NodeIdInUse, claim_node_id, cluster_key, key_path, known_node_ids, node_id_path, set_cluster_key
 
 # On Ctrl-C or SIGTERM, requests still streaming after this long are cancelled (each releases what
 # it holds on the way out) instead of being waited for: a token stream can run for minutes.
@@ -81,7 +81,12 @@ def serve(
     staging_bytes: str = typer.Option("512MiB", help="KV staging budget, e.g. 512MiB or 2GB."),
     host: str = typer.Option("0.0.0.0", help="Address to listen on."),
     port: int = typer.Option(DEFAULT_PORT, help="Port to listen on."),
-    name: str = typer.Option(None, help="Human-readable node name (default: the host name)."),
+    name: str = typer.Option(
+        None, help="Node name (default: the host name); agents sharing a data dir need different names."
+    ),
+    node_id_file: Path = typer.Option(
+        None, help="Where this agent keeps its lasting node id (default: $TANDEM_HOME/node-ids/<name>)."
+    ),
     mdns: bool = typer.Option(True, help="Announce this agent on the LAN with mDNS."),
     mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all)."),
     handoff_ttl: float = typer.Option(60.0, help="Seconds before unread pages expire."),
@@ -114,6 +119,11 @@ def serve(
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
     path = resolve_model(model)
+    name = name or socket.gethostname()
+    try:  # the lock is held until the process exits
+        own_id, _id_lock = claim_node_id(node_id_file.expanduser() if node_id_file else node_id_path(name))
+    except NodeIdInUse as e:
+        raise typer.BadParameter(str(e)) from None
     # Bind before loading anything: a taken port fails at once, `--port 0` picks a free one, and
     # the "ready" line is only logged once connections can be accepted.
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -133,8 +143,8 @@ def serve(
     with console.status(f"loading {engine} on {path.name}…"):
         adapter = loader(engine, path, context_length)
     config = AgentConfig(
-        node_id=node_id(),
-        name=name or socket.gethostname(),
+        node_id=own_id,
+        name=name,
         cluster_key=cluster_key(),
         staging_bytes=parse_size(staging_bytes),
         handoff_ttl=handoff_ttl,
@@ -346,7 +356,7 @@ def doctor(
         "node",
         [
             ("data dir", str(data_dir())),
-            ("node id", node_id()),
+            *((f"node id of {n}", i) for n, i in known_node_ids().items()),
             ("cluster key file", str(key_path())),
             (f"port {port}", port_state),
             ("mDNS interfaces", ", ".join(lan_addresses()) or "none"),

@@ -46,17 +46,22 @@ class ServiceProcess:
 
     def wait_ready(self, timeout: float = 300) -> str:
         """Block until the service logs "ready on <url>"; return the URL."""
+        self.url = self.url or self.wait_for(" ready on ", timeout).rsplit(" ready on ", 1)[1].strip()
+        return self.url
+
+    def wait_for(self, text: str, timeout: float = 300) -> str:
+        """Block until the service prints a line containing `text` (after those already awaited);
+        return that line."""
         deadline = time.monotonic() + timeout
-        while self.url is None:
+        while True:
             try:
                 line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"not ready after {timeout:.0f} s:\n{''.join(self.log)}") from None
+                raise TimeoutError(f"no {text!r} after {timeout:.0f} s:\n{''.join(self.log)}") from None
             if line is None:
                 raise RuntimeError(f"exited with {self.proc.wait()}:\n{''.join(self.log)}")
-            if " ready on " in line:
-                self.url = line.rsplit(" ready on ", 1)[1].strip()
-        return self.url
+            if text in line:
+                return line
 
     def lines_matching(self, prefix: str) -> list[str]:
         return [line for line in self.log if line.startswith(prefix)]

@@ -17,6 +17,7 @@ import time
 import httpx
 import typer
 
+from control_panel.cli import issue_credentials
 from node_agent.identity import cluster_key
 from tandem_protocol.settings import data_dir
 
@@ -62,15 +63,16 @@ def up(
             ]
             services += agents
             p_url, d_url = (a.wait_ready() for a in agents)
-        api_key_name = f"make-run-{secrets.token_hex(2)}"
+        panel_dir = home / "panel"
+        password, api_key = issue_credentials(panel_dir, f"make-run-{secrets.token_hex(2)}")
         with console.status("starting the panel…"):
             panel = ServiceProcess(
                 [
                     "panel",
                     "--port",
                     str(panel_port),
-                    "--api-key",
-                    api_key_name,
+                    "--data-dir",
+                    str(panel_dir),
                     "--pair",
                     f"smollm2={p_url},{d_url}",
                     "--pair",
@@ -80,8 +82,6 @@ def up(
             )
             services.append(panel)
             panel_url = panel.wait_ready()
-        api_key = panel.lines_matching("API key")[-1].rsplit(": ", 1)[1].strip()
-        password = panel.lines_matching("admin password")
         console.print(f"\n[bold green]Tandem is up[/]  panel {panel_url}  ·  OpenAI API {panel_url}/v1")
         console.print(
             f"  prefill agent {p_url} ({prefill}) -> decode agent {d_url} ({decode}), model "
@@ -89,11 +89,7 @@ def up(
         )
         console.print(
             "  admin password: "
-            + (
-                password[-1].rsplit(": ", 1)[1].strip()
-                if password
-                else "unchanged since the first start (`tandem panel --reset-admin-password` sets a new one)"
-            )
+            + (password or "unchanged since the first start (`tandem panel --reset-admin-password` sets a new one)")
         )
         console.print(f"  API key: {api_key}")
         example(panel_url, api_key, ask)

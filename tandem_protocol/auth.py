@@ -1,10 +1,73 @@
-"""The cluster key check both servers make."""
+"""The cluster key checks both servers make, and the identity proof an agent gives a panel.
+
+Identity proof (`POST /v1/identity`, the one agent route besides /healthz that needs no key): the
+panel sends a fresh random nonce and no key; the agent answers its node id, the address the
+connection reached (its own socket's, which a client cannot choose — a Host header it could) and
+
+    proof = HMAC-SHA256(cluster key, "tandem-identity-v1" | nonce | node id | address)
+
+The panel recomputes it with its own key. A match shows the answer came, for this nonce, from a
+holder of the cluster key who is this node at this address, so the panel may then move a known
+node's row there and send it the key. An impostor gets no key out of it (none was sent), cannot
+replay an old answer (the nonce is new every time) and cannot relay the challenge to the real
+agent (who would sign its own address, not the impostor's).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import ipaddress
+import secrets
+
+from pydantic import BaseModel, Field
+
+IDENTITY_PATH = "/v1/identity"
+_DOMAIN = b"tandem-identity-v1"
 
 
 def key_matches(presented: str | None, key: str) -> bool:
     """Constant-time comparison, so response timing reveals nothing about the key."""
     return presented is not None and hmac.compare_digest(presented.encode(), key.encode())
+
+
+class IdentityChallenge(BaseModel):
+    nonce: str = Field(pattern=r"^[0-9a-f]{32,128}$", description="Fresh random hex chosen by the caller")
+
+
+class IdentityAnswer(BaseModel):
+    node_id: str
+    address: str = Field(description="host:port the connection reached, as the agent's socket saw it")
+    proof: str = Field(description="hex HMAC-SHA256 of the cluster key over nonce, node id and address")
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(32)
+
+
+def canonical_address(host: str, port: int) -> str:
+    """`host:port` written one way for both ends (IPv4-mapped IPv6 as IPv4, IPv6 in brackets)."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return f"{host.lower()}:{port}"  # a name: compared as written
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def identity_proof(key: str, nonce: str, node_id: str, address: str) -> str:
+    # Each part length-prefixed, so no two different (nonce, id, address) read as the same bytes.
+    message = _DOMAIN + b"".join(len(p).to_bytes(4, "big") + p for p in (s.encode() for s in (nonce, node_id, address)))
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def identity_answer(key: str, nonce: str, node_id: str, address: str) -> IdentityAnswer:
+    return IdentityAnswer(node_id=node_id, address=address, proof=identity_proof(key, nonce, node_id, address))
+
+
+def proof_matches(answer: IdentityAnswer, key: str, nonce: str, node_id: str, address: str) -> bool:
+    """Whether `answer` proves holding `key`, for this nonce, as `node_id` reached at `address`
+    (constant time in the proof)."""
+    expected = identity_proof(key, nonce, node_id, address)
+    return answer.node_id == node_id and answer.address == address and hmac.compare_digest(answer.proof, expected)

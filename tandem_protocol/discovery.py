@@ -13,8 +13,9 @@ agents that answer within a time window; `Watcher` keeps a live list.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import ifaddr
@@ -124,10 +125,15 @@ class Watcher:
     """A live view of the agents announcing on the LAN (a panel keeps one running).
 
     `peers` maps service names to resolved Peers; `on_change(peer, present)` is called in the
-    event loop when an agent appears, changes or withdraws.
+    event loop when an agent appears, changes or withdraws, and awaited if it is a coroutine
+    function (a panel checks a moved node's identity before it believes the announcement).
     """
 
-    def __init__(self, interfaces: list[str] | None = None, on_change: Callable[[Peer, bool], None] | None = None):
+    def __init__(
+        self,
+        interfaces: list[str] | None = None,
+        on_change: Callable[[Peer, bool], Awaitable[None] | None] | None = None,
+    ):
         self.interfaces = interfaces or ["0.0.0.0"]
         self.on_change = on_change
         self.peers: dict[str, Peer] = {}
@@ -146,12 +152,21 @@ class Watcher:
     def _handle(self, name: str, state_change: ServiceStateChange) -> None:
         if state_change is ServiceStateChange.Removed:
             peer = self.peers.pop(name, None)
-            if peer is not None and self.on_change:
-                self.on_change(peer, False)
+            if peer is not None:
+                self._spawn(self._notify(peer, False))
             return
-        task = asyncio.ensure_future(self._resolve(name))
+        self._spawn(self._resolve(name))
+
+    def _spawn(self, work) -> None:
+        task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _notify(self, peer: Peer, present: bool) -> None:
+        if self.on_change:
+            result = self.on_change(peer, present)
+            if inspect.isawaitable(result):
+                await result
 
     async def _resolve(self, name: str) -> None:
         info = AsyncServiceInfo(SERVICE_TYPE, name)
@@ -161,8 +176,7 @@ class Watcher:
         addrs = [socket.inet_ntoa(a) for a in info.addresses_by_version(IPVersion.V4Only)]
         peer = Peer(name, addrs, info.port or 0, props)
         self.peers[name] = peer
-        if self.on_change:
-            self.on_change(peer, True)
+        await self._notify(peer, True)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

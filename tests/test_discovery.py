@@ -1,4 +1,4 @@
-"""Two agents on two hosts find each other by mDNS.
+"""Two agents on two hosts find each other by mDNS, and a panel follows an agent that moves.
 
 The hosts are network namespaces this test creates and deletes, joined by a veth pair; all
 traffic, multicast included, stays inside them.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sqlite3
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ import pytest
 
 from tandem_protocol.discovery import ANNOUNCED_KEYS, Announcer
 
-from .agents import TANDEM, TEST_KEY, AgentProcess
+from .agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, wait_for
 from .netns import needs_netns, sh
 
 
@@ -91,3 +92,46 @@ def test_agents_find_each_other(two_hosts, smol_dir, tmp_path):
 def test_announcer_refuses_unexpected_properties():
     with pytest.raises(ValueError, match="cluster_key"):
         Announcer({"node_id": "x" * 32, "name": "n", "cluster_key": "secret"}, 1, ["127.0.0.1"])
+
+
+@needs_netns
+def test_the_panel_follows_a_node_that_comes_back_elsewhere(two_hosts, smol_dir, tmp_path):
+    """An agent restarted on a new port announces itself there; the panel checks its identity at
+    that address and moves the node: one row, the same model name, and it answers."""
+    (ns_a, _, addr_a), (ns_b, _, addr_b) = two_hosts["a"], two_hosts["b"]
+    agent_args = ("torch", smol_dir, tmp_path / "b", "--mdns", "--mdns-interface", addr_b)
+    with AgentProcess(*agent_args, host=addr_b, netns=ns_b) as first:
+        first_url = first.url
+        node_id = (tmp_path / "b" / "node-ids" / "torch-b").read_text().strip()  # its own, lasting id
+        panel = PanelProcess(
+            tmp_path / "panel", "--host", addr_a, "--mdns", "--mdns-interface", addr_a, "--node", first_url, netns=ns_a
+        )
+    try:
+        with AgentProcess(*agent_args, host=addr_b, netns=ns_b) as again:
+            assert again.url != first_url
+
+            def rows():
+                with sqlite3.connect(f"file:{tmp_path / 'panel' / 'panel' / 'panel.db'}?mode=ro", uri=True) as db:
+                    return db.execute("SELECT node_id, url, paired FROM node").fetchall()
+
+            wait_for(lambda: rows() != [(node_id, first_url, 1)], timeout=30)
+            assert rows() == [(node_id, again.url, 1)]
+            # the API from inside the panel's namespace: the models listed, and a completion of each
+            code = (
+                "import httpx, json, sys; c = httpx.Client(base_url=sys.argv[1], timeout=60, "
+                "headers={'Authorization': 'Bearer ' + sys.argv[2]}); "
+                "ids = [m['id'] for m in c.get('/v1/models').json()['data']]; "
+                "print(json.dumps({i: c.post('/v1/completions', json={'model': i, 'prompt': 'Hi', 'max_tokens': 2})"
+                ".json()['usage']['completion_tokens'] for i in ids}))"
+            )
+            out = subprocess.run(
+                ["ip", "netns", "exec", ns_a, sys.executable, "-c", code, panel.url, panel.api_key],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert out.returncode == 0, out.stderr
+            assert json.loads(out.stdout) == {"node/torch-b": 2}
+            assert f"moved from {first_url} to {again.url}" in "".join(panel.log)
+    finally:
+        panel.stop()

@@ -311,21 +311,23 @@ def paths(tmp_path_factory, smol_dir):
         (outside / f.name).symlink_to(f)
     (root / "escape").symlink_to(outside, target_is_directory=True)
     agent = AgentProcess("torch", smol_dir, home / "agent", "--model-root", str(root), key=CLUSTER_KEY)
+    # a second node for the pair form, sharing the first one's data dir (each has its own node id)
+    second = AgentProcess(
+        "torch", smol_dir, home / "agent", "--model-root", str(root), "--name", "torch-agent-2", key=CLUSTER_KEY
+    )
     try:
-        yield {"home": home, "root": root, "outside": outside, "agent": agent}
+        yield {"home": home, "root": root, "outside": outside, "agent": agent, "second": second}
     finally:
         agent.stop()
+        second.stop()
 
 
 @pytest.fixture(scope="module")
 def cluster(paths):
-    """The agent, ready, and a panel that knows it under two addresses, so that the pair form has
-    two nodes to pair."""
-    agent = paths["agent"]
-    agent.wait_ready()
-    with PanelProcess(
-        paths["home"] / "panel", "--node", agent.url, "--node", f"http://localhost:{agent.port}", key=CLUSTER_KEY
-    ) as panel:
+    """The agents, ready, and a panel that knows them, so that the pair form has two nodes to pair."""
+    agent, second = paths["agent"], paths["second"]
+    agent.wait_ready(), second.wait_ready()
+    with PanelProcess(paths["home"] / "panel", "--node", agent.url, "--node", second.url, key=CLUSTER_KEY) as panel:
         yield {
             **paths,
             "panel": panel,
@@ -461,7 +463,7 @@ def test_model_paths_stay_in_the_roots(cluster, traffic):
     ui = traffic["ui"]
     page = ui.get("/pairs")
     assert "escape" not in page.text and str(outside) not in page.text  # not among the path suggestions
-    node_ids = re.findall(r'<option value="(\d+)" [^>]*>torch-agent \(', page.text)[:2]
+    node_ids = re.findall(r'<option value="(\d+)" [^>]*>torch-agent(?:-2)? \(', page.text)[:2]
     form = {
         "name": "escape",
         "prefill": node_ids[0],

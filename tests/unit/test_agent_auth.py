@@ -1,4 +1,4 @@
-"""Every agent route but the liveness check refuses a missing or wrong cluster key."""
+"""Every agent route but the liveness check and the identity proof refuses a missing or wrong cluster key."""
 
 from __future__ import annotations
 
@@ -66,6 +66,9 @@ def test_routes_refuse_without_the_key(client):
             r = client.request(method, path, headers=headers, json={})
             if path == "/healthz":
                 assert r.status_code == 200
+            elif path == "/v1/identity":  # needs no key, and takes only a nonce (the proof: test_node_identity)
+                assert r.status_code == 400 and "nonce" in r.text, r.text
+                assert KEY not in r.text and presented not in r.text
             else:
                 assert r.status_code == 401, (method, path, headers, r.status_code)
                 assert r.json()["error"]["type"] == "Unauthorized"
