@@ -12,7 +12,6 @@ prefiller's budget is busy past the deadline, 503 when no route is up.
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,11 +19,11 @@ from typing import Any, ClassVar
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
-from tandem_protocol.sampling import SERVER_FIELDS
+from tandem_protocol.sampling import SERVER_FIELDS, SamplingParams
 
 from .db import cached_until_state_changes
 from .models import Node, Pair, RequestLog
@@ -60,18 +59,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# The sampling parameters an OpenAI request may carry, under SamplingParams' names: OpenAI's own
+# and the extensions vLLM and others accept (top_k, min_p, repetition_penalty). Their bounds are
+# SamplingParams', checked once when the request is mapped onto it.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", *SERVER_FIELDS)
+OPENAI_TEMPERATURE = 1.0  # OpenAI's default (Tandem's own is greedy)
+DEFAULT_MAX_TOKENS = 256
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
-    # Bounds are checked here, at the API's edge, so a bad value is a 400 naming its parameter
-    # before anything is scheduled (the agents check them again). No NaN or infinity: Python's
-    # json accepts `NaN` and `Infinity`, and no sampler can use them.
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)  # extension (vLLM and others accept it too)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # OpenAI's range: a signed 64-bit integer
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -105,33 +105,30 @@ class _Common(BaseModel):
             value = extra.get(name)
             if value not in (None, False, 0, "text", {"type": "text"}) and not (name == "best_of" and value == 1):
                 raise OpenAIError(400, f"the parameter `{name}` is not supported by Tandem", param=name)
-        for name in SERVER_FIELDS:
-            value = extra.get(name)
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or isinstance(value, float)
-                and not math.isfinite(value)
-            ):
-                raise OpenAIError(400, f"`{name}` must be a finite number", param=name)
-        unknown = set(extra) - set(self.UNSUPPORTED) - set(SERVER_FIELDS) - {"metadata", "store"}
+        unknown = set(extra) - set(self.UNSUPPORTED) - set(SAMPLING_FIELDS) - {"metadata", "store"}
         if unknown:
             raise OpenAIError(400, f"unknown parameter(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
 
-    def sampling(self) -> dict:
+    def sampling(self) -> SamplingParams:
+        """The request's sampling, validated: a bad value is a 400 naming the parameter and its bound."""
         extra = self.model_extra or {}
-        max_tokens = self.max_tokens or self.max_completion_tokens or 256
-        # OpenAI's presence/frequency penalties and vLLM's/SGLang's min_p and repetition_penalty:
-        # applied by engines that can (the agents refuse them where an engine cannot)
-        server = {name: extra[name] for name in SERVER_FIELDS if extra.get(name) is not None}
-        return {
-            "max_tokens": max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            **server,
-        }
+        given = {name: extra[name] for name in SAMPLING_FIELDS if extra.get(name) is not None}
+        max_name = "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        try:
+            return SamplingParams(
+                **{
+                    "temperature": OPENAI_TEMPERATURE,
+                    **given,
+                    "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                }
+            )
+        except ValidationError as e:
+            error = e.errors()[0]
+            name = str(error["loc"][0]) if error["loc"] else "sampling"
+            name = max_name if name == "max_tokens" else name
+            value = max_tokens if name == max_name else given.get(name)
+            raise OpenAIError(400, f"`{name}`: {error['msg']} (got {value!r})", param=name) from None
 
     @property
     def stops(self) -> list[str]:
@@ -237,6 +234,7 @@ def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWr
 
     async def serve(body: _Common, chat: bool, request: Request):
         body.check()
+        sampling = body.sampling()  # refused here, before any agent is asked anything
         target = resolve_target(engine, body.model)
         if chat:
             ids = await router.tokenize(target, body.messages, None)
@@ -247,7 +245,6 @@ def make_openai_router(engine: Engine, router: Router, request_log: RequestLogWr
             if len(prompts) != 1:
                 raise OpenAIError(400, "exactly one prompt per request is supported", param="prompt")
             ids = await router.tokenize(target, None, prompts[0])
-        sampling = body.sampling()
         stats = RouteStats()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())

@@ -11,7 +11,8 @@ Routes (all but /healthz and /v1/identity need `Authorization: Bearer <cluster k
     POST   /v1/handoffs                    P: reserve budget, start prefill of a room
     GET    /v1/handoffs/{room}/pages       P: the room's page stream (one reader)
     DELETE /v1/handoffs/{room}             P: cancel a room (idempotent)
-    POST   /v1/decode                      D: pull a room's pages from a prefiller, stream tokens
+    POST   /v1/decode                      D: the one request of a P/D pair: D creates the handoff on
+                                           the prefiller, pulls its pages, streams tokens
     POST   /v1/generate                    this engine alone: prefill + decode, stream tokens
     DELETE /v1/requests/{request_id}       cancel a running decode/generate (idempotent)
     GET    /v1/bench/pages                 synthetic page stream for `tandem agent bench-link`
@@ -19,6 +20,7 @@ Routes (all but /healthz and /v1/identity need `Authorization: Bearer <cluster k
                                            page throughput and round trip (`tandem bench ttft --panel`)
     GET    /v1/openapi.json                the API's OpenAPI document
 
+How a P/D request goes between panel, decoder and prefiller: ARCHITECTURE.md, "One request".
 Token streams are NDJSON: {"token", "text"} lines, then one {"done": true, ...} line or one
 {"error": {...}} line. Errors before a stream starts are JSON `{"error": {"type", "message"}}`
 with a fitting status code.
@@ -34,7 +36,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import psutil
@@ -42,11 +43,21 @@ import xxhash
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from engine_adapters import ADAPTERS
 from engine_adapters.base import EngineAdapter, EngineRequest
+from tandem_protocol.api import (
+    PREFILLER_FAILED,
+    BenchLinkBody,
+    ConfigBody,
+    DecodeBody,
+    GenerateBody,
+    HandoffBody,
+    HandoffCreated,
+    TokenizeAnswer,
+    TokenizeBody,
+)
 from tandem_protocol.auth import (
     IDENTITY_PATH,
     IdentityAnswer,
@@ -56,18 +67,18 @@ from tandem_protocol.auth import (
     key_matches,
 )
 from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
-from tandem_protocol.contract import HashCache, compute_contract, token_digest
+from tandem_protocol.contract import HashCache, compute_contract
 from tandem_protocol.errors import Cancelled, ContractMismatch, FrameError, RequestError, TandemError, UnsupportedModel
-from tandem_protocol.handoff import FirstTokenMode, PrefillDone
+from tandem_protocol.handoff import PrefillDone
 from tandem_protocol.http_server import PageStreamResponse
-from tandem_protocol.pages import ENCODINGS, PROTOCOL_VERSION, FrameExpectation, KVPage, encode_frame, make_page
-from tandem_protocol.sampling import SamplingParams
+from tandem_protocol.pages import ENCODINGS, PROTOCOL_VERSION, FrameExpectation, encode_frame, make_page
 from tandem_protocol.settings import hash_cache_path
 from tandem_protocol.wire import PeerError, done_frame
 
 from .budget import BudgetExceeded, BudgetTimeout, StagingBudget
 from .engine_slot import EngineBusy, EngineLoading, EngineSlot, Loader
 from .handoffs import HandoffError, HandoffManager
+from .handshake import Handshake, PrefillerFailed, PrefillerRefused
 from .metrics import Metrics
 from .model_roots import ModelPathError, check_model, list_models
 
@@ -90,84 +101,12 @@ class AgentConfig:
     stall_timeout: float = 60.0
 
 
-# ---- request bodies --------------------------------------------------------------------------
-class SamplingBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a sampling field this agent does not know is refused, never dropped
-    # SamplingParams checks these bounds (and finiteness); they are declared here too so that the
-    # OpenAPI document says what is valid
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=2)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(**{**self.model_dump(), "stop_token_ids": tuple(self.stop_token_ids)})
-
-
-class RoomBody(BaseModel):
-    """What both roles of a P/D request are told: the room, the prompt, sampling and mode."""
-
-    room: str = Field(pattern=r"^[0-9a-f]{32}$")
-    token_ids: list[int]
-    sampling: SamplingBody = Field(default_factory=SamplingBody)
-    mode: FirstTokenMode = FirstTokenMode.COMMIT_FIRST
-
-
-class HandoffBody(RoomBody):
-    contract: str = Field(description="the decoder's contract fingerprint; must equal this node's")
-    protocol_version: int = PROTOCOL_VERSION
-    wait_timeout: float = Field(30.0, ge=0, le=3600)
-    page_encoding: Literal["raw", "zstd"] = Field(
-        "raw", description="how pages travel: raw FP16, or byte planes + zstd (lossless; see /v1/info page_encodings)"
-    )
-
-
-class BenchLinkBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    peer: str = Field(
-        description="base URL of the agent to pull from (it shares this cluster key)",
-        pattern=r"^https?://[^\s/]+(/.*)?$",
-    )
-    megabytes: int = Field(64, ge=1, le=4096, description="how much to pull, in MB (10^6 bytes)")
-
-
-class DecodeBody(RoomBody):
-    prefill_url: str = Field(description="base URL of the prefiller agent that holds the room")
-    request_id: str | None = None
-
-
-class GenerateBody(BaseModel):
-    token_ids: list[int]
-    sampling: SamplingBody = Field(default_factory=SamplingBody)
-    request_id: str | None = None
-
-
-class ConfigBody(BaseModel):
-    engine: str
-    model_path: str
-    context_length: int | None = Field(None, ge=1)
-    staging_bytes: int | None = Field(None, ge=1 << 20)
-    dry_run: bool = False
-
-
 class ConfigError(RequestError):
     """A node configuration the node cannot take; `field` names the form field at fault."""
 
     def __init__(self, message: str, field: str):
         super().__init__(message)
         self.field = field
-
-
-class TokenizeBody(BaseModel):
-    messages: list[dict] | None = None
-    prompt: str | None = None
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -193,11 +132,15 @@ def error_body(e: Exception) -> dict:
         body["peer_code"] = e.code
     if isinstance(e, ConfigError):
         body["field"] = e.field
+    if isinstance(e, PrefillerRefused):  # the prefiller's own error type and details, passed on
+        body = {**e.detail, **body, "type": e.kind}
+    if isinstance(e, PrefillerFailed):
+        body[PREFILLER_FAILED] = True
     return {"error": body}
 
 
 def status_of(e: Exception) -> int:
-    if isinstance(e, (HandoffError, AgentHTTPError)):
+    if isinstance(e, (HandoffError, AgentHTTPError, PrefillerFailed, PrefillerRefused)):
         return e.status
     return next((code for cls, code in _STATUS if isinstance(e, cls)), 500)
 
@@ -475,7 +418,7 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @api.post("/v1/tokenize")
-    async def tokenize(body: TokenizeBody):
+    async def tokenize(body: TokenizeBody) -> TokenizeAnswer:
         if (body.messages is None) == (body.prompt is None):
             raise RequestError("give exactly one of `messages` (chat) or `prompt` (plain text)")
         try:
@@ -486,10 +429,10 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
             )
         except Exception as e:  # template errors name the problem
             raise RequestError(f"cannot tokenize: {e}") from e
-        return {"token_ids": ids}
+        return TokenizeAnswer(token_ids=ids)
 
     @api.post("/v1/handoffs", status_code=201)
-    async def create_handoff(body: HandoffBody):
+    async def create_handoff(body: HandoffBody) -> HandoffCreated:
         if body.protocol_version != PROTOCOL_VERSION:
             raise RequestError(
                 f"decoder speaks Tandem protocol {body.protocol_version}, this prefiller speaks {PROTOCOL_VERSION}"
@@ -503,13 +446,13 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         h = await handoffs.create(
             body.room,
             body.token_ids,
-            body.sampling.params(),
+            body.sampling,
             body.mode,
             body.wait_timeout,
             encoding=ENCODINGS[body.page_encoding],
         )
         pages, nbytes = handoffs.page_bytes_for(len(body.token_ids), body.mode)
-        return {"room": h.room, "pages": pages, "reserved_bytes": nbytes}
+        return HandoffCreated(room=h.room, pages=pages, reserved_bytes=nbytes)
 
     @api.get("/v1/handoffs/{room}/pages")
     async def handoff_pages(room: str):
@@ -521,7 +464,12 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         return {"room": room, "cancelled": await handoffs.cancel(room)}
 
     async def token_lines(
-        req: EngineRequest, tokens: AsyncIterator[int], kind: str, t0: float, extra: dict
+        req: EngineRequest,
+        tokens: AsyncIterator[int],
+        kind: str,
+        t0: float,
+        extra: dict,
+        handshake: Handshake | None = None,
     ) -> AsyncIterator[bytes]:
         text = _Incremental(slot.adapter)
         outcome, count, ttft, last = "error", 0, None, None
@@ -553,7 +501,10 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
             ).encode()
         except (TandemError, AgentHTTPError) as e:
             outcome = "cancelled" if isinstance(e, Cancelled) else "failed"
-            yield (json.dumps(error_body(e)) + "\n").encode()
+            body = error_body(e)
+            if count == 0 and handshake is not None and handshake.failed:
+                body["error"][PREFILLER_FAILED] = True  # nothing was sent: the panel may serve D alone
+            yield (json.dumps(body) + "\n").encode()
         except Exception as e:  # a bug or an engine failing in a way nobody foresaw: still a last line
             log.exception("%s request %s failed", kind, req.request_id)
             outcome = "failed"
@@ -562,10 +513,12 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
             ).encode()
         finally:
             metrics.requests.labels(kind=kind, outcome=outcome).inc()
+            if handshake is not None:
+                handshake.release()
 
     @api.post("/v1/generate")
     async def generate(body: GenerateBody):
-        req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling.params())
+        req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling)
         slot.adapter.validate(req, generates=True)
         return StreamingResponse(
             token_lines(req, slot.adapter.generate(req), "generate", time.perf_counter(), {}),
@@ -580,54 +533,24 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
 
     @api.post("/v1/decode")
     async def decode(body: DecodeBody):
-        if body.mode not in slot.adapter.decoder_modes:
-            raise RequestError(f"{slot.adapter.name} cannot decode in {body.mode.value} mode")
-        req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling.params(), body.mode)
-        slot.adapter.validate(req, generates=True)
-        expect = FrameExpectation(
-            slot.adapter.contract.fingerprint_bytes,
-            bytes.fromhex(body.room),
-            token_digest(body.token_ids),
-            slot.adapter.geometry,
-        )
-        stats = {
-            "pages": 0,
-            "wire_bytes": 0,
-            "kv_tokens": 0,
-            "prefill_seconds": None,
-            "first_page_at": None,
-            "last_page_at": None,
-            "prefill_finished_at": None,
-        }
-        prefiller = peer(body.prefill_url)
-
-        async def pages() -> AsyncIterator[KVPage | PrefillDone]:
-            try:
-                async with prefiller.page_stream(body.room, expect) as stream:
-                    async for item in stream:
-                        metrics.bytes_received.inc(stream.bytes_read - stats["wire_bytes"])
-                        stats["wire_bytes"] = stream.bytes_read
-                        if isinstance(item, KVPage):
-                            stats["pages"] += 1
-                            stats["last_page_at"] = time.time()
-                            stats["first_page_at"] = stats["first_page_at"] or stats["last_page_at"]
-                            metrics.pages_received.inc()
-                            metrics.imported_tokens.inc(item.valid_tokens)
-                        else:
-                            stats.update(
-                                kv_tokens=item.kv_tokens,
-                                prefill_seconds=item.prefill_seconds,
-                                prefill_finished_at=item.finished_at,
-                            )
-                        yield item
-            except TransportError as e:
-                raise FrameError(
-                    f"the page stream from {body.prefill_url} broke off ({type(e).__name__}: {e}) "
-                    f"after {stats['pages']} whole page(s): nothing was decoded"
-                ) from e
-
+        """The one request of a P/D pair: checked here, then the handoff is created on the
+        prefiller and its pages pulled as they come (ARCHITECTURE.md, "One request")."""
+        a = slot.adapter
+        mode = body.mode or a.decoder_modes[0]
+        if mode not in a.decoder_modes:
+            raise RequestError(f"{a.name} cannot decode in {mode.value} mode")
+        req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling, mode)
+        a.validate(req, generates=True)  # context length, sampling fields: refused before P computes
+        if body.prefill_url is None:
+            return StreamingResponse(
+                token_lines(req, a.generate(req), "generate", time.perf_counter(), {}),
+                media_type="application/x-ndjson",
+            )
+        t0 = time.perf_counter()
+        handshake = Handshake(a, peer(body.prefill_url), body.prefill_url, metrics)
+        await handshake.open(req, body.page_encoding)  # a 4xx/429/502 here, before any stream
         return StreamingResponse(
-            token_lines(req, slot.adapter.decode(req, pages()), "decode", time.perf_counter(), stats),
+            token_lines(req, a.decode(req, handshake.pages(req)), "decode", t0, handshake.stats, handshake),
             media_type="application/x-ndjson",
         )
 

@@ -409,31 +409,15 @@ def decode_step_seconds(agent: Agent, key: str, vocab: int) -> float:
 
 
 def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, encoding: str = "raw") -> dict:
-    """One P/D request driven the way the panel's router drives it, straight to the agents, with
-    the agents' own timestamps (same host, one clock): where each millisecond of it goes."""
-    import uuid
-
+    """One P/D request sent the way the panel's router sends it (one POST /v1/decode to D, which
+    creates the handoff on P), with the agents' own timestamps (same host, one clock): where each
+    millisecond of it goes."""
     headers = {"Authorization": f"Bearer {key}"}
     sampling = {"max_tokens": max_tokens, "temperature": 0}
+    body = {"token_ids": ids, "sampling": sampling, "prefill_url": p.url, "page_encoding": encoding}
     with httpx.Client(headers=headers, timeout=600) as c:
         t0 = time.time()
-        info = c.get(d.url + "/v1/info").json()
-        mode, room = info["decoder_modes"][0], uuid.uuid4().hex
-        r = c.post(
-            p.url + "/v1/handoffs",
-            json={
-                "room": room,
-                "token_ids": ids,
-                "sampling": sampling,
-                "mode": mode,
-                "contract": info["contract"]["fingerprint"],
-                "page_encoding": encoding,
-            },
-        )
-        r.raise_for_status()
-        t_handoff = time.time()
         first, done, last = None, None, ""
-        body = {"room": room, "token_ids": ids, "sampling": sampling, "mode": mode, "prefill_url": p.url}
         with c.stream("POST", d.url + "/v1/decode", json=body) as r:
             for line in r.iter_lines():
                 last = line or last
@@ -445,8 +429,7 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, enco
         return {"error": last[:500] or f"HTTP {r.status_code}"}  # reported in the output, the run goes on
     prefill_start = done["prefill_finished_at"] - done["prefill_seconds"]
     parts = {
-        "router: D info + handoff on P": t_handoff - t0,
-        "P: from handoff to prefill start": prefill_start - t_handoff,
+        "D: checks + handoff on P, to prefill start": prefill_start - t0,
         "P: prefill": done["prefill_seconds"],
         "wire: last page after prefill end": done["last_page_at"] - done["prefill_finished_at"],
         "D: first token after last page": first - done["last_page_at"],

@@ -1,9 +1,10 @@
-"""HTTP client for talking to an agent: used by decoders (to pull pages), routers and tests.
+"""HTTP client for talking to an agent: used by decoders (to reach prefillers), the panel and tests.
 
-Control calls and token streams go through aiohttp (its C HTTP parser; httpx's pure-Python h11
-was 3x slower here). Page streams, the hot path, go through `page_receiver.py`, which receives
-pages in place. One `AgentClient` per peer keeps both connection pools, so a decoder reuses its
-connections to a prefiller across requests instead of paying a TCP (and TLS) handshake.
+Control calls and token streams go through httpx, the one HTTP client library of the product
+(measured with bench/bench_http_client.py; figures in ARCHITECTURE.md "HTTP clients"). Page
+streams, the hot path, go through `page_receiver.py`, which receives pages in place. One
+`AgentClient` per peer keeps both connection pools, so a decoder reuses its connections to a
+prefiller across requests instead of paying a TCP (and TLS) handshake.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import aiohttp
+import httpx
 
 from .errors import TandemError
 from .page_receiver import HTTPStatusError, PageStream, ReceiverPool
@@ -21,29 +22,42 @@ from .pages import PROTOCOL_VERSION, FrameExpectation
 from .settings import settings
 
 # The client side of the wire, for the callers that catch transport failures.
-TransportError = (aiohttp.ClientError, ConnectionError, TimeoutError)  # StreamBroken is a ConnectionError
+TransportError = (httpx.TransportError, ConnectionError, TimeoutError)  # StreamBroken is a ConnectionError
 
 
 class AgentHTTPError(TandemError):
-    def __init__(self, status: int, message: str, kind: str = "AgentHTTPError", detail: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "AgentHTTPError",
+        detail: dict | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.detail = detail or {}  # the agent's error object (e.g. "field" for a bad configuration)
+        self.retry_after = retry_after  # the answer's Retry-After (a 429), in seconds
 
 
-def _raise_for(response: aiohttp.ClientResponse, body: bytes) -> None:
-    if response.status >= 400:
-        raise _http_error(response.status, f"{response.url.host}:{response.url.port}", body)
-
-
-def _http_error(status: int, where: str, body: bytes) -> AgentHTTPError:
+def _http_error(status: int, where: str, body: bytes, retry_after: str | None = None) -> AgentHTTPError:
     try:
         err = json.loads(body)["error"]
         kind, message = err.get("type", "error"), err.get("message", "")
     except (ValueError, KeyError, TypeError, AttributeError):
         err, kind, message = {}, "error", body[:500].decode(errors="replace")
-    return AgentHTTPError(status, f"{where} answered {status} {kind}: {message}", kind, err)
+    try:
+        retry = float(retry_after) if retry_after else None
+    except ValueError:  # an HTTP date: agents never send one
+        retry = None
+    return AgentHTTPError(status, f"{where} answered {status} {kind}: {message}", kind, err, retry)
+
+
+def _raise_for(response: httpx.Response, body: bytes) -> None:
+    if response.status_code >= 400:
+        where = f"{response.url.host}:{response.url.port}"
+        raise _http_error(response.status_code, where, body, response.headers.get("retry-after"))
 
 
 class AgentClient:
@@ -54,46 +68,51 @@ class AgentClient:
         verify: bool | str | None = None,
         timeout: float = 30.0,
         stall_timeout: float | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ):
         """`verify`: True (system CAs), False (no check), a CA bundle path, or None for the
         TANDEM_CA_FILE environment variable when set (how a cluster with self-signed agent
-        certificates is trusted) and the system CAs otherwise."""
+        certificates is trusted) and the system CAs otherwise. `transport`: an httpx transport
+        for control calls and token streams (a unit test's fake agent); page streams never use it."""
         if verify is None:
             ca_file = settings().ca_file
             verify = str(ca_file) if ca_file else True
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {key}", "X-Tandem-Protocol": str(PROTOCOL_VERSION)}
-        self._ssl: ssl.SSLContext | bool = (
+        self._ssl: ssl.SSLContext | bool | None = (
             ssl.create_default_context(cafile=verify) if isinstance(verify, str) else (None if verify else False)
         )
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=timeout)
-        self._session: aiohttp.ClientSession | None = None
-        self._pages: ReceiverPool | None = None  # page streams bypass aiohttp (page_receiver.py)
+        self._connect_timeout = timeout
+        self._transport = transport
+        self._http: httpx.AsyncClient | None = None
+        self._pages: ReceiverPool | None = None  # page streams bypass httpx (page_receiver.py)
         self._stall_timeout = stall_timeout  # a page stream silent this long is broken (None: wait)
 
     @property
-    def session(self) -> aiohttp.ClientSession:
+    def http(self) -> httpx.AsyncClient:
         # Created on first use, inside the event loop that will use it.
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
+        if self._http is None or self._http.is_closed:
+            self._http = httpx.AsyncClient(
+                base_url=self.base_url,
                 headers=self._headers,
-                timeout=self._timeout,
-                read_bufsize=1 << 20,
-                connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=60, ssl=self._ssl),
+                # connecting is bounded; reading is not: a decode may stream for minutes
+                timeout=httpx.Timeout(None, connect=self._connect_timeout),
+                verify=True if self._ssl is None else self._ssl,
+                limits=httpx.Limits(max_connections=64, keepalive_expiry=60),
+                transport=self._transport,
             )
-        return self._session
+        return self._http
 
     async def aclose(self) -> None:
         if self._pages is not None:
             self._pages.close()
-        if self._session is not None:
-            await self._session.close()
+        if self._http is not None:
+            await self._http.aclose()
 
     async def _json(self, method: str, path: str, **kwargs) -> dict:
-        async with self.session.request(method, self.base_url + path, **kwargs) as response:
-            body = await response.read()
-            _raise_for(response, body)
-            return json.loads(body)
+        response = await self.http.request(method, path, **kwargs)
+        _raise_for(response, response.content)
+        return response.json()
 
     async def healthz(self) -> dict:
         """Liveness (the one route that needs no key)."""
@@ -132,7 +151,7 @@ class AgentClient:
         """
         if self._pages is None:
             self._pages = ReceiverPool(
-                self.base_url, self._headers, self._ssl, self._timeout.connect, stall_timeout=self._stall_timeout
+                self.base_url, self._headers, self._ssl, self._connect_timeout, stall_timeout=self._stall_timeout
             )
         try:
             async with self._pages.stream(path or f"/v1/handoffs/{room}/pages", expect) as stream:
@@ -141,10 +160,11 @@ class AgentClient:
             raise _http_error(e.status, f"{self._pages.host}:{self._pages.port}", e.body) from None
 
     async def lines(self, path: str, body: dict) -> AsyncIterator[dict]:
-        """POST and read an NDJSON token stream line by line."""
-        async with self.session.post(self.base_url + path, json=body) as response:
-            if response.status >= 400:
-                _raise_for(response, await response.read())
-            async for line in response.content:
+        """POST and read an NDJSON token stream line by line. An answer of 4xx/5xx (before any
+        line) raises AgentHTTPError."""
+        async with self.http.stream("POST", path, json=body) as response:
+            if response.status_code >= 400:
+                _raise_for(response, await response.aread())
+            async for line in response.aiter_lines():
                 if line.strip():
                     yield json.loads(line)

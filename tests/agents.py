@@ -66,6 +66,12 @@ class AgentProcess(ServiceProcess):
             base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60, verify=self.verify
         )
 
+    def info(self) -> dict:
+        with self.client() as c:
+            r = c.get("/v1/info")
+            r.raise_for_status()
+            return r.json()
+
     def status(self) -> dict:
         with self.client() as c:
             r = c.get("/v1/status")
@@ -135,45 +141,20 @@ async def pd_request(
     sampling: dict,
     mode: str | None = None,
     key: str = TEST_KEY,
-    room: str | None = None,
-    d_token_ids: list[int] | None = None,
     prefill_url: str | None = None,
     page_encoding: str = "raw",
 ) -> list[dict]:
-    """Route one request P->D the way the panel does: create the handoff on P, then decode on D
-    (which pulls P's pages itself). Returns D's NDJSON lines."""
-    import uuid
-
+    """One P/D request the way the panel sends it: one POST /v1/decode to D, which creates the
+    handoff on P (at `prefill_url`, P's own URL unless a proxy sits between) and pulls its pages.
+    Returns D's NDJSON lines; an answer before the stream (4xx, 502) raises AgentHTTPError."""
     from tandem_protocol.client import AgentClient
 
-    p, d = AgentClient(p_url, key), AgentClient(d_url, key)
+    d = AgentClient(d_url, key)
+    body = {"token_ids": token_ids, "sampling": sampling, "prefill_url": prefill_url or p_url}
+    body |= {"page_encoding": page_encoding} | ({"mode": mode} if mode else {})
     try:
-        info = await d.info()
-        mode = mode or info["decoder_modes"][0]
-        room = room or uuid.uuid4().hex
-        await p.create_handoff(
-            room=room,
-            token_ids=token_ids,
-            sampling=sampling,
-            mode=mode,
-            contract=info["contract"]["fingerprint"],
-            page_encoding=page_encoding,
-        )
-        return [
-            line
-            async for line in d.lines(
-                "/v1/decode",
-                {
-                    "room": room,
-                    "token_ids": d_token_ids or token_ids,
-                    "sampling": sampling,
-                    "mode": mode,
-                    "prefill_url": prefill_url or p_url,
-                },
-            )
-        ]
+        return [line async for line in d.lines("/v1/decode", body)]
     finally:
-        await p.aclose()
         await d.aclose()
 
 
@@ -188,37 +169,15 @@ async def generate_request(url: str, token_ids: list[int], sampling: dict, key: 
         await client.aclose()
 
 
-async def decode_foreign_pages(p_url: str, d_url: str, token_ids: list[int], key: str = TEST_KEY) -> list[dict]:
-    """A handoff made for P's own contract, decoded by D anyway (a router that skipped the
-    contract check), in D's first decoder mode: D's NDJSON lines."""
-    from tandem_protocol.client import AgentClient
-
-    p, d = AgentClient(p_url, key), AgentClient(d_url, key)
+def decode_foreign_pages(p: AgentProcess, d: AgentProcess, token_ids: list[int]) -> list[dict]:
+    """Pages made for P's own contract, decoded by D anyway (a prefiller that skipped its contract
+    check): a proxy before P rewrites D's fingerprint in the handoff request into P's. D's lines."""
+    swap = (d.info()["contract"]["fingerprint"].encode(), p.info()["contract"]["fingerprint"].encode())
+    proxy = TamperProxy(p.port, replace=[swap])
     try:
-        room, mode = uuid.uuid4().hex, (await d.info())["decoder_modes"][0]
-        await p.create_handoff(
-            room=room,
-            token_ids=token_ids,
-            sampling={"max_tokens": 4},
-            mode=mode,
-            contract=(await p.info())["contract"]["fingerprint"],
-        )
-        return [
-            x
-            async for x in d.lines(
-                "/v1/decode",
-                {
-                    "room": room,
-                    "token_ids": token_ids,
-                    "mode": mode,
-                    "sampling": {"max_tokens": 4},
-                    "prefill_url": p_url,
-                },
-            )
-        ]
+        return asyncio.run(pd_request(p.url, d.url, token_ids, {"max_tokens": 4}, prefill_url=proxy.url))
     finally:
-        await p.aclose()
-        await d.aclose()
+        proxy.close()
 
 
 def tokens_of(lines: list[dict]) -> list[int]:
@@ -259,13 +218,14 @@ def wait_for(what, timeout: float = 60, step: float = 0.02):
     return value
 
 
-def wait_until_streaming(p: AgentProcess, timeout: float = 120) -> None:
-    """Until the prefiller has sent some but not all of a room's pages (the transfer is under way)."""
+def wait_until_streaming(p: AgentProcess, timeout: float = 120) -> str:
+    """Until the prefiller has sent some but not all of a room's pages (the transfer is under
+    way); returns the room."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rooms = p.status()["handoffs"]
         if rooms and rooms[0]["pages_sent"] >= 1 and rooms[0]["state"] != "prefilled":
-            return
+            return rooms[0]["room"]
         time.sleep(0.05)
     raise AssertionError(f"no transfer under way on {p.url}")
 
@@ -282,7 +242,9 @@ class TamperProxy:
     cut the connection after `cut_at` bytes, go silent after `freeze_at` bytes (a pulled cable:
     no byte and no close either way, until the client gives up), or pass at most `rate` bytes a
     second (a slow link). All counted per connection and read when a connection opens, so a
-    test may change them between requests. Runs its own event loop in a thread."""
+    test may change them between requests. `replace`: (old, new) byte strings of equal length
+    replaced in what the client sends (a request rewritten on its way). Runs its own event loop
+    in a thread."""
 
     def __init__(
         self,
@@ -292,8 +254,10 @@ class TamperProxy:
         upstream_host: str = "127.0.0.1",
         host: str = "127.0.0.1",
         port: int = 0,
+        replace: list[tuple[bytes, bytes]] = (),
     ):
-        self.upstream_port, self.flip_at, self.cut_at = upstream_port, flip_at, cut_at
+        assert all(len(old) == len(new) for old, new in replace), "a rewrite keeps the Content-Length"
+        self.upstream_port, self.flip_at, self.cut_at, self.replace = upstream_port, flip_at, cut_at, replace
         self.freeze_at: int | None = None
         self.rate: float | None = None
         self.upstream_host, self.host, self.port = upstream_host, host, port
@@ -319,6 +283,8 @@ class TamperProxy:
 
         async def upstream() -> None:
             while data := await client_r.read(65536):
+                for old, new in self.replace:
+                    data = data.replace(old, new)
                 up_w.write(data)
                 await up_w.drain()
 

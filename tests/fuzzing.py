@@ -261,10 +261,10 @@ def fuzz_agent(
             ("HandoffBody", "token_ids"): ids,
             ("DecodeBody", "token_ids"): ids,
             ("GenerateBody", "token_ids"): ids,
-            ("SamplingBody", "max_tokens"): {"type": "integer", "minimum": 1, "maximum": 4},
+            ("SamplingParams", "max_tokens"): {"type": "integer", "minimum": 1, "maximum": 4},
             # torch applies none of these (it refuses them): valid cases leave them at their defaults
             **{
-                ("SamplingBody", name): {"enum": [value]}
+                ("SamplingParams", name): {"enum": [value]}
                 for name, value in [
                     ("min_p", 0.0),
                     ("repetition_penalty", 1.0),

@@ -151,25 +151,10 @@ def test_cancel_a_waiting_and_a_streaming_request(small, long_ids):
 def test_decoder_disconnect_releases_everything(small, long_ids):
     async def main():
         d = AgentClient(small.url, TEST_KEY)
-        info = await d.info()
-        room = uuid.uuid4().hex
         ids = prompt(long_ids, 130)
-        await d.create_handoff(
-            room=room,
-            token_ids=ids,
-            sampling={"max_tokens": 200, "ignore_eos": True},
-            mode="commit-first",
-            contract=info["contract"]["fingerprint"],
-        )
         stream = d.lines(
             "/v1/decode",
-            {
-                "room": room,
-                "token_ids": ids,
-                "mode": "commit-first",
-                "sampling": {"max_tokens": 200, "ignore_eos": True},
-                "prefill_url": small.url,
-            },
+            {"token_ids": ids, "sampling": {"max_tokens": 200, "ignore_eos": True}, "prefill_url": small.url},
         )
         for _ in range(3):
             await stream.__anext__()
@@ -207,23 +192,12 @@ def test_a_prefill_longer_than_the_lease_is_read_to_the_end(smol_dir, tmp_path, 
 def test_cancel_a_decoding_request_by_id(small, long_ids):
     async def main():
         d = AgentClient(small.url, TEST_KEY)
-        info = await d.info()
-        room, ids = uuid.uuid4().hex, prompt(long_ids, 120)
+        ids = prompt(long_ids, 120)
         sampling = {"max_tokens": 300, "ignore_eos": True}
-        await d.create_handoff(
-            room=room, token_ids=ids, sampling=sampling, mode="commit-first", contract=info["contract"]["fingerprint"]
-        )
         lines = []
         async for line in d.lines(
             "/v1/decode",
-            {
-                "room": room,
-                "token_ids": ids,
-                "mode": "commit-first",
-                "sampling": sampling,
-                "prefill_url": small.url,
-                "request_id": "stop-me",
-            },
+            {"token_ids": ids, "sampling": sampling, "prefill_url": small.url, "request_id": "stop-me"},
         ):
             lines.append(line)
             if len(lines) == 3:

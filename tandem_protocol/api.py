@@ -1,0 +1,89 @@
+"""The node agent API's request and response models: the agent's routes take them, and the
+panel and the agent client send them. The exchange they carry is drawn once, in ARCHITECTURE.md
+("One request")."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .handoff import FirstTokenMode
+from .pages import PROTOCOL_VERSION
+from .sampling import SamplingParams
+
+PageEncoding = Literal["raw", "zstd"]
+_URL = r"^https?://[^\s/]+(/.*)?$"
+
+# The key in a decoder's error object (an answer before the stream, or the stream's error line)
+# that says the prefiller's side failed before any token left: P unreachable, P failed, the page
+# stream broke or arrived damaged. D has released what it imported, so a panel may serve the
+# request on D alone (a pair's "decode_alone" fallback).
+PREFILLER_FAILED = "prefiller_failed"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a field this agent does not know is refused, never dropped
+
+
+class GenerateBody(_Body):
+    """POST /v1/generate: this engine alone, prefill and decode."""
+
+    token_ids: list[int]
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    request_id: str | None = None
+
+
+class DecodeBody(GenerateBody):
+    """POST /v1/decode: the one request a panel sends a decoder for a P/D pair. The decoder checks
+    it against its own limits, creates the handoff on the prefiller itself, pulls the pages and
+    streams tokens. No `prefill_url`: this engine alone, as /v1/generate."""
+
+    prefill_url: str | None = Field(None, description="base URL of the prefiller agent", pattern=_URL)
+    page_encoding: PageEncoding = Field(
+        "raw", description="how pages should travel: raw FP16, or byte planes + zstd (lossless)"
+    )
+    mode: FirstTokenMode | None = Field(None, description="first-token mode; none: the decoder's preferred one")
+
+
+class HandoffBody(_Body):
+    """POST /v1/handoffs on a prefiller, sent by the decoder that will read the pages."""
+
+    room: str = Field(pattern=r"^[0-9a-f]{32}$")
+    token_ids: list[int]
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    mode: FirstTokenMode = FirstTokenMode.COMMIT_FIRST
+    contract: str = Field(description="the decoder's contract fingerprint; must equal this node's")
+    protocol_version: int = PROTOCOL_VERSION
+    wait_timeout: float = Field(30.0, ge=0, le=3600)
+    page_encoding: PageEncoding = Field(
+        "raw", description="how pages travel: raw FP16, or byte planes + zstd (lossless; see /v1/info page_encodings)"
+    )
+
+
+class HandoffCreated(BaseModel):
+    room: str
+    pages: int
+    reserved_bytes: int
+
+
+class TokenizeBody(BaseModel):
+    messages: list[dict] | None = None
+    prompt: str | None = None
+
+
+class TokenizeAnswer(BaseModel):
+    token_ids: list[int]
+
+
+class ConfigBody(BaseModel):
+    engine: str
+    model_path: str
+    context_length: int | None = Field(None, ge=1)
+    staging_bytes: int | None = Field(None, ge=1 << 20)
+    dry_run: bool = False
+
+
+class BenchLinkBody(_Body):
+    peer: str = Field(description="base URL of the agent to pull from (it shares this cluster key)", pattern=_URL)
+    megabytes: int = Field(64, ge=1, le=4096, description="how much to pull, in MB (10^6 bytes)")

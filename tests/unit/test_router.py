@@ -1,0 +1,273 @@
+"""The panel's routing, driven by fake agents behind a counting httpx transport.
+
+The router is the subject here, so the agents are fakes: they answer what a real decoder answers
+(its NDJSON stream, its 4xx/429/502 before a stream) and record every call the panel makes. The
+real exchange between real agents is tests/test_panel_routing.py's and tests/test_agent_pd.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+from sqlmodel import Session
+
+from control_panel.app import create_app
+from control_panel.models import Node, Pair
+from control_panel.openai_api import ChatBody, OpenAIError
+from control_panel.router import RouteError, Router, RouteStats, Target
+from control_panel.security import create_api_key
+from control_panel.state import open_state
+from tandem_protocol.api import PREFILLER_FAILED
+from tandem_protocol.sampling import SamplingParams
+
+P, D = "http://p.test:7001", "http://d.test:7002"
+PROMPT = list(range(1, 41))
+TOKENS = [{"token": 100 + i, "text": f" w{i}"} for i in range(3)]
+DONE = {"done": True, "finish_reason": "length", "wire_bytes": 12345}
+
+
+class Lines(httpx.AsyncByteStream):
+    """An NDJSON body; `hold`: after the lines, wait (a decode still running) until closed."""
+
+    def __init__(self, lines: list[dict], hold: bool = False):
+        self.lines, self.hold, self.closed = lines, hold, asyncio.Event()
+
+    async def __aiter__(self):
+        for line in self.lines:
+            yield (json.dumps(line) + "\n").encode()
+        if self.hold:
+            await self.closed.wait()
+
+    async def aclose(self) -> None:
+        self.closed.set()
+
+
+def stream(lines: list[dict], hold: bool = False) -> httpx.Response:
+    return httpx.Response(200, stream=Lines(lines, hold), headers={"content-type": "application/x-ndjson"})
+
+
+def refusal(status: int, kind: str, message: str, headers: dict | None = None, **extra) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"type": kind, "message": message, **extra}}, headers=headers)
+
+
+class FakeAgents(httpx.AsyncBaseTransport):
+    """Both agents of a pair as the panel reaches them. Every call is counted; `answers` maps a
+    route's last part to a function of the JSON body that gives D's answer."""
+
+    def __init__(self, **answers: Callable[[dict], httpx.Response]):
+        self.reset(**answers)
+
+    def reset(self, **answers: Callable[[dict], httpx.Response]) -> FakeAgents:
+        self.calls: list[tuple[str, str, dict | None]] = []  # (agent, path, body)
+        self.answers = {
+            "/v1/tokenize": lambda body: httpx.Response(200, json={"token_ids": PROMPT}),
+            "/v1/decode": lambda body: stream([*TOKENS, DONE]),
+            "/v1/generate": lambda body: stream([*TOKENS, DONE]),
+            **{"/v1/" + name: answer for name, answer in answers.items()},
+        }
+        return self
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        agent = {"p.test": "P", "d.test": "D"}[request.url.host]
+        self.calls.append((agent, request.url.path, body))
+        answer = self.answers.get(request.url.path)
+        return answer(body) if agent == "D" and answer else httpx.Response(404, json={"error": {"message": "?"}})
+
+    @property
+    def paths(self) -> list[tuple[str, str]]:
+        return [(agent, path) for agent, path, _ in self.calls]
+
+
+# ---- through the panel's OpenAI API ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def panel(tmp_path_factory):
+    """The real panel app in-process, its router on fake agents: pair "pd" falls back to D alone,
+    pair "pd-strict" never does."""
+    agents = FakeAgents()
+    key = "tdm_unit-cluster-0123456789abcdef"
+    state = open_state(tmp_path_factory.mktemp("router"), key)
+    state.router = Router(key, agents)
+    app = create_app(state)
+    with Session(app.state.db) as s:
+        p, d = Node(name="p", url=P, paired=True), Node(name="d", url=D, paired=True)
+        s.add_all([p, d])
+        s.flush()
+        for name, fallback in (("pd", "decode_alone"), ("pd-strict", "fail")):
+            s.add(
+                Pair(
+                    name=name,
+                    prefill_node_id=p.id,
+                    decode_node_id=d.id,
+                    prefill_engine="torch",
+                    decode_engine="torch",
+                    prefill_model_path="/m",
+                    decode_model_path="/m",
+                    context_length=2048,
+                    local_threshold=8,
+                    fallback=fallback,
+                    page_encoding="zstd",
+                )
+            )
+        s.commit()
+    app.state.api_key = create_api_key(app.state.db, "unit")
+    app.state.agents = agents
+    return app
+
+
+async def _post(app, body: bytes) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    headers = {"Authorization": f"Bearer {app.state.api_key}", "content-type": "application/json"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://panel", headers=headers) as client:
+        try:
+            return await client.post("/v1/chat/completions", content=body)
+        finally:
+            await app.state.router.aclose()  # its clients belong to this event loop
+
+
+def ask(panel, body: dict, **answers) -> tuple[httpx.Response, FakeAgents]:
+    agents = panel.state.agents.reset(**answers)
+    return asyncio.run(_post(panel, json.dumps(body).encode())), agents  # NaN as Python's json sends it
+
+
+def chat(**extra) -> dict:
+    return {"model": "pd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0} | extra
+
+
+def test_a_pair_request_is_two_calls_tokenize_and_decode(panel):
+    r, agents = ask(panel, chat())
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == " w0 w1 w2"
+    assert agents.paths == [("D", "/v1/tokenize"), ("D", "/v1/decode")]
+    decode = agents.calls[1][2]
+    assert SamplingParams(**decode.pop("sampling")) == SamplingParams(max_tokens=3)
+    assert decode == {"token_ids": PROMPT, "prefill_url": P, "page_encoding": "zstd"}
+
+
+def test_a_prompt_under_the_threshold_is_one_generate_on_d(panel):
+    r, agents = ask(panel, chat(), tokenize=lambda body: httpx.Response(200, json={"token_ids": [1, 2, 3]}))
+    assert r.status_code == 200, r.text
+    assert agents.paths == [("D", "/v1/tokenize"), ("D", "/v1/generate")]
+
+
+def p_failed_in_stream(body: dict) -> httpx.Response:
+    return stream([{"error": {"type": "FrameError", "message": "checksum mismatch on page 0", PREFILLER_FAILED: True}}])
+
+
+def p_unreachable(body: dict) -> httpx.Response:
+    return refusal(502, "PrefillerUnreachable", "prefiller unreachable: http://p.test:7001", **{PREFILLER_FAILED: True})
+
+
+@pytest.mark.parametrize("decode", [p_failed_in_stream, p_unreachable])
+def test_d_reports_p_failed_before_the_first_token_and_the_panel_serves_d_alone(panel, decode):
+    r, agents = ask(panel, chat(), decode=decode)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == " w0 w1 w2", r.text
+    assert agents.paths == [("D", "/v1/tokenize"), ("D", "/v1/decode"), ("D", "/v1/generate")]
+    assert agents.calls[2][2]["token_ids"] == PROMPT and "prefill_url" not in agents.calls[2][2]
+
+
+@pytest.mark.parametrize("decode", [p_failed_in_stream, p_unreachable])
+def test_no_fallback_when_the_pair_forbids_it(panel, decode):
+    r, agents = ask(panel, chat(model="pd-strict"), decode=decode)
+    assert r.status_code == 503 and "fallback disabled" in r.json()["error"]["message"], r.text
+    assert agents.paths == [("D", "/v1/tokenize"), ("D", "/v1/decode")]
+
+
+def test_a_failure_of_d_itself_is_not_retried_on_d(panel):
+    """An error line without the prefiller mark (D's engine failed): reported, never re-run."""
+    r, agents = ask(panel, chat(), decode=lambda body: stream([{"error": {"type": "engine_error", "message": "boom"}}]))
+    assert r.status_code == 503 and "boom" in r.json()["error"]["message"], r.text
+    assert agents.paths == [("D", "/v1/tokenize"), ("D", "/v1/decode")]
+
+
+def test_a_busy_prefiller_is_429_with_d_s_retry_after(panel):
+    r, agents = ask(
+        panel, chat(), decode=lambda body: refusal(429, "BudgetTimeout", "busy", headers={"Retry-After": "7"})
+    )
+    assert r.status_code == 429 and r.headers["Retry-After"] == "7", (r.status_code, r.headers)
+    assert r.json()["error"]["type"] == "rate_limit_exceeded"
+    assert agents.paths == [("D", "/v1/tokenize"), ("D", "/v1/decode")]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "prompt of 40 tokens plus max_tokens 3000 exceeds the context length 2048",
+        "the decode engine (torch) cannot apply min_p: leave it at the default or use another node",
+    ],
+)
+def test_d_refuses_before_any_compute_and_the_client_gets_400(panel, message):
+    r, agents = ask(panel, chat(), decode=lambda body: refusal(400, "RequestError", message))
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert agents.paths == [("D", "/v1/tokenize"), ("D", "/v1/decode")]  # no fallback, nothing more
+
+
+@pytest.mark.parametrize(
+    "name, value, bound",
+    [
+        ("temperature", -1, "greater than or equal to 0"),
+        ("top_p", 1.5, "less than or equal to 1"),
+        ("top_p", 0, "greater than 0"),
+        ("seed", 2**64, "less than 9223372036854775808"),
+        ("presence_penalty", "x", "valid number"),
+        ("max_tokens", 0, "greater than or equal to 1"),
+        ("max_completion_tokens", -5, "greater than or equal to 1"),
+        ("min_p", float("nan"), "finite number"),
+    ],
+)
+def test_bad_sampling_is_400_naming_the_field_and_bound_before_any_call(panel, name, value, bound):
+    body = {**chat(), name: value}
+    if name == "max_completion_tokens":
+        del body["max_tokens"]
+    r, agents = ask(panel, body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == name, r.text
+    assert name in error["message"] and bound in error["message"], error
+    assert agents.calls == []  # refused at the panel's edge: no agent was asked anything
+
+
+def test_openai_sampling_maps_onto_sampling_params():
+    body = ChatBody(model="pd", messages=[{"role": "user", "content": "hi"}], top_k=5, seed=-1, min_p=0.1)
+    assert body.sampling() == SamplingParams(max_tokens=256, temperature=1.0, top_k=5, seed=-1, min_p=0.1)
+    with pytest.raises(OpenAIError) as e:
+        ChatBody(model="pd", messages=[{"role": "user", "content": "hi"}], temperature=True).sampling()
+    assert e.value.param == "temperature"
+
+
+# ---- the router alone: cancellation ---------------------------------------------------------------
+def test_a_client_that_goes_away_closes_d_s_stream_and_nothing_else_is_called():
+    held = Lines(TOKENS, hold=True)
+    agents = FakeAgents(decode=lambda body: httpx.Response(200, stream=held))
+    router = Router("key", agents)
+    target = Target("pd", D, P)
+
+    async def main():
+        events = router.run(target, PROMPT, SamplingParams(max_tokens=100), RouteStats())
+        got = [await events.__anext__() for _ in range(2)]
+        await events.aclose()  # the client went away mid-answer
+        await router.aclose()
+        return got
+
+    assert asyncio.run(main()) == TOKENS[:2]
+    assert held.closed.is_set()  # D sees its client hang up: D stops and cancels P's handoff
+    assert agents.paths == [("D", "/v1/decode")]
+
+
+def test_d_unreachable_is_503():
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused")
+
+    async def main():
+        router = Router("key", httpx.MockTransport(down))
+        try:
+            return [e async for e in router.run(Target("pd", D, P), PROMPT, SamplingParams(), RouteStats())]
+        finally:
+            await router.aclose()
+
+    with pytest.raises(RouteError) as e:
+        asyncio.run(main())
+    assert e.value.status == 503 and "not reachable" in str(e.value)
