@@ -68,10 +68,10 @@ def test_a_pair_with_compressed_pages_answers_the_same_with_fewer_bytes(cluster)
     )
 
 
-def test_router_remembers_the_decoder_and_notices_when_it_changed(cluster, smol_dir):
-    """The router asks D for its /v1/info once, not on every request; when both nodes are
-    reconfigured behind its back (a new context length, so a new contract), the prefiller's 409
-    makes it ask again, and the request still goes P -> D."""
+def test_a_pair_reconfigured_behind_the_panels_back_still_goes_p_to_d(cluster, smol_dir):
+    """Both nodes get a new context length (so a new contract) without the panel knowing: the
+    panel remembers nothing of D's contract (D sends P its own, live), and the request still
+    goes P -> D."""
     client, p, d = cluster["client"], cluster["p"], cluster["d"]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     first = client.chat.completions.create(model="pd", messages=messages, max_tokens=8, temperature=0)
