@@ -173,7 +173,7 @@ def main() -> None:
         agent.stop()
     print(f"{'client':8} {'GET /v1/info ms':>16} {'agent lines/s':>14} {'ceiling lines/s':>16}")
     for name, r in best.items():
-        print(f"{name:8} {r['info_ms']:16.2f} {r['agent_lines_s']:14.0f} {r['ceiling_lines_s']:16.0f}")
+        print(f"{name:8} {r['info_ms']:16.2f} {r['agent_lines_s']:14.1f} {r['ceiling_lines_s']:16.0f}")
 
 
 if __name__ == "__main__":
