@@ -30,7 +30,7 @@ import httpx  # noqa: E402
 
 from engine_adapters.embedded_model import is_fetched  # noqa: E402
 from tandem_cli.processes import ServiceProcess  # noqa: E402
-from tandem_protocol.paths import data_dir  # noqa: E402
+from tandem_protocol.settings import data_dir  # noqa: E402
 
 KEY = "tdm_bench-http-client-key-0123456789"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
