@@ -1,0 +1,123 @@
+"""Requests the benchmark sends its agents and panel directly: a timed completion, an engine's
+decode step, P's counters, and one traced P/D request."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import httpx
+import numpy as np
+
+if TYPE_CHECKING:
+    from .cluster import Agent
+
+
+def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
+    """n random token ids; the seed makes every prompt's start distinct (no prefix reuse)."""
+    return [int(x) for x in np.random.default_rng(seed).integers(100, vocab - 100, size=n)]
+
+
+def ttft(http: httpx.Client, model: str, ids: list[int], max_tokens: int) -> float:
+    """Seconds from sending a streaming completion to its first chunk with a choice."""
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    first = None
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{model}: {r.status_code} {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {") and '"choices"' in line:
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError(f"{model}: the stream carried no token")
+    return first
+
+
+@dataclass(frozen=True)
+class PrefillerCounters:
+    """An agent's handoff counters (its /metrics): read before and after one request, their
+    differences are that request's own prefill time (P's clock) and the page bytes it sent."""
+
+    prefills: float
+    prefill_seconds: float
+    pages_sent: float
+    bytes_sent: float
+
+
+_COUNTERS = {
+    "tandem_handoff_prefill_seconds_count": "prefills",
+    "tandem_handoff_prefill_seconds_sum": "prefill_seconds",
+    "tandem_pages_sent_total": "pages_sent",
+    "tandem_page_bytes_sent_total": "bytes_sent",
+}
+
+
+def prefiller_counters(url: str, key: str) -> PrefillerCounters:
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _COUNTERS:
+            found[_COUNTERS[name]] = float(value)
+    missing = set(_COUNTERS.values()) - set(found)
+    if missing:
+        raise RuntimeError(f"{url}/metrics lacks {', '.join(sorted(missing))}")
+    return PrefillerCounters(**found)
+
+
+def decode_step_seconds(url: str, key: str, vocab: int) -> dict:
+    """One decode step of the agent's engine: the gaps between its streamed tokens (three short
+    requests, the first gap of each skipped), fastest and median."""
+    gaps = []
+    with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=600) as c:
+        for seed in range(3):
+            body = {
+                "token_ids": prompt_ids(32, 10_000 + seed, vocab),
+                "sampling": {"max_tokens": 12, "ignore_eos": True},
+            }
+            stamps = []
+            with c.stream("POST", url + "/v1/generate", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith('{"token"'):
+                        stamps.append(time.perf_counter())
+            gaps += [b - a for a, b in zip(stamps[1:], stamps[2:])]  # skip the prefill
+    return {"min": min(gaps), "median": statistics.median(gaps)}
+
+
+def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, encoding: str = "raw") -> dict:
+    """One P/D request sent the way the panel's router sends it (one POST /v1/decode to D, which
+    creates the handoff on P), with the agents' own timestamps (same host, one clock): where each
+    millisecond of it goes."""
+    headers = {"Authorization": f"Bearer {key}"}
+    sampling = {"max_tokens": max_tokens, "temperature": 0}
+    body = {"token_ids": ids, "sampling": sampling, "prefill_url": p.url, "page_encoding": encoding}
+    with httpx.Client(headers=headers, timeout=600) as c:
+        t0 = time.time()
+        first, done, last = None, None, ""
+        with c.stream("POST", d.url + "/v1/decode", json=body) as r:
+            for line in r.iter_lines():
+                last = line or last
+                if line.startswith('{"token"') and first is None:
+                    first = time.time()
+                elif line.startswith('{"done"'):
+                    done = json.loads(line)
+    if done is None or first is None or done.get("prefill_finished_at") is None:
+        return {"error": last[:500] or f"HTTP {r.status_code}"}  # reported in the output, the run goes on
+    prefill_start = done["prefill_finished_at"] - done["prefill_seconds"]
+    parts = {
+        "D: checks + handoff on P, to prefill start": prefill_start - t0,
+        "P: prefill": done["prefill_seconds"],
+        "wire: last page after prefill end": done["last_page_at"] - done["prefill_finished_at"],
+        "D: first token after last page": first - done["last_page_at"],
+    }
+    return {
+        "total_seconds": first - t0,
+        "parts": parts,
+        "pages": done["pages"],
+        "wire_bytes": done["wire_bytes"],
+        "first_page_before_prefill_end_seconds": done["prefill_finished_at"] - done["first_page_at"],
+    }

@@ -1,0 +1,154 @@
+"""The outputs of one run: ttft-<link>-<time>.json (every sample and every bound term), .md
+(the tables) and .png (TTFT and bound against prompt length), and the copy the panel shows."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from control_panel.bench_results import LATEST_TTFT
+from tandem_protocol.settings import data_dir
+
+from .measure import MIN_RATIO
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}"
+
+
+def cell_row(c: dict) -> str:
+    t = c["ttft"]
+    row = f"| {c['tokens']} | {c['column']} | {ms(t['median'])} ({ms(t['min'])}–{ms(t['max'])}) |"
+    if "bound" not in c:  # an engine alone
+        return row + " |" * 8
+    b = c["bound"]
+    if b is None:
+        return row + " | | | | | | | INVALID: no request went P->D |"
+    o, d = c["ttft_minus_own_prefill"], b["decode_step_seconds"]
+    verdict = f"INVALID (under {MIN_RATIO})" if c["invalid_bound"] else "ok"
+    fell = f", {c['fell_back']} fell back" if c["fell_back"] else ""
+    return row + (
+        f" {ms(b['seconds'])} | {c['ttft_over_bound']:.2f} | {ms(b['prefill_seconds'])} |"
+        f" {b['link_seconds'] * 1000:.1f} | {b['wire_bytes'] / 1e6:.1f} | {f'{d * 1000:.1f}' if d else '–'} |"
+        f" {o['median'] * 1000:+.0f} ({o['min'] * 1000:+.0f}–{o['max'] * 1000:+.0f}) | {verdict}{fell} |"
+    )
+
+
+def markdown_table(result: dict) -> str:
+    rows = [
+        "| tokens | column | TTFT median ms (min–max) | bound median ms | TTFT ÷ bound (lowest sample) | "
+        "prefill term ms (P's own, median) | link term ms (raw TCP of the wire bytes) | wire MB | "
+        "D step ms (recompute-last) | TTFT − P's own prefill ms, median (min–max) | bound |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        *(cell_row(c) for c in result["cells"]),
+    ]
+    invalid = [c for c in result["cells"] if c.get("invalid_bound")]
+    rows += [
+        "",
+        f"**{len(invalid)} cells with an invalid bound** (TTFT ÷ bound under {MIN_RATIO} in some sample): "
+        + ", ".join(f"{c['tokens']} {c['column']}" for c in invalid)
+        if invalid
+        else f"Every P/D sample's TTFT ÷ bound is at least {MIN_RATIO}.",
+    ]
+    rows += trace_table(result)
+    return header(result) + "\n".join(rows) + "\n"
+
+
+def header(result: dict) -> str:
+    link = ", ".join(
+        f"{k}: {v['bytes_per_second'] / 1e6:.0f} MB/s {v.get('method', 'raw TCP')}, "
+        f"RTT {v['rtt_seconds'] * 1e3:.2f} ms"
+        + (
+            f", page stream {v['page_stream']['bytes_per_second'] / 1e6:.0f} MB/s = "
+            f"{v['page_stream_over_raw_tcp']:.2f}x raw TCP"
+            if "page_stream" in v
+            else ""
+        )
+        for k, v in result["link_measured"].items()
+        if isinstance(v, dict)
+    )
+    lm = result["link_measured"]
+    if "asked_delay_ms" in lm:
+        link += (
+            f"; delay each way {lm['emulated_delay_ms']} ms (netem)"
+            if lm["emulated_delay_ms"]
+            else f"; delay {lm['asked_delay_ms']} ms asked, not emulated (no netem on this kernel)"
+        )
+    load = result.get("load_average")
+    load = f"; load average {load['start']:.1f} at the start, {load['end']:.1f} at the end" if load else ""
+    return (
+        f"TTFT through the panel ({result['link']} link; {link}; agents pinned: {result['pinned']}{load}; "
+        f"{result['samples']} samples after {result['warmup']} warm-up, {result['max_tokens']} tokens)\n\n"
+        "bound = max(P's own prefill of the same request, raw TCP stream of the same wire bytes on the same "
+        "path) + D's step where D recomputes the last prompt token; TTFT ÷ bound is the lowest of the cell's "
+        "samples, each against its own bound.\n\n"
+    )
+
+
+def trace_table(result: dict) -> list[str]:
+    traces = [c for c in result["cells"] if c.get("trace", {}).get("parts")]
+    rows = []
+    if traces:
+        names = list(traces[0]["trace"]["parts"])
+        rows += [
+            "",
+            "Where the time of one P/D request goes (ms; one traced request per cell, agents' clocks)",
+            "",
+            "| tokens | column | " + " | ".join(names) + " | raw FP16 bytes ÷ wire bytes |",
+            "|---:|---|" + "---:|" * (len(names) + 1),
+        ]
+        for c in traces:
+            rows.append(
+                f"| {c['tokens']} | {c['column']} | "
+                + " | ".join(f"{c['trace']['parts'][k] * 1000:.1f}" for k in names)
+                + f" | {c['trace'].get('wire_ratio', 0):.2f} |"
+            )
+    for c in result["cells"]:
+        if c.get("trace", {}).get("error"):
+            rows.append(f"\nThe traced request at {c['tokens']} tokens, {c['column']}, failed: {c['trace']['error']}")
+    return rows
+
+
+def write_outputs(result: dict, out: Path, panel_dir: Path | None = None) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"ttft-{result['link']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
+    paths[0].write_text(json.dumps(result, indent=2))
+    paths[1].write_text(markdown_table(result))
+    plot(result, paths[2])
+    # the panel on this machine shows the latest run on its Requests page
+    panel_dir = panel_dir or data_dir() / "panel"
+    (panel_dir / LATEST_TTFT).parent.mkdir(parents=True, exist_ok=True)
+    (panel_dir / LATEST_TTFT).write_text(json.dumps(result))
+    return paths
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    columns = sorted({c["column"] for c in result["cells"]})
+    for col in columns:
+        cells = [c for c in result["cells"] if c["column"] == col]
+        ax.plot(
+            [c["tokens"] for c in cells], [c["ttft"]["median"] * 1000 for c in cells], marker="o", label=f"{col} TTFT"
+        )
+        bounded = [c for c in cells if c.get("bound")]
+        if bounded:
+            xs, ys = [c["tokens"] for c in bounded], [c["bound"]["seconds"] * 1000 for c in bounded]
+            ax.plot(xs, ys, linestyle="--", label=f"{col} bound")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    who = ", ".join(f"{a['name']} on {(a.get('accelerator') or {}).get('kind', '?')}" for a in result.get("agents", []))
+    ax.set_title(f"Tandem TTFT, {result['link']} link ({who})", fontsize="medium")
+    ax.legend(fontsize="small")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

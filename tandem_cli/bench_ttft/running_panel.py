@@ -1,0 +1,87 @@
+"""`tandem bench ttft --panel URL`: the models of a panel that is already running (on the panel's
+machine: its pairs and paired nodes come from its database); nothing is started or pinned.
+
+The link term of each pair comes from its decoder pulling synthetic pages from its prefiller
+(POST /v1/bench/link): the product's page stream, not a raw TCP copy, which would need a program
+on both machines (on a LAN-speed link the two agree: issue 7's G3); the bytes of each request
+over that measured rate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import typer
+
+from .cluster import Agent
+from .measure import Column, measure
+from .probe_agents import decode_step_seconds
+
+
+def bench_running_panel(result: dict, panel: str, api_key: str, panel_dir: Path, models: str | None) -> None:
+    from sqlmodel import Session, create_engine, select
+
+    from control_panel.models import Node, Pair
+    from node_agent.identity import cluster_key
+
+    db = panel_dir / "panel.db"
+    if not db.exists():
+        raise typer.BadParameter(f"no panel database at {db}: run this on the panel's machine or give --panel-dir")
+    with Session(create_engine(f"sqlite:///{db}")) as s:
+        nodes = {n.id: n for n in s.exec(select(Node))}
+        pairs = list(s.exec(select(Pair).order_by(Pair.name)))
+    key = cluster_key()
+    agents: dict[int, Agent] = {}
+    for node in nodes.values():
+        if node.paired or any(node.id in (p.prefill_node_id, p.decode_node_id) for p in pairs):
+            agents[node.id] = ready_agent(node.name, node.engine, node.url.rstrip("/"), key)
+    columns = [Column(f"node/{n.name}", None, agents[n.id]) for n in nodes.values() if n.paired]
+    columns += [Column(p.name, agents[p.prefill_node_id], agents[p.decode_node_id], p.page_encoding) for p in pairs]
+    if models:
+        wanted = [m.strip() for m in models.split(",") if m.strip()]
+        unknown = sorted(set(wanted) - {c.name for c in columns})
+        if unknown:
+            raise typer.BadParameter(
+                f"the panel has no model {', '.join(unknown)} (it has {', '.join(c.name for c in columns)})"
+            )
+        columns = [c for c in columns if c.name in wanted]
+    used = list({id(a): a for c in columns for a in (c.p, c.d) if a is not None}.values())
+    result["agents"] = [
+        {"name": a.name, "engine": a.engine, "url": a.url, "cpus": None, "accelerator": a.info.get("accelerator")}
+        for a in used
+    ]
+    from ..progress import console
+
+    with console.status("measuring each pair's link (its decoder pulls pages from its prefiller) and decode steps…"):
+        result["link_measured"] = {}
+        for c in columns:
+            if c.p is not None and f"{c.p.name}->{c.d.name}" not in result["link_measured"]:
+                result["link_measured"][f"{c.p.name}->{c.d.name}"] = pulled_link(c.p, c.d, key)
+        result["vocab"] = min(int(a.info["vocab_size"]) for a in used)
+        decoders = {c.d.name: c.d for c in columns}.values()
+        result["decode_step_seconds"] = {a.name: decode_step_seconds(a.url, key, result["vocab"]) for a in decoders}
+
+    def link(p: Agent, d: Agent, nbytes: int) -> tuple[float, str]:
+        rate = result["link_measured"][f"{p.name}->{d.name}"]["bytes_per_second"]
+        return nbytes / rate, "page stream rate (POST /v1/bench/link)"
+
+    measure(result, panel, api_key, key, columns, link)
+
+
+def ready_agent(name: str, engine: str, url: str, key: str) -> Agent:
+    r = httpx.get(url + "/v1/info", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    if r.status_code != 200 or r.json().get("state") != "ready":
+        raise typer.BadParameter(f"agent {name} at {url} is not ready: {r.status_code} {r.text[:200]}")
+    return Agent(name, r.json().get("engine") or engine, url, None, info=r.json())
+
+
+def pulled_link(p: Agent, d: Agent, key: str) -> dict:
+    r = httpx.post(
+        d.url + "/v1/bench/link",
+        json={"peer": p.url, "megabytes": 64},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=600,
+    )
+    if r.status_code != 200:
+        raise RuntimeError(f"{d.name} could not measure its link from {p.name}: {r.status_code} {r.text[:300]}")
+    return {**r.json(), "method": "page stream"}
