@@ -6,6 +6,7 @@ import os
 import platform
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -17,7 +18,7 @@ from .cluster import Cluster, cluster
 from .link import Link, loopback_link, page_stream, random_block, raw_stream, raw_tcp, shaped_link
 from .measure import Column, measure
 from .probe_agents import decode_step_seconds
-from .report import markdown_table, write_outputs
+from .report import markdown_table, output_stem, write_outputs
 from .running_panel import bench_running_panel
 
 DEFAULT_LENGTHS = "51,184,744,2844"
@@ -49,6 +50,7 @@ def bench_ttft(
     ),
     zstd: bool = typer.Option(False, help="Also run every P->D direction with compressed pages (byte planes + zstd)."),
     alone: bool = typer.Option(True, help="Also measure each engine alone (its node/ model)."),
+    trace: bool = typer.Option(True, help="One more request per P/D cell, traced: where its time goes."),
     panel: str = typer.Option(
         None,
         help="Benchmark this running panel's models instead of starting a cluster. "
@@ -69,14 +71,21 @@ def bench_ttft(
         "samples": samples,
         "warmup": warmup,
         "max_tokens": max_tokens,
+        "trace": trace,
         "cells": [],
     }
     load_start = os.getloadavg()[0]  # other work on the machine slows TTFT and the bound alike
+    stem = output_stem(out, "panel" if panel else link)
+
+    def save() -> list[Path]:
+        result["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
+        return write_outputs(result, stem, panel_dir)
+
     if panel:
         if not api_key:
             raise typer.BadParameter("--panel needs --api-key (or TANDEM_API_KEY): the panel's OpenAI API wants one")
         result |= {"panel": panel, "link": "panel", "pinned": False}
-        bench_running_panel(result, panel.rstrip("/"), api_key, panel_dir or data_dir() / "panel", models)
+        bench_running_panel(result, panel.rstrip("/"), api_key, panel_dir or data_dir() / "panel", models, save)
     else:
         dirs = {"a2b": [(0, 1)], "b2a": [(1, 0)], "both": [(0, 1), (1, 0)]}.get(direction)
         if dirs is None:
@@ -85,9 +94,9 @@ def bench_ttft(
             raise typer.BadParameter("--link must be loopback or shaped")
         result |= {"link": link, "pinned": pin}
         with shaped_link(rate, delay_ms, random_block()) if link == "shaped" else loopback_link() as net:
-            own_cluster(result, net, (prefill, decode), dirs, model_dir, pin, cores_per_agent, zstd, alone, b_cpu_only)
-    result["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
-    paths = write_outputs(result, out, panel_dir)
+            engines = (prefill, decode)
+            own_cluster(result, net, engines, dirs, model_dir, pin, cores_per_agent, zstd, alone, b_cpu_only, save)
+    paths = save()
     console.print(markdown_table(result))
     console.print("written: " + ", ".join(str(p) for p in paths))
     invalid = [c for c in result["cells"] if c.get("invalid_bound")]
@@ -107,6 +116,7 @@ def own_cluster(
     zstd: bool,
     alone: bool,
     b_cpu_only: bool,
+    save: Callable[[], object],
 ) -> None:
     """Two agents on `net` and a panel; the link measured raw, then every cell."""
     from tandem_protocol.model_dir import inspect_model
@@ -138,7 +148,7 @@ def own_cluster(
         def link_seconds(p, d, nbytes: int) -> tuple[float, str]:
             return min(raw_stream(p.place, d.place, nbytes, (p.cpus, d.cpus), count=3)), "raw TCP, fastest of 3"
 
-        measure(result, c.url, c.api_key, key, columns, link_seconds)
+        measure(result, c.url, c.api_key, key, columns, link_seconds, save)
 
 
 def measure_links(c: Cluster, net: Link, dirs: list[tuple[int, int]], key: str) -> dict:

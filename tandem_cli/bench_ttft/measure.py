@@ -56,10 +56,19 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
 
 
-def measure(result: dict, panel: str, api_key: str, key: str, columns: list[Column], link: LinkSeconds) -> None:
+def measure(
+    result: dict,
+    panel: str,
+    api_key: str,
+    key: str,
+    columns: list[Column],
+    link: LinkSeconds,
+    on_cell: Callable[[], None] = lambda: None,
+) -> None:
     """The TTFT samples of every cell (prompt length x column) through the panel, one request at
-    a time, and for P->D columns each sample's bound and one traced request; appended to
-    result["cells"]."""
+    a time, and for P->D columns each sample's bound and (where result["trace"]) one traced
+    request; appended to result["cells"], `on_cell` called after each (a long run keeps what it
+    measured)."""
     from rich.progress import Progress
 
     from ..progress import console
@@ -79,6 +88,7 @@ def measure(result: dict, panel: str, api_key: str, key: str, columns: list[Colu
                             taken.append(sample)
                         bar.advance(task)
                     result["cells"].append(cell(result, col, n, taken, key, link))
+                    on_cell()
     finally:
         http.close()
 
@@ -105,7 +115,7 @@ def cell(result: dict, col: Column, n: int, taken: list[Sample], key: str, link:
         return out
     pd = [s for s in taken if s.prefill_seconds is not None]
     out["fell_back"] = len(taken) - len(pd)
-    out["trace"] = traced(result, col, n, key)
+    out["trace"] = traced(result, col, n, key) if result["trace"] else {}
     if not pd:
         out.update(bound=None, invalid_bound=True, ttft_over_bound=None, ttft_minus_own_prefill=None)
         return out

@@ -110,9 +110,13 @@ def trace_table(result: dict) -> list[str]:
     return rows
 
 
-def write_outputs(result: dict, out: Path, panel_dir: Path | None = None) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"ttft-{result['link']}-{time.strftime('%Y%m%d-%H%M%S')}"
+def output_stem(out: Path, link: str) -> Path:
+    return out / f"ttft-{link}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def write_outputs(result: dict, stem: Path, panel_dir: Path | None = None) -> list[Path]:
+    """The run's files at `stem` (.json, .md, .png), written again as cells are added."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
     paths[0].write_text(json.dumps(result, indent=2))
     paths[1].write_text(markdown_table(result))

@@ -8,6 +8,7 @@ over that measured rate."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -18,7 +19,9 @@ from .measure import Column, measure
 from .probe_agents import decode_step_seconds
 
 
-def bench_running_panel(result: dict, panel: str, api_key: str, panel_dir: Path, models: str | None) -> None:
+def bench_running_panel(
+    result: dict, panel: str, api_key: str, panel_dir: Path, models: str | None, save: Callable[[], object]
+) -> None:
     from sqlmodel import Session, create_engine, select
 
     from control_panel.models import Node, Pair
@@ -65,7 +68,7 @@ def bench_running_panel(result: dict, panel: str, api_key: str, panel_dir: Path,
         rate = result["link_measured"][f"{p.name}->{d.name}"]["bytes_per_second"]
         return nbytes / rate, "page stream rate (POST /v1/bench/link)"
 
-    measure(result, panel, api_key, key, columns, link)
+    measure(result, panel, api_key, key, columns, link, save)
 
 
 def ready_agent(name: str, engine: str, url: str, key: str) -> Agent:
