@@ -13,6 +13,10 @@ Starts a real agent (`tandem agent serve`, torch, embedded model), then in this 
 - raw TCP, pages kept + checksum: the same again, but each frame lands in a fresh buffer of its
   own, as a receiver that hands pages on must do (the reference's one reused 512 KiB buffer stays
   in the CPU cache; page buffers do not) — the ceiling for any page receiver, blocking, no parsing.
+- stock servers (bench/link_servers.py, each in a process of its own, read the same way):
+  the same pages from a Starlette app under the agent's PageStreamProtocol, under stock uvicorn
+  (StreamingResponse: each frame joined, then joined again into its chunk), and from aiohttp's
+  web server (StreamResponse.write) — why the agent has a writer of its own.
 Prints both throughputs and their ratio (goal >= 0.9x and >= 1 GB/s), and the RSS of the agent
 and of this reader during the transfer (sampled every 10 ms; baseline, peak and growth) against
 2x the staging budget. The reader runs on uvloop, as the agent's own decoder side does.
@@ -24,6 +28,7 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -107,6 +112,26 @@ async def agent_stream(url: str, pages: int, expect: FrameExpectation) -> tuple[
         await client.aclose()
 
 
+SERVERS = {
+    "tandem": "PageStreamProtocol (same app)",
+    "uvicorn": "stock uvicorn",
+    "aiohttp": "aiohttp",
+}
+
+
+def start_server(kind: str, contract: bytes) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "link_servers.py"), kind, contract.hex()],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline().split()
+    if line[:1] != ["ready"]:
+        proc.kill()
+        raise RuntimeError(f"the {kind} page server did not start")
+    return proc, f"http://127.0.0.1:{line[1]}"
+
+
 def raw_tcp(frame: bytes, pages: int, final: bytes, checksum: bool = False, keep: bool = False) -> tuple[float, int]:
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -150,6 +175,7 @@ def main() -> None:
     if not is_fetched(data_dir()):
         sys.exit("run `tandem model fetch` first")
     agent, port = start_agent(args.staging)
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         from tandem_protocol.contract import compute_contract
         from tandem_protocol.model_dir import inspect_model
@@ -161,10 +187,18 @@ def main() -> None:
         page = make_page(SMOLLM2, 0, np.zeros(SMOLLM2.page_shape, dtype="<f2"))
         frame = frame_bytes(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16)
         http_rates, tcp_rates, hashed_rates, kept_rates = [], [], [], []
+        for kind in SERVERS:
+            servers[kind] = start_server(kind, contract)
+        server_rates = {kind: [] for kind in SERVERS}
+        for _, url in servers.values():
+            uvloop.run(agent_stream(url, 20, expect))  # warm-up
         with RssSampler(agent.proc.pid, os.getpid()) as rss:
             for _ in range(args.rounds):  # interleaved, so both see the same machine weather
                 seconds, http_bytes = uvloop.run(agent_stream(f"http://127.0.0.1:{port}", args.pages, expect))
                 http_rates.append(http_bytes / seconds)
+                for kind, (_, url) in servers.items():
+                    seconds, n = uvloop.run(agent_stream(url, args.pages, expect))
+                    server_rates[kind].append(n / seconds)
                 seconds, tcp_bytes = raw_tcp(frame, args.pages, b"\0" * 64)
                 tcp_rates.append(tcp_bytes / seconds)
                 seconds, tcp_bytes = raw_tcp(frame, args.pages, b"\0" * 64, checksum=True)
@@ -173,6 +207,9 @@ def main() -> None:
                 kept_rates.append(tcp_bytes / seconds)
     finally:
         agent.stop()
+        for proc, _ in servers.values():
+            proc.kill()
+            proc.wait()
     budget = parse_size(args.staging)
     http_rate, tcp_rate = statistics.median(http_rates), statistics.median(tcp_rates)
     print(
@@ -191,6 +228,12 @@ def main() -> None:
         f"   = {kept_rate / tcp_rate:.2f}x raw TCP: + each frame in a buffer of its own (any page receiver)"
     )
     print(f"agent page stream     {http_rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in http_rates)}]")
+    for kind, label in SERVERS.items():
+        rate = statistics.median(server_rates[kind])
+        print(
+            f"{label:<30s} {rate / 1e9:6.2f} GB/s   [{' '.join(f'{r / 1e9:.2f}' for r in server_rates[kind])}]"
+            f"   = {rate / tcp_rate:.2f}x raw TCP"
+        )
     print(
         f"ratio {http_rate / tcp_rate:.2f}x raw TCP (goal >= 0.9x and >= 1 GB/s); "
         f"per round [{' '.join(f'{h / t:.2f}' for h, t in zip(http_rates, tcp_rates))}]; "

@@ -1,24 +1,28 @@
 """The agent's page-stream response and the HTTP server protocol that writes it without copies.
 
 Stock uvicorn frames every chunk of a chunked response as `b"".join([size, body, b"\\r\\n"])`, a
-fresh copy of each 1.5 MB page on the hot path (measured here: the page stream topped out near
-3 GB/s on the sender while a raw socket moves 6 GB/s), and a frame is two pieces (an 88-byte
-header, then the page's own buffer), so a plain ASGI response would pay for two sends per page.
+fresh copy of each 1.5 MB page on the hot path, and a frame is two pieces (an 88-byte header,
+then the page's own buffer), so a plain ASGI response pays for a join and two sends per page.
+`bench/bench_link.py` measures what that costs: its stock-uvicorn and aiohttp rows against this
+server's, and against raw TCP.
 
+- `PageStreamProtocol` is the server protocol, passed through uvicorn's config:
+  `uvicorn.Config(app, http=PageStreamProtocol.with_stall_timeout(60))`. It is uvicorn's httptools
+  protocol (parsing, keep-alive, flow control and every response unchanged) with two additions:
+  - each request's scope carries the ASGI extension `tandem.vectored`, a `ChunkWriter` that
+    hands one chunk of a chunked response body, in any number of pieces, to the connection's
+    transport as one vector (`transport.writelines`): the page buffer goes to the socket as it is;
+  - its flow control gives up on a reader that takes no byte for `stall_timeout` seconds (a
+    pulled cable, a frozen peer: TCP alone would wait for many minutes) and aborts the
+    connection; the app sees a disconnect and releases what the response held. This holds for
+    every response on the server (the panel serves with it for this alone).
 - `PageStreamResponse` takes an iterator of frames, each a `bytes` or a `(header, payload)` pair.
-  Where the server declares the ASGI extension `tandem.vectored`, a pair goes out as one body
-  message carrying the payload beside the header (`"tandem.payload"`); any other server gets
-  the two joined (one copy, still correct).
-- `PageStreamProtocol` (pass as `uvicorn.Config(http=PageStreamProtocol)`) is uvicorn's httptools
-  protocol with that extension: large chunks (and header + payload pairs) are handed to the
-  transport as one vector (`transport.writelines`), one chunk per frame, so the page buffer goes
-  to the socket as it is. Everything else (parsing, keep-alive, flow control) is uvicorn's.
-- A reader that takes no byte for `stall_timeout` seconds (a pulled cable, a frozen peer: TCP
-  alone would wait for many minutes) gets its connection closed; the app sees a disconnect and
-  releases what the response held. `PageStreamProtocol.with_stall_timeout(s)` sets it.
+  Under a server with `tandem.vectored` a frame is one chunk, written by the `ChunkWriter`; any
+  other server gets each frame joined into one body message (one copy, still correct).
 
-The cost of the trick is one line that swaps the class of the request cycle uvicorn has just
-built; uvicorn is pinned in pyproject.toml and tests/test_agent_pd.py exercises this path.
+uvicorn is pinned in pyproject.toml (the protocol relies on its cycle's `chunked_encoding`,
+`response_started` and `disconnected` and on the protocol's `flow`); tests/test_page_receiver.py
+checks the chunks on the wire and the stall timeout.
 """
 
 from __future__ import annotations
@@ -28,14 +32,80 @@ import logging
 from collections.abc import AsyncIterable
 
 from starlette.responses import StreamingResponse
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-VECTOR_MIN = 64 * 1024  # smaller chunks: uvicorn's join is cheaper than a vectored write
 EXTENSION = "tandem.vectored"
-PAYLOAD_KEY = "tandem.payload"
 
 Frame = bytes | tuple[bytes, memoryview]
 log = logging.getLogger("tandem.http")
+
+
+class ChunkWriter:
+    """Writes the body of one request's response, chunk by chunk, straight to its connection."""
+
+    def __init__(self, cycle: RequestResponseCycle, flow: FlowControl):
+        self._cycle, self._flow = cycle, flow
+
+    @property
+    def usable(self) -> bool:
+        """True once the response has started as a chunked body (not HEAD, not sized)."""
+        c = self._cycle
+        return c.response_started and bool(c.chunked_encoding) and c.scope["method"] != "HEAD"
+
+    async def write(self, *pieces: bytes | memoryview) -> bool:
+        """One chunk made of `pieces`; False once the client is gone (nothing more is sent). The
+        transport keeps references to the buffers until they are written: callers must not reuse
+        them (page frames are immutable bytes or views of unchanging arrays)."""
+        if not self.usable:
+            raise RuntimeError("ChunkWriter.write before a chunked response started")
+        if self._flow.write_paused and not self._cycle.disconnected:
+            await self._flow.drain()
+        if self._cycle.disconnected:
+            return False
+        size = sum(len(p) for p in pieces)
+        self._cycle.transport.writelines([b"%x\r\n" % size, *pieces, b"\r\n"])
+        return True
+
+
+class StallFlowControl(FlowControl):
+    """uvicorn's flow control, whose wait for a full send buffer to drain ends after `stall_timeout`
+    seconds without progress by aborting the connection (a close would wait for the buffer)."""
+
+    def __init__(self, transport: asyncio.Transport, stall_timeout: float | None):
+        super().__init__(transport)
+        self.stall_timeout = stall_timeout
+
+    async def drain(self) -> None:
+        try:
+            await asyncio.wait_for(self._is_writable_event.wait(), self.stall_timeout)
+        except TimeoutError:
+            peer = self._transport.get_extra_info("peername")
+            log.warning("%s took no data for %g s; closing its connection", peer, self.stall_timeout)
+            self._transport.abort()  # connection_lost follows: the cycle is marked disconnected
+            await asyncio.sleep(0)  # let it run before the caller looks
+
+
+class PageStreamProtocol(HttpToolsProtocol):
+    stall_timeout: float | None = None  # None: wait for a slow reader as long as TCP does
+
+    @classmethod
+    def with_stall_timeout(cls, seconds: float | None) -> type[PageStreamProtocol]:
+        return type(cls.__name__, (cls,), {"stall_timeout": seconds})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self.flow = StallFlowControl(transport, self.stall_timeout)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self.cycle is not None and self.cycle.scope is self.scope:  # an HTTP request (not an upgrade)
+            self.scope.setdefault("extensions", {})[EXTENSION] = ChunkWriter(self.cycle, self.flow)
+
+
+async def aclose(iterator) -> None:
+    if hasattr(iterator, "aclose"):
+        await iterator.aclose()
 
 
 class PageStreamResponse(StreamingResponse):
@@ -46,79 +116,17 @@ class PageStreamResponse(StreamingResponse):
 
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        vectored = EXTENSION in self._scope_extensions
+        writer = self._writer if self._writer is not None and self._writer.usable else None
         async for frame in self.body_iterator:
-            if isinstance(frame, tuple):
-                header, payload = frame
-                if vectored:
-                    await send({"type": "http.response.body", "body": header, PAYLOAD_KEY: payload, "more_body": True})
-                    continue
-                frame = b"".join(frame)
-            await send({"type": "http.response.body", "body": frame, "more_body": True})
+            pieces = frame if isinstance(frame, tuple) else (frame,)
+            if writer is not None:
+                if not await writer.write(*pieces):  # the client is gone: let go of the frames' source now
+                    await aclose(self.body_iterator)
+                    return
+            else:
+                await send({"type": "http.response.body", "body": b"".join(pieces), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
-        self._scope_extensions = scope.get("extensions") or {}
+        self._writer: ChunkWriter | None = (scope.get("extensions") or {}).get(EXTENSION)
         await super().__call__(scope, receive, send)
-
-
-class _VectoredCycle(RequestResponseCycle):
-    stall_timeout: float | None = None
-
-    async def send(self, message) -> None:
-        if message["type"] == "http.response.body" and self.flow.write_paused and not self.disconnected:
-            try:
-                await asyncio.wait_for(self.flow.drain(), self.stall_timeout)
-            except TimeoutError:
-                log.warning(
-                    "%s %s: the reader took no data for %g s; closing its connection",
-                    self.scope["method"],
-                    self.scope["path"],
-                    self.stall_timeout,
-                )
-                self.transport.close()  # the app sees a disconnect and lets go of what it holds
-                self.disconnected = True
-                return
-        body = message.get("body", b"")
-        payload = message.get(PAYLOAD_KEY)
-        if (
-            message["type"] == "http.response.body"
-            and message.get("more_body", False)
-            and self.response_started
-            and self.chunked_encoding
-            and self.scope["method"] != "HEAD"
-            and (payload is not None or len(body) >= VECTOR_MIN)
-        ):
-            if self.flow.write_paused and not self.disconnected:
-                await self.flow.drain()
-            if self.disconnected:
-                return
-            # The transport keeps references to the buffers until they are written: callers must
-            # not reuse them (page frames are immutable bytes or views of unchanging arrays).
-            if payload is None:
-                self.transport.writelines([b"%x\r\n" % len(body), body, b"\r\n"])
-            else:
-                self.transport.writelines([b"%x\r\n" % (len(body) + len(payload)), body, payload, b"\r\n"])
-            return
-        if payload is not None:  # not a chunked body after all (HEAD, an error...): send it whole
-            message = {
-                "type": message["type"],
-                "body": body + bytes(payload),
-                "more_body": message.get("more_body", False),
-            }
-        await super().send(message)
-
-
-class PageStreamProtocol(HttpToolsProtocol):
-    stall_timeout: float | None = None  # None: wait for a slow reader as long as TCP does
-
-    @classmethod
-    def with_stall_timeout(cls, seconds: float | None) -> type[PageStreamProtocol]:
-        return type(cls.__name__, (cls,), {"stall_timeout": seconds})
-
-    def on_headers_complete(self) -> None:
-        super().on_headers_complete()
-        if type(self.cycle) is RequestResponseCycle:
-            self.cycle.__class__ = _VectoredCycle  # before its task first runs: nothing is sent yet
-            self.cycle.stall_timeout = self.stall_timeout
-            self.cycle.scope.setdefault("extensions", {})[EXTENSION] = {}
