@@ -1,8 +1,9 @@
 """Page streaming between two processes on loopback vs a raw TCP copy of the same bytes.
 
-    .venv/bin/python bench/bench_link.py [--pages 2000] [--rounds 15] [--staging 512MiB]
+    .venv/bin/python bench/bench_link.py [--pages 2000] [--rounds 15] [--staging 512MiB] [MODEL_DIR]
 
-Starts a real agent (`tandem agent serve`, torch, embedded model), then in this process:
+Starts a real agent (`tandem agent serve`, torch, the embedded model or MODEL_DIR), then in this
+process:
 - agent stream: pulls N synthetic pages (SmolLM2 geometry, 1.47 MB each) from
   GET /v1/bench/pages through the decoder's own path (AgentClient.page_stream: pages received in
   place, every checksum and expectation checked);
@@ -77,13 +78,15 @@ class RssSampler:
         self._thread.join()
 
 
-def start_agent(staging: str) -> tuple[ServiceProcess, int]:
+def start_agent(staging: str, model: Path) -> tuple[ServiceProcess, int]:
     agent = ServiceProcess(
         [
             "agent",
             "serve",
             "--engine",
             "torch",
+            "--model",
+            str(model),
             "--host",
             "127.0.0.1",
             "--port",
@@ -171,16 +174,18 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=2000)
     ap.add_argument("--staging", default="512MiB")
     ap.add_argument("--rounds", type=int, default=15)  # single rounds swing ±15 % on a 2-core VM
+    ap.add_argument("model", nargs="?", type=Path, help="model directory (default: the embedded model)")
     args = ap.parse_args()
-    if not is_fetched(data_dir()):
+    if args.model is None and not is_fetched(data_dir()):
         sys.exit("run `tandem model fetch` first")
-    agent, port = start_agent(args.staging)
+    model = args.model or model_dir(data_dir())
+    agent, port = start_agent(args.staging, model)
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         from tandem_protocol.contract import compute_contract
         from tandem_protocol.model_dir import inspect_model
 
-        info = inspect_model(model_dir(data_dir()))
+        info = inspect_model(model)
         contract = compute_contract(info, info.max_context).fingerprint_bytes
         expect = FrameExpectation(contract, b"\0" * 16, b"\0" * 16, SMOLLM2)
         uvloop.run(agent_stream(f"http://127.0.0.1:{port}", 20, expect))  # warm-up

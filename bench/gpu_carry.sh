@@ -23,7 +23,8 @@ fetch .whl transformers  # only it: the machine's tokenizers, huggingface-hub an
 fetch .devcarry/wheels312 fastapi starlette uvicorn httptools h11 pydantic pydantic-core zeroconf ifaddr \
   sqlmodel sqlalchemy greenlet alembic mako argon2-cffi argon2-cffi-bindings cffi pycparser itsdangerous \
   babel python-multipart annotated-types annotated-doc typing-extensions typing-inspection anyio zstandard \
-  xxhash opentelemetry-api
+  xxhash opentelemetry-api aiohttp multidict yarl propcache frozenlist aiosignal attrs aiohappyeyeballs \
+  uvloop pydantic-settings python-dotenv psutil
 mkdir -p .devcarry/tok
 model=$(.venv/bin/python -c "from engine_adapters.embedded_model import model_dir; from tandem_protocol.paths import data_dir; print(model_dir(data_dir()))")
 cp "$model"/tokenizer* "$model"/special_tokens_map.json "$model"/chat_template* .devcarry/tok/ 2>/dev/null || true
