@@ -82,7 +82,13 @@ def header(result: dict) -> str:
         f"{result['samples']} samples after {result['warmup']} warm-up, {result['max_tokens']} tokens)\n\n"
         "bound = max(P's own prefill of the same request, raw TCP stream of the same wire bytes on the same "
         "path) + D's step where D recomputes the last prompt token; TTFT ÷ bound is the lowest of the cell's "
-        "samples, each against its own bound.\n\n"
+        "samples, each against its own bound."
+        + (
+            " With --panel the link term is the wire bytes at the page stream's measured rate (nothing runs on "
+            "the agents' machines to stream raw TCP).\n\n"
+            if result["link"] == "panel"
+            else "\n\n"
+        )
     )
 
 
