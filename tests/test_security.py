@@ -7,6 +7,7 @@
 4. Failed logins are rate-limited per client address.
 5. Cookies are HttpOnly and SameSite (and Secure over HTTPS).
 6. Passwords and API keys are stored hashed; the cluster key is stored as is (it must be recovered).
+7. The UI's add-node and pair forms hand the cluster key only to a URL that proved it holds it.
 
 In-process tests use the real panel app through Starlette's TestClient; the leak and path tests
 run one real agent and one real panel process, because logs and files are what they check.
@@ -16,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import re
 import sqlite3
+import threading
 from http.cookies import SimpleCookie
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -28,6 +32,8 @@ from sqlmodel import select
 from control_panel.app import create_panel_app
 from control_panel.login_limit import LoginLimiter
 from control_panel.security import create_api_key, ensure_admin_password
+from control_panel.services import note_discovered
+from tandem_protocol.discovery import Peer
 
 from .agents import AgentProcess, PanelProcess
 from .unit.test_agent_auth import http_routes
@@ -505,3 +511,91 @@ def test_secrets_are_stored_hashed(cluster, traffic):
     with httpx.Client(base_url=cluster["panel"].url) as c:
         assert log_in(c, cluster["old_password"]).status_code == 401
         assert log_in(c, cluster["password"]).status_code == 303
+
+
+# ---- 7. the UI hands the cluster key only to a URL that proved it holds it -----------------------
+
+
+class Impostor(ThreadingHTTPServer):
+    """An HTTP server on 127.0.0.1 posing as an agent: it answers the identity check with a wrong
+    proof, everything else with 200 {}, and records the Authorization header of every request."""
+
+    def __init__(self):
+        self.authorizations: list[str] = []
+        super().__init__(("127.0.0.1", 0), ImpostorHandler)
+        self.url = f"http://127.0.0.1:{self.server_port}"
+
+    def __enter__(self):
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
+class ImpostorHandler(BaseHTTPRequestHandler):
+    def _answer(self, body: dict):
+        self.server.authorizations.append(self.headers.get("Authorization") or "")
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer({})
+
+    def do_POST(self):
+        if self.path == "/v1/identity":
+            address = f"127.0.0.1:{self.server.server_port}"
+            return self._answer({"node_id": "e" * 32, "address": address, "proof": "0" * 64})
+        self._answer({})
+
+    def log_message(self, *args):
+        pass
+
+
+UNPROVED = "could not prove it holds the cluster key, so the key was not sent"
+UNPROVED_JA = "クラスターキーを持つことを証明できなかったため、キーは送信されていません"
+
+
+def _refused(r, impostor: Impostor, message: str = UNPROVED):
+    assert not any(CLUSTER_KEY in a for a in impostor.authorizations), impostor.authorizations
+    assert r.status_code == 400 and message in r.text, r.text
+
+
+def _pair_impostor(c: TestClient, app, impostor: Impostor, key: str):
+    """The impostor announced on the LAN (as the discovery watcher records it), then paired in the UI."""
+    peer = Peer("impostor._tandem._tcp.local.", ["127.0.0.1"], impostor.server_port, {"node_id": "e" * 32})
+    asyncio.run(note_discovered(app.state.db, peer, True, app.state.router.cluster_key))
+    node_id = re.search(r'href="/nodes/(\d+)/pair"', c.get("/nodes").text).group(1)
+    page = c.get(f"/nodes/{node_id}/pair").text
+    return c.post(f"/nodes/{node_id}/pair", data={"key": key, "csrf": csrf_of(page)})
+
+
+def test_an_impostor_is_never_handed_the_cluster_key(panel):
+    """Typed in the add-node form, or discovered and paired (with the panel's key left blank, or
+    typed), an impostor gets a refusal that says why, and never a request carrying the key."""
+    with TestClient(panel, follow_redirects=False) as c, Impostor() as impostor:
+        assert log_in(c, panel.state.password).status_code == 303
+        _refused(c.post("/nodes", data={"url": impostor.url, "csrf": csrf_of(c.get("/nodes").text)}), impostor)
+        for key in ("", CLUSTER_KEY):
+            _refused(_pair_impostor(c, panel, impostor, key), impostor)
+        assert len(impostor.authorizations) == 3  # it was asked (to prove itself), three times
+
+
+def test_the_first_pairing_proves_the_typed_key_before_sending_it(tmp_path):
+    """A panel with no cluster key yet pairs with the key the user types: the agent proves it
+    holds that key before the key is sent anywhere, and a failed proof leaves the panel keyless."""
+    app = create_panel_app(tmp_path)
+    app.state.password = ensure_admin_password(app.state.db)
+    with TestClient(app, follow_redirects=False) as c, Impostor() as impostor:
+        assert log_in(c, app.state.password).status_code == 303
+        _refused(_pair_impostor(c, app, impostor, CLUSTER_KEY), impostor)
+        assert app.state.router.cluster_key == ""
+        c.cookies.set("lang", "ja")  # the refusal is translated
+        _refused(_pair_impostor(c, app, impostor, CLUSTER_KEY), impostor, UNPROVED_JA)
+        assert len(impostor.authorizations) == 2 and app.state.router.cluster_key == ""

@@ -2,7 +2,8 @@
 
 The panel's discovery watcher adds every agent that announces itself as an unpaired node
 (`services.note_discovered`); the panel sends it nothing, the cluster key least of all, until the
-user pairs it here by giving the cluster key.
+user pairs it here by giving the cluster key, and then only once the agent has proved it holds
+that key (`node_status.probe_proved`).
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ async def pair_node(panel: Panel, node: Node, key: str, t: Tr) -> str | None:
         return _("Enter the cluster key (run `tandem agent key` on the agent's machine).")
     if agents.cluster_key and not key_matches(key, agents.cluster_key):
         return _("This key differs from the panel's cluster key: every node of a panel shares one key.")
-    probed = await node_status.probe(node.url, key)
+    probed = await node_status.probe_proved(node.url, key)  # the typed key too: proved before it is sent
     if probed["health"] != "ok":
-        return _("Could not pair %(name)s: %(reason)s", name=node.name, reason=_(HEALTH[probed["health"]]))
+        error = _("Could not pair %(name)s: %(reason)s", name=node.name, reason=_(HEALTH[probed["health"]]))
+        return error + (f" ({probed['detail']})" if probed["detail"] else "")
     if not agents.cluster_key:  # the first node paired gives the panel its cluster key
         set_setting(panel.db, "cluster_key", key)
         await agents.set_cluster_key(key)

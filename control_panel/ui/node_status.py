@@ -7,6 +7,8 @@ import asyncio
 from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.pages import PROTOCOL_VERSION
 
+from ..services import PanelError, verify_identity
+
 STATUS_TIMEOUT = 3.0
 
 
@@ -38,6 +40,17 @@ async def probe(url: str, key: str | None) -> dict:
             "detail": f"agent speaks protocol {status.get('protocol_version')}, panel speaks {PROTOCOL_VERSION}",
         }
     return {"health": "ok", "status": status, "detail": ""}
+
+
+async def probe_proved(url: str, key: str) -> dict:
+    """`probe`, but only once the agent at `url` has proved it holds `key` (`verify_identity` sends
+    no key): a typed or discovered URL may be an impostor, which must never be handed the key.
+    A failed proof: {"health": "unproved", "detail": why}."""
+    try:
+        await verify_identity(url, key)
+    except PanelError as e:
+        return {"health": "unproved", "detail": str(e)}
+    return await probe(url, key)
 
 
 async def node_models(url: str, key: str) -> list[dict]:

@@ -113,7 +113,7 @@ async def nodes_add(_csrf: CsrfForm, panel: Panel, render: Render, t: Tr, url: A
     error = None
     if not url.startswith(("http://", "https://")):
         error = _("Give the agent's URL, for example http://192.168.1.20:7411")
-    elif (probed := await node_status.probe(url, key))["health"] != "ok":
+    elif (probed := await node_status.probe_proved(url, key))["health"] != "ok":
         error = _("Could not add %(url)s: %(reason)s", url=url, reason=_(HEALTH[probed["health"]]))
         error += f" ({probed['detail']})" if probed["detail"] else ""
     else:

@@ -48,6 +48,7 @@ HEALTH = {
     "protocol": N_("protocol mismatch"),
     "unreachable": N_("unreachable"),
     "error": N_("error"),
+    "unproved": N_("it could not prove it holds the cluster key, so the key was not sent"),
 }
 LABELS = {
     "fallbacks": FALLBACKS,
