@@ -518,10 +518,10 @@ def test_secrets_are_stored_hashed(cluster, traffic):
 
 class Impostor(ThreadingHTTPServer):
     """An HTTP server on 127.0.0.1 posing as an agent: it answers the identity check with a wrong
-    proof, everything else with 200 {}, and records the Authorization header of every request."""
+    proof, everything else with 200 {}, and records each request: (method, path, Authorization)."""
 
     def __init__(self):
-        self.authorizations: list[str] = []
+        self.requests: list[tuple[str, str, str]] = []
         super().__init__(("127.0.0.1", 0), ImpostorHandler)
         self.url = f"http://127.0.0.1:{self.server_port}"
 
@@ -536,7 +536,7 @@ class Impostor(ThreadingHTTPServer):
 
 class ImpostorHandler(BaseHTTPRequestHandler):
     def _answer(self, body: dict):
-        self.server.authorizations.append(self.headers.get("Authorization") or "")
+        self.server.requests.append((self.command, self.path, self.headers.get("Authorization") or ""))
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         data = json.dumps(body).encode()
         self.send_response(200)
@@ -563,7 +563,7 @@ UNPROVED_JA = "クラスターキーを持つことを証明できなかった�
 
 
 def _refused(r, impostor: Impostor, message: str = UNPROVED):
-    assert not any(CLUSTER_KEY in a for a in impostor.authorizations), impostor.authorizations
+    assert not any(CLUSTER_KEY in auth for *_, auth in impostor.requests), impostor.requests
     assert r.status_code == 400 and message in r.text, r.text
 
 
@@ -584,7 +584,8 @@ def test_an_impostor_is_never_handed_the_cluster_key(panel):
         _refused(c.post("/nodes", data={"url": impostor.url, "csrf": csrf_of(c.get("/nodes").text)}), impostor)
         for key in ("", CLUSTER_KEY):
             _refused(_pair_impostor(c, panel, impostor, key), impostor)
-        assert len(impostor.authorizations) == 3  # it was asked (to prove itself), three times
+        # asked only whether it is up and to prove itself, once a form each
+        assert [r[:2] for r in impostor.requests] == [("GET", "/healthz"), ("POST", "/v1/identity")] * 3
 
 
 def test_the_first_pairing_proves_the_typed_key_before_sending_it(tmp_path):
@@ -598,4 +599,5 @@ def test_the_first_pairing_proves_the_typed_key_before_sending_it(tmp_path):
         assert app.state.router.cluster_key == ""
         c.cookies.set("lang", "ja")  # the refusal is translated
         _refused(_pair_impostor(c, app, impostor, CLUSTER_KEY), impostor, UNPROVED_JA)
-        assert len(impostor.authorizations) == 2 and app.state.router.cluster_key == ""
+        assert [r[:2] for r in impostor.requests] == [("GET", "/healthz"), ("POST", "/v1/identity")] * 2
+        assert app.state.router.cluster_key == ""

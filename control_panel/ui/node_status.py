@@ -45,7 +45,9 @@ async def probe(url: str, key: str | None) -> dict:
 async def probe_proved(url: str, key: str) -> dict:
     """`probe`, but only once the agent at `url` has proved it holds `key` (`verify_identity` sends
     no key): a typed or discovered URL may be an impostor, which must never be handed the key.
-    A failed proof: {"health": "unproved", "detail": why}."""
+    A failed proof: {"health": "unproved", "detail": why}; one not up says so first (no key sent)."""
+    if (alive := await probe(url, None))["health"] != "unpaired":
+        return alive
     try:
         await verify_identity(url, key)
     except PanelError as e:
