@@ -84,7 +84,9 @@ class AgentClient:
             ca_file = settings().ca_file
             verify = str(ca_file) if ca_file else True
         self.base_url = base_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {key}", "X-Tandem-Protocol": str(PROTOCOL_VERSION)}
+        self._headers = {"X-Tandem-Protocol": str(PROTOCOL_VERSION)}
+        if key:  # a keyless client (liveness only) sends none: "Bearer " alone is an illegal header
+            self._headers["Authorization"] = f"Bearer {key}"
         self._ssl: ssl.SSLContext | bool | None = (
             ssl.create_default_context(cafile=verify) if isinstance(verify, str) else (None if verify else False)
         )
