@@ -26,7 +26,7 @@ fetch .devcarry/wheels312 fastapi starlette uvicorn httptools h11 pydantic pydan
   xxhash opentelemetry-api aiohttp multidict yarl propcache frozenlist aiosignal attrs aiohappyeyeballs \
   uvloop pydantic-settings python-dotenv psutil
 mkdir -p .devcarry/tok
-model=$(.venv/bin/python -c "from engine_adapters.embedded_model import model_dir; from tandem_protocol.paths import data_dir; print(model_dir(data_dir()))")
+model=$(.venv/bin/python -c "from engine_adapters.embedded_model import model_dir; from tandem_protocol.settings import data_dir; print(model_dir(data_dir()))")
 cp "$model"/tokenizer* "$model"/special_tokens_map.json "$model"/chat_template* .devcarry/tok/ 2>/dev/null || true
 mkdir -p .devcarry/ipr && (cd .devcarry/ipr && apt-get download -q iproute2 libbpf1 libelf1 libmnl0 libcap2 \
   libxtables12 libtirpc3 libbsd0 libmd0 libdb5.3 libselinux1 libpcre2-8-0 libgssapi-krb5-2 libkrb5-3 \

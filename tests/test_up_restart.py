@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from tandem_cli.processes import ServiceProcess
-from tandem_protocol.paths import data_dir
+from tandem_protocol.settings import data_dir
 
 NAMES = ["node/decode-mlx", "node/prefill-torch", "smollm2", "smollm2-reverse"]
 
