@@ -45,7 +45,7 @@ import xxhash  # noqa: E402
 
 from engine_adapters.embedded_model import is_fetched, model_dir  # noqa: E402
 from node_agent.cli import parse_size  # noqa: E402
-from tandem_cli.processes import ServiceProcess  # noqa: E402
+from tandem_cli.processes import ServiceProcess, agent_serve_args  # noqa: E402
 from tandem_protocol.client import AgentClient  # noqa: E402
 from tandem_protocol.pages import FrameExpectation, PageGeometry, frame_bytes, make_page  # noqa: E402
 from tandem_protocol.settings import data_dir  # noqa: E402
@@ -80,22 +80,7 @@ class RssSampler:
 
 def start_agent(staging: str, model: Path) -> tuple[ServiceProcess, int]:
     agent = ServiceProcess(
-        [
-            "agent",
-            "serve",
-            "--engine",
-            "torch",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--no-mdns",
-            "--staging-bytes",
-            staging,
-        ],
-        env={"TANDEM_CLUSTER_KEY": KEY},
+        agent_serve_args("torch", model, "--staging-bytes", staging), env={"TANDEM_CLUSTER_KEY": KEY}
     )
     return agent, int(agent.wait_ready().rsplit(":", 1)[1])
 

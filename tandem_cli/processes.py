@@ -17,6 +17,26 @@ from pathlib import Path
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
 
+def agent_serve_args(engine: str, model: Path | str, *extra: str, host: str = "127.0.0.1", port: int = 0) -> list[str]:
+    """`tandem agent serve` for one engine on one model: what `tandem up`, the benchmarks and the
+    tests start (mDNS off unless `extra` asks for it)."""
+    mdns = [] if "--mdns" in extra else ["--no-mdns"]
+    return [
+        "agent",
+        "serve",
+        "--engine",
+        engine,
+        "--model",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *extra,
+        *mdns,
+    ]
+
+
 class ServiceProcess:
     def __init__(
         self, args: list[str], env: dict[str, str] | None = None, netns: str | None = None, cpus: str | None = None

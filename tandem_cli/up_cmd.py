@@ -22,7 +22,7 @@ from node_agent.identity import cluster_key
 from tandem_protocol.settings import data_dir
 
 from .model_cmd import ensure_embedded_model
-from .processes import ServiceProcess
+from .processes import ServiceProcess, agent_serve_args
 from .progress import console
 
 
@@ -42,21 +42,7 @@ def up(
         with console.status(f"starting the {prefill} and {decode} agents…"):
             agents = [
                 ServiceProcess(
-                    [
-                        "agent",
-                        "serve",
-                        "--engine",
-                        engine,
-                        "--model",
-                        str(model),
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        "0",
-                        "--no-mdns",
-                        "--name",
-                        f"{role}-{engine}",
-                    ],
+                    agent_serve_args(engine, model, "--name", f"{role}-{engine}"),
                     env={**env, "TANDEM_HOME": str(home / "agents" / role)},
                 )
                 for role, engine in (("prefill", prefill), ("decode", decode))

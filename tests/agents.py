@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tandem_cli.processes import TANDEM, ServiceProcess  # noqa: F401  (TANDEM is used by tests)
+from tandem_cli.processes import TANDEM, ServiceProcess, agent_serve_args  # noqa: F401  (TANDEM is used by tests)
 
 TEST_KEY = "tdm_test-cluster-key-0123456789abcdef"
 
@@ -35,24 +35,8 @@ class AgentProcess(ServiceProcess):
         self.engine, self.host, self.key = engine, host, key
         ca = (env or {}).get("TANDEM_CA_FILE")
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca) if ca else True
-        extra = [] if "--mdns" in args else ["--no-mdns"]
         super().__init__(
-            [
-                "agent",
-                "serve",
-                "--engine",
-                engine,
-                "--model",
-                str(model),
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--name",
-                f"{engine}-{home.name}",
-                *args,
-                *extra,
-            ],
+            agent_serve_args(engine, model, "--name", f"{engine}-{home.name}", *args, host=host, port=port),
             env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, **(env or {})},
             netns=netns,
         )

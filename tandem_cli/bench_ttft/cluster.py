@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from ..processes import ServiceProcess
+from ..processes import ServiceProcess, agent_serve_args
 from .link import Link, Place
 
 
@@ -58,21 +58,7 @@ def cluster(
             first = (i * cores_each) % cores
             cpus = (str(first) if cores_each == 1 else f"{first}-{min(first + cores_each, cores) - 1}") if pin else None
             proc = ServiceProcess(
-                [
-                    "agent",
-                    "serve",
-                    "--engine",
-                    engine,
-                    "--model",
-                    str(model),
-                    "--host",
-                    place.host,
-                    "--port",
-                    "0",
-                    "--no-mdns",
-                    "--name",
-                    name,
-                ],
+                agent_serve_args(engine, model, "--name", name, host=place.host),
                 env={"TANDEM_HOME": str(home / name), "TANDEM_CLUSTER_KEY": key, **envs[i]},
                 netns=place.netns,
                 cpus=cpus,
