@@ -1,4 +1,4 @@
-"""The control panel's ASGI app: state in SQLite, the OpenAI-compatible API and the web UI.
+"""The control panel's ASGI app: state in SQLite, the OpenAI-compatible API (`api/`) and the web UI (`ui/`).
 
 `create_app(state)` builds the app around a `PanelState` (`state.py`) kept on `app.state.panel`,
 where every route reaches it through `deps.py`; `create_panel_app(data_dir, ...)` opens one.
@@ -15,15 +15,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from .api import chat, completions, models
+from .api.errors import OpenAIError
 from .body_limit import MAX_BODY_BYTES, BodyLimit, BodyTooLarge, too_large
 from .deps import LoginRequired, login_required
 from .login_limit import LoginLimiter
-from .openai_api import OpenAIError, make_openai_router
 from .router import RouteError
 from .state import PanelState, open_state
 from .ui import discovered, help, login, nodes, pairs, playground, requests, settings
 from .ui.render import STATIC_DIR
 
+API_ROUTERS = (models, chat, completions)
 UI_ROUTERS = (login, nodes, discovered, pairs, playground, requests, settings, help)
 
 
@@ -59,8 +61,7 @@ def create_app(state: PanelState) -> FastAPI:
     async def healthz():
         return {"ok": True}
 
-    app.include_router(make_openai_router(state.db, state.router, state.request_log))
-    for module in UI_ROUTERS:
+    for module in API_ROUTERS + UI_ROUTERS:
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -6,7 +6,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.responses import PlainTextResponse, Response
 
-from .openai_api import OpenAIError
+from .api.errors import OpenAIError
 
 # A request body over this is refused with 413. An OpenAI request is text or token ids: 4 MiB holds
 # a prompt far longer than any context a desk machine serves.

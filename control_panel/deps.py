@@ -1,8 +1,9 @@
-"""The web UI's declared dependencies: each route states what it needs through these aliases.
+"""The panel's declared dependencies: each route states what it needs through these aliases.
 
 Signed out, a page is redirected to /login (a GET comes back after login: `next`) and an htmx or
 fetch() call gets 401 with HX-Redirect, by `LoginRequired`'s handler. A form's POST cannot be
 replayed as a GET, so it comes back to nothing. The CSRF checks run after the session check.
+The OpenAI-compatible API's routes need an API key instead (`API_KEY`).
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Form, Request
+from fastapi import Depends, Form, Header, Request
 from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import Engine
 from sqlmodel import Session
 
+from .api.errors import OpenAIError
 from .i18n import COOKIE as LANG_COOKIE
 from .i18n import Translator, pick_language
+from .request_log import RequestLogWriter
 from .router import Router
+from .security import api_key_valid
 from .state import PanelState
 from .ui.render import Renderer
 from .ui.sessions import wants_fragment
@@ -104,3 +108,44 @@ def csrf_header(request: Request, panel: Panel, _session: AdminSession) -> None:
 
 
 CsrfHeader = Annotated[None, Depends(csrf_header)]
+
+
+# ---- the OpenAI-compatible API (control_panel/api/) ---------------------------------------------
+def request_log_writer(panel: Panel) -> RequestLogWriter:
+    return panel.request_log
+
+
+RequestLogs = Annotated[RequestLogWriter, Depends(request_log_writer)]
+
+
+async def api_key(panel: Panel, authorization: Annotated[str | None, Header()] = None) -> None:
+    """A valid API key as a bearer token. A dependency runs before the body is validated, so a bad
+    key is a 401 whatever the body holds (only a body too large, or not JSON at all, is refused
+    before the key is read)."""
+    token = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
+    if not api_key_valid(panel.db, token):
+        raise OpenAIError(
+            401,
+            "missing or wrong API key (create one in the panel's Settings)",
+            kind="invalid_request_error",
+            code="invalid_api_key",
+        )
+
+
+async def json_only(request: Request) -> None:
+    """A POST's body sent as JSON. FastAPI parses a body as JSON only under a JSON media type, and
+    validates anything else as one opaque value ("Input should be a valid dictionary"): this says
+    what is wrong instead."""
+    if request.method != "POST":
+        return
+    given = request.headers.get("content-type", "")
+    media = given.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise OpenAIError(
+            415,
+            f"the body must be JSON sent with Content-Type: application/json (got {given or 'no Content-Type'})",
+            code="unsupported_media_type",
+        )
+
+
+API_KEY = [Depends(api_key), Depends(json_only)]  # a router's `dependencies`: every API route

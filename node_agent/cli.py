@@ -180,8 +180,8 @@ def serve(
         )
         server.run(sockets=[sock])
     finally:
-        if agent.state.slot.ready:  # the engine now serving (a panel may have switched it)
-            agent.state.slot.adapter.close()
+        if agent.state.agent.slot.ready:  # the engine now serving (a panel may have switched it)
+            agent.state.agent.slot.adapter.close()
 
 
 @app.command()

@@ -165,11 +165,12 @@ def test_a_deleted_key_is_refused_from_the_next_request(tmp_path):
     a pair changed in the panel counts from the very next request."""
     from sqlmodel import Session
 
+    from control_panel.api.errors import OpenAIError
     from control_panel.db import open_db
     from control_panel.models import ApiKey, Node, Pair
-    from control_panel.openai_api import OpenAIError, resolve_target
     from control_panel.security import api_key_valid
     from control_panel.services import delete_row
+    from control_panel.targets import resolve_target
 
     engine = open_db(tmp_path / "panel.db")
     key = create_api_key(engine, "t")

@@ -12,11 +12,12 @@ from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import Engine
 
 from .. import services
+from ..api.errors import OpenAIError
 from ..deps import SIGNED_IN, AgentRouter, CsrfHeader, Db, Render, Tr
 from ..models import RequestLog
-from ..openai_api import OpenAIError, resolve_target
 from ..request_log import save as log_request
 from ..router import RouteError, Router, RouteStats, Target
+from ..targets import resolve_target
 from .render import fmt_bytes
 
 router = APIRouter(include_in_schema=False, dependencies=SIGNED_IN)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_agent.app import _Incremental
+from node_agent.token_stream import IncrementalDetokenizer
 
 
 @pytest.mark.parametrize(
@@ -18,7 +18,7 @@ from node_agent.app import _Incremental
 def test_deltas_add_up(engines, text):
     adapter = engines["torch"]
     ids = adapter.encode(text) + [2]  # ends with <|im_end|>, which decodes to nothing
-    inc = _Incremental(adapter)
+    inc = IncrementalDetokenizer(adapter)
     deltas = [inc.add(t) for t in ids]
     assert "".join(deltas) == adapter.detokenize(ids) == text
     assert not any("\ufffd" in d for d in deltas)
@@ -26,7 +26,7 @@ def test_deltas_add_up(engines, text):
 
 def test_window_stays_short(engines):
     adapter = engines["torch"]
-    inc = _Incremental(adapter)
+    inc = IncrementalDetokenizer(adapter)
     for t in adapter.encode("word " * 300):
         inc.add(t)
     assert len(inc.ids) - inc.prefix <= 4  # decoding cost does not grow with the answer

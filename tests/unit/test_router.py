@@ -15,9 +15,10 @@ import httpx
 import pytest
 from sqlmodel import Session
 
+from control_panel.api.bodies import ChatBody
+from control_panel.api.errors import OpenAIError
 from control_panel.app import create_app
 from control_panel.models import Node, Pair
-from control_panel.openai_api import ChatBody, OpenAIError
 from control_panel.router import RouteError, Router, RouteStats, Target
 from control_panel.security import create_api_key
 from control_panel.state import open_state

@@ -1,0 +1,186 @@
+"""One completion's answer, chat or text, whole or streamed (SSE), cut at its stop strings and
+logged however it ends: what /v1/chat/completions and /v1/completions share."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from tandem_protocol.sampling import SamplingParams
+
+from ..models import RequestLog
+from ..request_log import RequestLogWriter
+from ..router import RouteError, Router, RouteStats, Target
+from .bodies import _Common
+from .errors import OpenAIError
+
+
+class StopScanner:
+    """Cuts the text at the first stop string, holding back what could still become one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.pending, self.hit = [s for s in stops if s], "", False
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def feed(self, text: str) -> str:
+        self.pending += text
+        for stop in self.stops:
+            at = self.pending.find(stop)
+            if at >= 0:
+                self.hit = True
+                out, self.pending = self.pending[:at], ""
+                return out
+        cut = max(0, len(self.pending) - self.hold)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def openai_error(e: RouteError) -> OpenAIError:
+    return OpenAIError(e.status, str(e), kind=e.kind, retry_after=e.retry_after)
+
+
+class Answer:
+    """The answer to a checked request whose prompt is `ids`."""
+
+    def __init__(
+        self,
+        body: _Common,
+        chat: bool,
+        ids: list[int],
+        target: Target,
+        sampling: SamplingParams,
+        agents: Router,
+        request_log: RequestLogWriter,
+    ):
+        self.body, self.chat, self.ids, self.request_log = body, chat, ids, request_log
+        self.stats = RouteStats()
+        self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.logged = request_log.start(RequestLog(model=body.model, route="", prompt_tokens=len(ids)))
+        self.events = agents.run(target, ids, sampling, self.stats)
+        self.scanner = StopScanner(body.stops)
+
+    def log(self, outcome: str, error: str = "") -> None:
+        stats = self.stats
+        self.request_log.finish(
+            self.logged,
+            route=stats.route,
+            reason=stats.reason,
+            ttft_ms=stats.ttft_ms,
+            output_tokens=stats.output_tokens,
+            bytes_moved=stats.bytes_moved,
+            outcome=outcome,
+            error=error,
+        )
+
+    async def texts(self) -> AsyncIterator[str]:
+        """Text deltas until the end, a stop string or an error (raised as RouteError)."""
+        try:
+            async for event in self.events:
+                if "error" in event:
+                    raise RouteError(event["error"]["message"], 503)
+                if "token" in event:
+                    delta = self.scanner.feed(event["text"])
+                    if delta:
+                        yield delta
+                    if self.scanner.hit:
+                        self.stats.finish_reason = "stop"
+                        return
+            rest = self.scanner.flush()
+            if rest:
+                yield rest
+        finally:
+            await self.events.aclose()  # a stop string or a client gone: abort both roles now
+
+    def usage(self) -> dict:
+        done = self.stats.output_tokens
+        return {"prompt_tokens": len(self.ids), "completion_tokens": done, "total_tokens": len(self.ids) + done}
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.body.model}
+
+    def chunk(self, delta: str | None, finish: str | None) -> dict:
+        if self.chat:
+            d = {} if delta is None else {"content": delta}
+            return {
+                **self.head("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": d, "finish_reason": finish}],
+            }
+        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return {**self.head("text_completion"), "choices": [choice]}
+
+    async def respond(self):
+        """The answer: a JSON body, or an SSE stream."""
+        return await (self.streamed() if self.body.stream else self.whole())
+
+    async def whole(self) -> dict:
+        try:
+            text = "".join([t async for t in self.texts()])
+        except RouteError as e:
+            self.log("error", str(e))
+            raise openai_error(e) from e
+        self.log("ok")
+        finish = self.stats.finish_reason or "stop"
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            if self.chat
+            else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        )
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self.head(obj), "choices": [choice], "usage": self.usage()}
+
+    async def streamed(self) -> StreamingResponse:
+        # Pull the first event before answering, so routing errors are real HTTP errors.
+        gen = self.texts()
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except RouteError as e:
+            self.log("error", str(e))
+            raise openai_error(e) from e
+        return StreamingResponse(
+            self.sse(gen, first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def sse(self, gen: AsyncIterator[str], first: str | None) -> AsyncIterator[bytes]:
+        outcome, error = "cancelled", ""
+        try:
+            if self.chat:
+                head = self.chunk(None, None)
+                head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield sse(head)
+            if first is not None:
+                yield sse(self.chunk(first, None))
+                async for delta in gen:
+                    yield sse(self.chunk(delta, None))
+            yield sse(self.chunk(None, self.stats.finish_reason or "stop"))
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                obj = "chat.completion.chunk" if self.chat else "text_completion"
+                yield sse({**self.head(obj), "choices": [], "usage": self.usage()})
+            yield DONE
+            outcome = "ok"
+        except RouteError as e:
+            outcome, error = "error", str(e)
+            yield sse({"error": {"message": str(e), "type": e.kind, "param": None, "code": None}})
+            yield DONE
+        finally:
+            try:
+                await gen.aclose()
+            finally:  # logged even when closing fails (the panel shutting down under it)
+                self.log(outcome, error)

@@ -1,0 +1,56 @@
+"""Tokens out: /v1/decode (the one request of a P/D pair, or this engine alone), /v1/generate
+(this engine alone) and cancelling either (DELETE /v1/requests/{request_id})."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from engine_adapters.base import EngineRequest
+from tandem_protocol.api import DecodeBody, GenerateBody
+from tandem_protocol.errors import RequestError
+
+from ..deps import KEYED, Agent, Engine
+from ..handshake import Handshake
+from ..token_stream import token_lines
+
+router = APIRouter(dependencies=KEYED)
+
+
+def ndjson(lines) -> StreamingResponse:
+    return StreamingResponse(lines, media_type="application/x-ndjson")
+
+
+@router.post("/v1/generate")
+async def generate(body: GenerateBody, agent: Agent, adapter: Engine):
+    req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling)
+    adapter.validate(req, generates=True)
+    return ndjson(token_lines(adapter, agent.metrics, req, adapter.generate(req), "generate", time.perf_counter(), {}))
+
+
+@router.post("/v1/decode")
+async def decode(body: DecodeBody, agent: Agent, adapter: Engine):
+    """The one request of a P/D pair: checked here, then the handoff is created on the
+    prefiller and its pages pulled as they come (ARCHITECTURE.md, "One request")."""
+    mode = body.mode or adapter.decoder_modes[0]
+    if mode not in adapter.decoder_modes:
+        raise RequestError(f"{adapter.name} cannot decode in {mode.value} mode")
+    req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling, mode)
+    adapter.validate(req, generates=True)  # context length, sampling fields: refused before P computes
+    if body.prefill_url is None:
+        return ndjson(
+            token_lines(adapter, agent.metrics, req, adapter.generate(req), "generate", time.perf_counter(), {})
+        )
+    t0 = time.perf_counter()
+    handshake = Handshake(adapter, agent.peer(body.prefill_url), body.prefill_url, agent.metrics)
+    await handshake.open(req, body.page_encoding)  # a 4xx/429/502 here, before any stream
+    tokens = adapter.decode(req, handshake.pages(req))
+    return ndjson(token_lines(adapter, agent.metrics, req, tokens, "decode", t0, handshake.stats, handshake))
+
+
+@router.delete("/v1/requests/{request_id}")
+async def cancel_request(request_id: str, adapter: Engine):
+    return {"request_id": request_id, "cancelled": adapter.cancel(request_id)}

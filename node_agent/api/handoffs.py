@@ -1,0 +1,51 @@
+"""The prefiller's side of a P/D request: a decoder creates a handoff, reads its page stream and
+cancels it (the decoder's side: `node_agent/handshake.py`)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from tandem_protocol.api import HandoffBody, HandoffCreated
+from tandem_protocol.errors import ContractMismatch, RequestError
+from tandem_protocol.http_server import PageStreamResponse
+from tandem_protocol.pages import ENCODINGS, PROTOCOL_VERSION
+
+from ..deps import KEYED, Handoffs, Slot
+
+router = APIRouter(dependencies=KEYED)
+
+
+@router.post("/v1/handoffs", status_code=201)
+async def create_handoff(body: HandoffBody, slot: Slot, handoffs: Handoffs) -> HandoffCreated:
+    if body.protocol_version != PROTOCOL_VERSION:
+        raise RequestError(
+            f"decoder speaks Tandem protocol {body.protocol_version}, this prefiller speaks {PROTOCOL_VERSION}"
+        )
+    adapter = slot.adapter  # after the version check: a wrong version is a 400 even while loading
+    if body.contract != adapter.contract.fingerprint:
+        raise ContractMismatch(
+            ["contract fingerprint"],
+            f"decoder's {body.contract[:16]}… differs from this "
+            f"prefiller's {adapter.contract.fingerprint[:16]}…: compare /v1/info of both nodes",
+        )
+    h = await handoffs.create(
+        body.room,
+        body.token_ids,
+        body.sampling,
+        body.mode,
+        body.wait_timeout,
+        encoding=ENCODINGS[body.page_encoding],
+    )
+    pages, nbytes = handoffs.page_bytes_for(len(body.token_ids), body.mode)
+    return HandoffCreated(room=h.room, pages=pages, reserved_bytes=nbytes)
+
+
+@router.get("/v1/handoffs/{room}/pages")
+async def handoff_pages(room: str, handoffs: Handoffs):
+    frames = await handoffs.stream(room)
+    return PageStreamResponse(frames)
+
+
+@router.delete("/v1/handoffs/{room}")
+async def cancel_handoff(room: str, handoffs: Handoffs):
+    return {"room": room, "cancelled": await handoffs.cancel(room)}

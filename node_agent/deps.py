@@ -1,0 +1,90 @@
+"""The agent API's declared dependencies: each route states what it needs through these aliases.
+They are `async def`: FastAPI would run a plain `def` in a worker thread, on every request.
+
+Every route but /healthz and /v1/identity sits on a router with `KEYED`: the cluster key as a
+bearer token, and, when a peer names its protocol version (X-Tandem-Protocol), the same one as here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from engine_adapters.base import EngineAdapter
+from tandem_protocol.auth import key_matches
+from tandem_protocol.errors import RequestError
+from tandem_protocol.pages import PROTOCOL_VERSION
+
+from .budget import StagingBudget
+from .engine_slot import EngineSlot
+from .errors import Unauthorized
+from .handoffs import HandoffManager
+from .metrics import Metrics
+from .state import AgentConfig, AgentState
+
+
+async def agent_state(request: Request) -> AgentState:
+    return request.app.state.agent
+
+
+Agent = Annotated[AgentState, Depends(agent_state)]
+
+
+async def agent_config(agent: Agent) -> AgentConfig:
+    return agent.config
+
+
+Config = Annotated[AgentConfig, Depends(agent_config)]
+
+
+async def engine_slot(agent: Agent) -> EngineSlot:
+    return agent.slot
+
+
+Slot = Annotated[EngineSlot, Depends(engine_slot)]
+
+
+async def engine(slot: Slot) -> EngineAdapter:
+    """The engine serving now (the slot's, read per request: a panel may switch it)."""
+    return slot.adapter
+
+
+Engine = Annotated[EngineAdapter, Depends(engine)]
+
+
+async def handoff_manager(agent: Agent) -> HandoffManager:
+    return agent.handoffs
+
+
+Handoffs = Annotated[HandoffManager, Depends(handoff_manager)]
+
+
+async def staging_budget(agent: Agent) -> StagingBudget:
+    return agent.budget
+
+
+Budget = Annotated[StagingBudget, Depends(staging_budget)]
+
+
+async def agent_metrics(agent: Agent) -> Metrics:
+    return agent.metrics
+
+
+AgentMetrics = Annotated[Metrics, Depends(agent_metrics)]
+
+
+async def cluster_key(
+    config: Config, authorization: str | None = Header(None), x_tandem_protocol: int | None = Header(None)
+) -> None:
+    token = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
+    if not key_matches(token, config.cluster_key):
+        raise Unauthorized()
+    if x_tandem_protocol is not None and x_tandem_protocol != PROTOCOL_VERSION:
+        raise RequestError(
+            f"peer speaks Tandem protocol {x_tandem_protocol}, this agent speaks "
+            f"{PROTOCOL_VERSION}: run the same Tandem version on both machines"
+        )
+
+
+KEYED = [Depends(cluster_key)]  # a router's `dependencies`: every route on it needs the cluster key

@@ -1,0 +1,119 @@
+"""What one agent process holds while it runs: its configuration, its engine slot, the staging
+budget, the open handoffs and the metrics, built once by `create_app` and kept on
+`app.state.agent`; routes reach it through the dependencies in `deps.py`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_adapters.base import EngineAdapter
+from tandem_protocol.client import AgentClient
+from tandem_protocol.pages import ENCODINGS, PROTOCOL_VERSION
+
+from .budget import StagingBudget
+from .engine_slot import EngineSlot, Loader
+from .handoffs import HandoffManager
+from .metrics import Metrics
+
+
+@dataclass
+class AgentConfig:
+    node_id: str
+    name: str
+    cluster_key: str
+    staging_bytes: int = 512 << 20
+    handoff_ttl: float = 60.0
+    model_name: str = ""
+    url: str = ""  # where this agent listens (for logs)
+    model_roots: list = field(default_factory=list)  # directories POST /v1/config may load models from
+    # A page stream that moves no byte for this long is broken (a cable pulled, a peer frozen):
+    # the decoder gives up reading it and the prefiller gives up writing it, and both let go of
+    # what they hold. It must exceed the longest gap between two pages (one prefill chunk).
+    stall_timeout: float = 60.0
+
+
+class AgentState:
+    def __init__(
+        self, adapter: EngineAdapter, config: AgentConfig, discovery: Any = None, loader: Loader | None = None
+    ):
+        self.config, self.discovery, self.loader = config, discovery, loader
+        self.metrics = Metrics()
+        self.budget = StagingBudget(config.staging_bytes)
+        self.slot = EngineSlot(adapter, loader)
+        self.handoffs = HandoffManager(self.slot, self.budget, self.metrics, ttl=config.handoff_ttl)
+        self.metrics.bind(
+            capacity=lambda: self.budget.capacity,
+            reserved=lambda: self.budget.reserved,
+            waiting=lambda: self.budget.waiting,
+            open_handoffs=lambda: len(self.handoffs.handoffs),
+            active=lambda: self.slot.adapter.active_requests if self.slot.ready else 0,
+        )
+        self.peers: dict[str, AgentClient] = {}  # one pooled HTTP client per prefiller: connections are reused
+        self.started = time.time()
+
+    def peer(self, url: str) -> AgentClient:
+        url = url.rstrip("/")
+        if url not in self.peers:
+            self.peers[url] = AgentClient(url, self.config.cluster_key, stall_timeout=self.config.stall_timeout)
+        return self.peers[url]
+
+    def idle(self) -> bool:
+        return (
+            not self.handoffs.handoffs
+            and not self.handoffs.waiting
+            and self.budget.reserved == 0
+            and self.budget.waiting == 0
+            and self.slot.adapter.active_requests == 0
+        )
+
+    def info(self) -> dict:
+        config, slot = self.config, self.slot
+        base = {
+            "node_id": config.node_id,
+            "name": config.name,
+            "protocol_version": PROTOCOL_VERSION,
+            "state": "ready" if slot.ready else "loading",
+            "model_roots": [str(r) for r in config.model_roots],
+            "switchable": self.loader is not None,
+        }
+        if not slot.ready:
+            return {
+                **base,
+                "engine": None,
+                "model": slot.loading,
+                "contract": None,
+                "decoder_modes": [],
+                "accelerator": {},
+                "page_bytes": 0,
+                "context_length": 0,
+                "last_error": slot.last_error,
+            }
+        a = slot.adapter
+        return {
+            **base,
+            "engine": a.name,
+            "model": config.model_name or a.model_dir.name,
+            "model_path": str(a.model_dir),
+            "contract": a.contract.to_dict(),
+            "decoder_modes": [m.value for m in a.decoder_modes],
+            "first_token_sampling": sorted(a.first_token_sampling),
+            "sampling": sorted(a.sampling),
+            "accelerator": a.accelerator(),
+            "page_bytes": a.geometry.page_bytes,
+            "context_length": a.context_length,
+            "vocab_size": a.info.vocab_size,
+            "page_encodings": sorted(ENCODINGS),
+        }
+
+    async def start(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.start()
+
+    async def aclose(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
+        await self.handoffs.close()
+        for client in self.peers.values():
+            await client.aclose()

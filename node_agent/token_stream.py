@@ -1,0 +1,96 @@
+"""A request's token stream as NDJSON: {"token", "text"} lines, then one {"done": true, ...} line
+or one {"error": {...}} line, whatever happens to the request."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from engine_adapters.base import EngineAdapter, EngineRequest
+from tandem_protocol.api import PREFILLER_FAILED
+from tandem_protocol.client import AgentHTTPError
+from tandem_protocol.errors import Cancelled, TandemError
+
+from .errors import error_body
+from .handshake import Handshake
+from .metrics import Metrics
+
+log = logging.getLogger("tandem.agent")
+
+
+class IncrementalDetokenizer:
+    """Text deltas from a growing token list, decoding only a short window of recent tokens
+    (the offsets scheme of Hugging Face's TextStreamer and vLLM's detokenizer), so a long answer
+    costs O(n), not O(n^2). A partial UTF-8 character is held back until it completes."""
+
+    def __init__(self, adapter: EngineAdapter):
+        self.adapter, self.ids, self.prefix, self.read = adapter, [], 0, 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.adapter.detokenize(self.ids[self.prefix : self.read])
+        text = self.adapter.detokenize(self.ids[self.prefix :])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]
+
+
+def line(item: dict) -> bytes:
+    return (json.dumps(item) + "\n").encode()
+
+
+def finish_reason(adapter: EngineAdapter, req: EngineRequest, count: int, last: int | None) -> str:
+    stops = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else adapter.eos_token_ids)
+    return "stop" if last in stops or count < req.sampling.max_tokens else "length"
+
+
+async def token_lines(
+    adapter: EngineAdapter,
+    metrics: Metrics,
+    req: EngineRequest,
+    tokens: AsyncIterator[int],
+    kind: str,
+    t0: float,
+    extra: dict,
+    handshake: Handshake | None = None,
+) -> AsyncIterator[bytes]:
+    text = IncrementalDetokenizer(adapter)
+    outcome, count, ttft, last = "error", 0, None, None
+    try:
+        async with aclosing(tokens) as stream:
+            async for token in stream:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                count, last = count + 1, token
+                metrics.generated_tokens.inc()
+                yield line({"token": token, "text": text.add(token)})
+        finish = finish_reason(adapter, req, count, last)
+        outcome = "ok"
+        yield line(
+            {
+                "done": True,
+                "finish_reason": finish,
+                "prompt_tokens": len(req.token_ids),
+                "completion_tokens": count,
+                "ttft_seconds": ttft,
+                **extra,
+            }
+        )
+    except (TandemError, AgentHTTPError) as e:
+        outcome = "cancelled" if isinstance(e, Cancelled) else "failed"
+        body = error_body(e)
+        if count == 0 and handshake is not None and handshake.failed:
+            body["error"][PREFILLER_FAILED] = True  # nothing was sent: the panel may serve D alone
+        yield line(body)
+    except Exception as e:  # a bug or an engine failing in a way nobody foresaw: still a last line
+        log.exception("%s request %s failed", kind, req.request_id)
+        outcome = "failed"
+        yield line({"error": {"type": "engine_error", "message": f"{type(e).__name__}: {e}"}})
+    finally:
+        metrics.requests.labels(kind=kind, outcome=outcome).inc()
+        if handshake is not None:
+            handshake.release()
