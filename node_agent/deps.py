@@ -11,12 +11,10 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from engine_adapters.base import EngineAdapter
 from tandem_protocol.auth import key_matches
 from tandem_protocol.errors import RequestError
 from tandem_protocol.pages import PROTOCOL_VERSION
 
-from .budget import StagingBudget
 from .engine_slot import EngineSlot
 from .errors import Unauthorized
 from .handoffs import HandoffManager
@@ -39,18 +37,12 @@ Config = Annotated[AgentConfig, Depends(agent_config)]
 
 
 async def engine_slot(agent: Agent) -> EngineSlot:
+    """The slot, not its engine: `slot.adapter` raises EngineLoading (503) while a switch is under
+    way, so a route reads it in its body, after FastAPI has checked the request's body (a 400 first)."""
     return agent.slot
 
 
 Slot = Annotated[EngineSlot, Depends(engine_slot)]
-
-
-async def engine(slot: Slot) -> EngineAdapter:
-    """The engine serving now (the slot's, read per request: a panel may switch it)."""
-    return slot.adapter
-
-
-Engine = Annotated[EngineAdapter, Depends(engine)]
 
 
 async def handoff_manager(agent: Agent) -> HandoffManager:
@@ -58,13 +50,6 @@ async def handoff_manager(agent: Agent) -> HandoffManager:
 
 
 Handoffs = Annotated[HandoffManager, Depends(handoff_manager)]
-
-
-async def staging_budget(agent: Agent) -> StagingBudget:
-    return agent.budget
-
-
-Budget = Annotated[StagingBudget, Depends(staging_budget)]
 
 
 async def agent_metrics(agent: Agent) -> Metrics:

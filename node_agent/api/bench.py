@@ -19,7 +19,7 @@ from tandem_protocol.http_server import PageStreamResponse
 from tandem_protocol.pages import FrameExpectation, encode_frame, make_page
 from tandem_protocol.wire import done_frame
 
-from ..deps import KEYED, Agent, Engine
+from ..deps import KEYED, Agent
 
 router = APIRouter(dependencies=KEYED)
 
@@ -57,9 +57,10 @@ async def round_trip(client: AgentClient) -> float:
 
 
 @router.post("/v1/bench/link")
-async def bench_link(body: BenchLinkBody, agent: Agent, adapter: Engine):
+async def bench_link(body: BenchLinkBody, agent: Agent):
     """Pull synthetic pages from `peer` through the decoder's own receiver (every frame
     checked), as a decode pulls a room: the link from that prefiller to this decoder."""
+    adapter = agent.slot.adapter
     g = adapter.geometry
     client = agent.peer(body.peer)
     expect = FrameExpectation(adapter.contract.fingerprint_bytes, b"\0" * 16, b"\0" * 16, g)

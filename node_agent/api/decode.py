@@ -13,7 +13,7 @@ from engine_adapters.base import EngineRequest
 from tandem_protocol.api import DecodeBody, GenerateBody
 from tandem_protocol.errors import RequestError
 
-from ..deps import KEYED, Agent, Engine
+from ..deps import KEYED, Agent, Slot
 from ..handshake import Handshake
 from ..token_stream import token_lines
 
@@ -25,16 +25,18 @@ def ndjson(lines) -> StreamingResponse:
 
 
 @router.post("/v1/generate")
-async def generate(body: GenerateBody, agent: Agent, adapter: Engine):
+async def generate(body: GenerateBody, agent: Agent):
+    adapter = agent.slot.adapter
     req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling)
     adapter.validate(req, generates=True)
     return ndjson(token_lines(adapter, agent.metrics, req, adapter.generate(req), "generate", time.perf_counter(), {}))
 
 
 @router.post("/v1/decode")
-async def decode(body: DecodeBody, agent: Agent, adapter: Engine):
+async def decode(body: DecodeBody, agent: Agent):
     """The one request of a P/D pair: checked here, then the handoff is created on the
     prefiller and its pages pulled as they come (ARCHITECTURE.md, "One request")."""
+    adapter = agent.slot.adapter
     mode = body.mode or adapter.decoder_modes[0]
     if mode not in adapter.decoder_modes:
         raise RequestError(f"{adapter.name} cannot decode in {mode.value} mode")
@@ -52,5 +54,5 @@ async def decode(body: DecodeBody, agent: Agent, adapter: Engine):
 
 
 @router.delete("/v1/requests/{request_id}")
-async def cancel_request(request_id: str, adapter: Engine):
-    return {"request_id": request_id, "cancelled": adapter.cancel(request_id)}
+async def cancel_request(request_id: str, slot: Slot):
+    return {"request_id": request_id, "cancelled": slot.adapter.cancel(request_id)}

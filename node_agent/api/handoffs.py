@@ -21,7 +21,7 @@ async def create_handoff(body: HandoffBody, slot: Slot, handoffs: Handoffs) -> H
         raise RequestError(
             f"decoder speaks Tandem protocol {body.protocol_version}, this prefiller speaks {PROTOCOL_VERSION}"
         )
-    adapter = slot.adapter  # after the version check: a wrong version is a 400 even while loading
+    adapter = slot.adapter
     if body.contract != adapter.contract.fingerprint:
         raise ContractMismatch(
             ["contract fingerprint"],

@@ -16,9 +16,11 @@ router = APIRouter(dependencies=KEYED)
 async def tokenize(body: TokenizeBody, slot: Slot) -> TokenizeAnswer:
     if (body.messages is None) == (body.prompt is None):
         raise RequestError("give exactly one of `messages` (chat) or `prompt` (plain text)")
-    adapter = slot.adapter  # after the body's check: a bad body is a 400 even while loading
     try:
-        ids = adapter.chat_token_ids(body.messages) if body.messages is not None else adapter.encode(body.prompt)
+        if body.messages is not None:
+            ids = slot.adapter.chat_token_ids(body.messages)
+        else:
+            ids = slot.adapter.encode(body.prompt)
     except Exception as e:  # template errors name the problem
         raise RequestError(f"cannot tokenize: {e}") from e
     return TokenizeAnswer(token_ids=ids)
