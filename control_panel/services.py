@@ -65,6 +65,12 @@ async def _addresses_of(url: str) -> set[str]:
     return {canonical_address(host, port)} | {canonical_address(sockaddr[0], port) for *_, sockaddr in found}
 
 
+def _reached(url: str) -> str:
+    """The host:port the panel dials for `url`, as the identity proof writes it."""
+    parts = urlsplit(url)
+    return canonical_address(parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+
+
 async def verify_identity(url: str, cluster_key: str, expect_node_id: str | None = None) -> str:
     """The node id of the agent at `url` once it has proved, for a fresh nonce and at this very
     address, that it holds `cluster_key` (tandem_protocol/auth.py). The key itself is not sent,
@@ -74,7 +80,7 @@ async def verify_identity(url: str, cluster_key: str, expect_node_id: str | None
     nonce = new_nonce()
     try:
         async with httpx.AsyncClient(verify=os.environ.get("TANDEM_CA_FILE") or True, timeout=IDENTITY_TIMEOUT) as c:
-            r = await c.post(url + IDENTITY_PATH, json={"nonce": nonce})
+            r = await c.post(url + IDENTITY_PATH, json={"nonce": nonce, "address": _reached(url)})
     except httpx.HTTPError as e:
         raise PanelError(f"{url} is not reachable ({type(e).__name__})") from e
     if r.status_code == 404:

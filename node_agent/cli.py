@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tandem_protocol.auth import canonical_address
 from tandem_protocol.pages import PROTOCOL_VERSION
 from tandem_protocol.settings import data_dir, hash_cache_path
 
@@ -73,6 +74,14 @@ def resolve_model(model: str | None) -> Path:
     return model_dir(data_dir())
 
 
+def _host_port(text: str) -> str:
+    """An --advertise-address as the identity proof writes addresses (canonical host:port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise typer.BadParameter(f"--advertise-address {text!r}: expected HOST:PORT")
+    return canonical_address(host, int(port))
+
+
 @app.command()
 def serve(
     engine: str = typer.Option("torch", help="Engine: torch or mlx."),
@@ -92,6 +101,11 @@ def serve(
     handoff_ttl: float = typer.Option(60.0, help="Seconds before unread pages expire."),
     stall_timeout: float = typer.Option(
         60.0, help="Seconds a page stream may move no byte before both ends give it up (a pulled cable, a frozen peer)."
+    ),
+    advertise_address: list[str] = typer.Option(
+        None,
+        help="HOST:PORT this agent is also reached at (a port forward or proxy in front of it): it proves "
+        "its identity there too. Without it a panel can only add it by an address it listens on.",
     ),
     device: str = typer.Option(None, help="torch only: cuda, cuda:N or cpu."),
     tls_cert: Path = typer.Option(None, help="TLS certificate (PEM) to serve HTTPS."),
@@ -150,6 +164,7 @@ def serve(
         handoff_ttl=handoff_ttl,
         model_name=path.name,
         stall_timeout=stall_timeout,
+        advertised=frozenset(_host_port(a) for a in advertise_address or []),
         url=f"{'https' if tls_cert else 'http'}://{host}:{port}",
         model_roots=default_roots(path) + [p.expanduser().resolve() for p in model_root or []],
     )

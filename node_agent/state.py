@@ -32,6 +32,9 @@ class AgentConfig:
     # the decoder gives up reading it and the prefiller gives up writing it, and both let go of
     # what they hold. It must exceed the longest gap between two pages (one prefill chunk).
     stall_timeout: float = 60.0
+    # host:port addresses (canonical) this agent is also reached at — a port forward or a proxy in
+    # front of it — which it signs in an identity proof when a caller names one of them
+    advertised: frozenset[str] = frozenset()
 
 
 class AgentState:

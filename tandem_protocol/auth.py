@@ -33,6 +33,12 @@ def key_matches(presented: str | None, key: str) -> bool:
 
 class IdentityChallenge(BaseModel):
     nonce: str = Field(pattern=r"^[0-9a-f]{32,128}$", description="Fresh random hex chosen by the caller")
+    address: str | None = Field(
+        None,
+        max_length=300,
+        description="host:port the caller reached; signed instead of the socket's own address only when "
+        "the agent's operator advertised it (a port forward or proxy in front of the agent)",
+    )
 
 
 class IdentityAnswer(BaseModel):

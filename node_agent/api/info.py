@@ -28,7 +28,8 @@ async def healthz():
 async def identity(body: IdentityChallenge, request: Request, config: Config) -> IdentityAnswer:
     """No key: a panel checks, before it sends the key here, that this is the node it knows."""
     host, port = request.scope["server"][:2]  # this connection's own socket: a client cannot choose it
-    return identity_answer(config.cluster_key, body.nonce, config.node_id, canonical_address(host, port))
+    address = body.address if body.address in config.advertised else canonical_address(host, port)
+    return identity_answer(config.cluster_key, body.nonce, config.node_id, address)
 
 
 @router.get("/v1/info")

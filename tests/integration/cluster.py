@@ -12,6 +12,8 @@ from pathlib import Path
 
 import openai
 
+from engine_adapters.server_process import free_port
+
 from ..agents import AgentProcess, PanelProcess, TamperProxy, complete, log_rows, settle, wait_for
 
 STALL_SECONDS = "15"  # a page stream silent this long is broken (the agents' --stall-timeout)
@@ -69,16 +71,27 @@ class Cluster:
         # equal thread counts: same-engine outputs comparable bit for bit
         os.environ.setdefault("TANDEM_VLLM_THREADS", "1")
         os.environ.setdefault("TANDEM_SGLANG_THREADS", "1")
+        # each fault pair's prefiller is reached through a proxy on a port picked now: the agent
+        # advertises it, so it can prove its identity to the panel there
+        proxy_ports = {pair: free_port() for pair in FAULT_PAIRS}
         started = {}
         for name, (engine, env) in AGENTS.items():  # all at once: server engines take most of a minute
-            started[name] = AgentProcess(engine, model, home / name, "--stall-timeout", STALL_SECONDS, env=env)
+            advertised = [
+                a
+                for (p, _), port in proxy_ports.items()
+                if p == name
+                for a in ("--advertise-address", f"127.0.0.1:{port}")
+            ]
+            started[name] = AgentProcess(
+                engine, model, home / name, "--stall-timeout", STALL_SECONDS, *advertised, env=env
+            )
             stack.callback(started[name].stop)
         for agent in started.values():  # four engine servers loading side by side on two cores: minutes
             agent.wait_ready(900)
         self.agents = started
         self.proxies: dict[tuple[str, str], TamperProxy] = {}
         for p, d in FAULT_PAIRS:
-            self.proxies[(p, d)] = TamperProxy(self[p].port)
+            self.proxies[(p, d)] = TamperProxy(self[p].port, port=proxy_ports[(p, d)])
             stack.callback(self.proxies[(p, d)].close)
         pairs = {pair_name(p, d): (self[p].url, self[d].url) for p, d in DIRECTIONS}
         pairs |= {tampered_name(p, d): (proxy.url, self[d].url) for (p, d), proxy in self.proxies.items()}

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from starlette.routing import Mount, Route
 
 from node_agent.app import AgentConfig, create_app
+from tandem_protocol.auth import IdentityAnswer
 
 KEY = "tdm_right-key-for-the-auth-test-0001"
 
@@ -93,3 +94,24 @@ def test_bad_bodies_get_clear_400s(client):
     assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
     r = client.post("/v1/tokenize", headers=headers, json={})
     assert r.status_code == 400 and "exactly one" in r.json()["error"]["message"]
+
+
+def test_an_agent_signs_only_addresses_its_operator_advertised(engines):
+    """Behind a port forward or proxy an agent proves its identity at the address it advertises
+    (--advertise-address); any other address a caller names is ignored and the socket's own is
+    signed, so a relay cannot make it vouch for the relay's address."""
+    from tandem_protocol.auth import new_nonce, proof_matches
+
+    config = AgentConfig(node_id="a" * 32, name="fwd", cluster_key=KEY, advertised=frozenset({"192.0.2.7:7411"}))
+    with TestClient(create_app(engines["torch"], config)) as c:
+        for asked, signed in (
+            ("192.0.2.7:7411", "192.0.2.7:7411"),
+            ("198.51.100.9:80", "testserver:80"),
+            (None, "testserver:80"),
+        ):
+            nonce = new_nonce()
+            answer = IdentityAnswer.model_validate(
+                c.post("/v1/identity", json={"nonce": nonce, "address": asked}).json()
+            )
+            assert answer.address == signed, (asked, answer)
+            assert proof_matches(answer, KEY, nonce, "a" * 32, signed)
