@@ -48,7 +48,7 @@ def panel(
     """Serve the panel: add agents, pair them, and answer OpenAI API requests."""
     import uvicorn
 
-    from tandem_protocol.http_server import PageStreamProtocol
+    from tandem_protocol.http_server import PageStreamProtocol, quiet_shutdown_cancels
     from tandem_protocol.settings import settings
 
     from .app import create_panel_app
@@ -94,4 +94,6 @@ def panel(
     # The agent's HTTP protocol (uvicorn's, plus a stall timeout): a client that stops reading its
     # answer without hanging up would otherwise hold a decode on the agents for as long as TCP waits.
     http = PageStreamProtocol.with_stall_timeout(stall_timeout)
-    uvicorn.Server(uvicorn.Config(web, log_level="warning", timeout_graceful_shutdown=5, http=http)).run(sockets=[sock])
+    config = uvicorn.Config(web, log_level="warning", timeout_graceful_shutdown=5, http=http)
+    quiet_shutdown_cancels()  # after the Config, which sets up uvicorn's loggers
+    uvicorn.Server(config).run(sockets=[sock])

@@ -10,6 +10,7 @@ always lands after it.
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from sqlalchemy import Engine
@@ -45,10 +46,15 @@ class RequestLogWriter:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="request-log")
+        self._running = 0  # rows started and not yet finished
+        self._none_running = asyncio.Event()
+        self._none_running.set()
 
     def start(self, row: RequestLog) -> tuple[RequestLog, Future]:
         """Log a request as running (not waited for); pass what this returns to `finish`."""
         row.outcome = "running"
+        self._running += 1
+        self._none_running.clear()
         return row, self._writer.submit(save, self.engine, row.model_copy())
 
     def finish(self, started: tuple[RequestLog, Future], **fields) -> None:
@@ -57,6 +63,21 @@ class RequestLogWriter:
             self._writer.submit(self._finish, started, fields).result()
         except RuntimeError:  # the writer has shut down (a request ending as the panel stops)
             self._finish(started, fields)
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._none_running.set()
+
+    async def wait_finished(self, timeout: float) -> bool:
+        """Until every running request has written how it ended, or `timeout`: on shutdown the
+        server cancels the requests still streaming, and each needs a moment to let go of its
+        agents and log itself as cancelled before the process exits (else the next start would
+        call it interrupted)."""
+        try:
+            await asyncio.wait_for(self._none_running.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
     def _finish(self, started: tuple[RequestLog, Future], fields: dict) -> None:
         row, written = started

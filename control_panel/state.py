@@ -18,6 +18,8 @@ from .router import Router
 from .services import note_discovered
 from .ui.sessions import UiSessions
 
+SHUTDOWN_GRACE_SECONDS = 5.0  # for cancelled requests to release their agents and log how they ended
+
 
 @dataclass
 class PanelState:
@@ -30,6 +32,7 @@ class PanelState:
     data_dir: Path
 
     async def aclose(self) -> None:
+        await self.request_log.wait_finished(SHUTDOWN_GRACE_SECONDS)  # before the router's clients close
         if self.watcher is not None:
             await self.watcher.stop()
         await self.router.aclose()

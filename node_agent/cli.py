@@ -123,7 +123,7 @@ def serve(
     from engine_adapters.settings import EngineSettings
     from tandem_protocol.contract import HashCache
     from tandem_protocol.discovery import Announcer, announced_properties, lan_addresses
-    from tandem_protocol.http_server import PageStreamProtocol
+    from tandem_protocol.http_server import PageStreamProtocol, quiet_shutdown_cancels
     from tandem_protocol.settings import load
 
     from .app import AgentConfig, create_app
@@ -193,6 +193,7 @@ def serve(
                 ssl_keyfile=str(tls_key) if tls_key else None,
             )
         )
+        quiet_shutdown_cancels()
         server.run(sockets=[sock])
     finally:
         if agent.state.agent.slot.ready:  # the engine now serving (a panel may have switched it)

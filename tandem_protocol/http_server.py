@@ -41,6 +41,20 @@ Frame = bytes | tuple[bytes, memoryview]
 log = logging.getLogger("tandem.http")
 
 
+class _ShutdownCancels(logging.Filter):
+    """uvicorn cancels the requests still open when its graceful-shutdown period ends, says so in
+    one line ("Cancel N running task(s)"), then logs each as an "Exception in ASGI application"
+    with the cancellation's traceback. Those tracebacks are dropped: nothing failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, asyncio.CancelledError) and "graceful shutdown" in str(exc))
+
+
+def quiet_shutdown_cancels() -> None:
+    logging.getLogger("uvicorn.error").addFilter(_ShutdownCancels())
+
+
 class ChunkWriter:
     """Writes the body of one request's response, chunk by chunk, straight to its connection."""
 

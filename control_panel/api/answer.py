@@ -3,6 +3,7 @@ logged however it ends: what /v1/chat/completions and /v1/completions share."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -134,6 +135,9 @@ class Answer:
         except RouteError as e:
             self.log("error", str(e))
             raise openai_error(e) from e
+        except asyncio.CancelledError:  # the client hung up, or the panel is stopping
+            self.log("cancelled")
+            raise
         self.log("ok")
         finish = self.stats.finish_reason or "stop"
         choice = (
@@ -154,6 +158,10 @@ class Answer:
         except RouteError as e:
             self.log("error", str(e))
             raise openai_error(e) from e
+        except asyncio.CancelledError:
+            await gen.aclose()
+            self.log("cancelled")
+            raise
         return StreamingResponse(
             self.sse(gen, first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
