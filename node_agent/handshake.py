@@ -8,12 +8,14 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 
 from engine_adapters.base import EngineAdapter, EngineRequest
 from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.contract import token_digest
 from tandem_protocol.errors import FrameError, TandemError
 from tandem_protocol.handoff import PrefillDone
+from tandem_protocol.page_receiver import PageStream
 from tandem_protocol.pages import FrameExpectation, KVPage
 
 from .metrics import Metrics
@@ -49,6 +51,8 @@ class Handshake:
     def __init__(self, adapter: EngineAdapter, prefiller: AgentClient, url: str, metrics: Metrics):
         self.adapter, self.prefiller, self.url, self.metrics = adapter, prefiller, url, metrics
         self.room = uuid.uuid4().hex
+        self._attached = AsyncExitStack()  # the page stream, from `open` until the pages end
+        self._stream: PageStream | None = None
         self.failed = False  # the page stream failed (the prefiller's side or the link)
         self.finished = False  # the prefiller sent its last frame: it has let go of the handoff
         self.stats = {
@@ -62,8 +66,10 @@ class Handshake:
         }
 
     async def open(self, req: EngineRequest, page_encoding: str) -> None:
-        """Create the handoff on the prefiller with this decoder's own contract and mode. A
-        refusal (4xx) or a failure is raised before any token stream starts."""
+        """Create the handoff on the prefiller with this decoder's own contract and mode, then
+        attach as its reader at once: the prefiller's lease (pages nobody reads) ends there, and
+        the first pages come in while this engine gets ready. A refusal (4xx) or a failure is
+        raised before any token stream starts."""
         try:
             # One attempt: the contract sent is this engine's live one, so a 409 (another model
             # contract, or the prefiller switching engines) would be the same on a second try.
@@ -81,18 +87,23 @@ class Handshake:
             raise PrefillerFailed(f"prefiller failed: {e}") from None
         except TransportError as e:
             raise PrefillerUnreachable(f"prefiller unreachable: {self.url}: {type(e).__name__}: {e}") from None
-
-    async def pages(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
-        """The handoff's pages, each checked against what this decoder expects, then PrefillDone."""
         expect = FrameExpectation(
             self.adapter.contract.fingerprint_bytes,
             bytes.fromhex(self.room),
             token_digest(req.token_ids),
             self.adapter.geometry,
         )
-        stats = self.stats
         try:
-            async with self.prefiller.page_stream(self.room, expect) as stream:
+            self._stream = await self._attached.enter_async_context(self.prefiller.page_stream(self.room, expect))
+        except (AgentHTTPError, *TransportError) as e:
+            self.release()  # the handoff was created: end it now rather than at its lease
+            raise PrefillerFailed(f"the page stream from {self.url} did not start: {type(e).__name__}: {e}") from None
+
+    async def pages(self) -> AsyncIterator[KVPage | PrefillDone]:
+        """The handoff's pages, each checked against what this decoder expects, then PrefillDone."""
+        stats, stream = self.stats, self._stream
+        try:
+            async with self._attached:  # the connection closes when the pages end, or the request
                 async for item in stream:
                     self.metrics.bytes_received.inc(stream.bytes_read - stats["wire_bytes"])
                     stats["wire_bytes"] = stream.bytes_read
@@ -121,15 +132,17 @@ class Handshake:
             raise
 
     def release(self) -> None:
-        """Cancel the handoff on the prefiller unless it already ended (idempotent there). Runs in
-        its own task: the request's task may be the one being cancelled (its client hung up)."""
-        if self.finished:
-            return
-        task = asyncio.get_running_loop().create_task(self._cancel())
+        """Close the page stream if it is still open, and cancel the handoff on the prefiller
+        unless it already ended (idempotent there). Runs in its own task: the request's task may
+        be the one being cancelled (its client hung up)."""
+        task = asyncio.get_running_loop().create_task(self._release())
         _releases.add(task)
         task.add_done_callback(_releases.discard)
 
-    async def _cancel(self) -> None:
+    async def _release(self) -> None:
+        await self._attached.aclose()  # nothing left to close once the pages were read
+        if self.finished:
+            return
         try:
             await self.prefiller.cancel_handoff(self.room)
         except (AgentHTTPError, *TransportError):

@@ -49,7 +49,7 @@ async def decode(body: DecodeBody, agent: Agent):
     t0 = time.perf_counter()
     handshake = Handshake(adapter, agent.peer(body.prefill_url), body.prefill_url, agent.metrics)
     await handshake.open(req, body.page_encoding)  # a 4xx/429/502 here, before any stream
-    tokens = adapter.decode(req, handshake.pages(req))
+    tokens = adapter.decode(req, handshake.pages())
     return ndjson(token_lines(adapter, agent.metrics, req, tokens, "decode", t0, handshake.stats, handshake))
 
 
