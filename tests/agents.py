@@ -297,11 +297,20 @@ class TamperProxy:
         for w in (client_w, up_w):
             w.close()
 
+    def set_faults(self, flip_at=None, cut_at=None, freeze_at=None, rate=None) -> None:
+        """Damage every connection opened from now on (all None: none), and close those open now:
+        a client's pooled connection would otherwise keep the faults it was opened with."""
+        self.flip_at, self.cut_at, self.freeze_at, self.rate = flip_at, cut_at, freeze_at, rate
+        asyncio.run_coroutine_threadsafe(self._drop_connections(), self.loop).result(10)
+
+    async def _drop_connections(self) -> None:
+        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+            task.cancel()
+
     def close(self) -> None:
         async def shut() -> None:
             self.server.close()
-            for task in asyncio.all_tasks() - {asyncio.current_task()}:  # pooled connections still open
-                task.cancel()
+            await self._drop_connections()
 
         asyncio.run_coroutine_threadsafe(shut(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)

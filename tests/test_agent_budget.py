@@ -177,16 +177,18 @@ def test_unread_handoff_expires(small, long_ids):
         assert 'tandem_handoffs_finished_total{outcome="expired"}' in c.get("/metrics").text
 
 
-def test_a_prefill_longer_than_the_lease_is_read_to_the_end(smol_dir, tmp_path, long_ids):
+def test_a_prefill_longer_than_the_lease_is_read_to_the_end(small, smol_dir, tmp_path, long_ids):
     """The lease expires pages nobody reads; once the decoder reads, a prefill that outlasts it
-    (here 1,500 tokens against a 0.5 s lease) still streams to the end."""
+    (here 1,500 tokens against a 0.5 s lease) still streams to the end. The decoder is another
+    agent: one agent as both would hold its one engine with the prefill before it could read."""
     with AgentProcess("torch", smol_dir, tmp_path, "--handoff-ttl", "0.5") as agent:
         ids = (list(long_ids) * 7)[:1500]
-        lines = run(pd_request(agent.url, agent.url, ids, {"max_tokens": 2}))
+        lines = run(pd_request(agent.url, small.url, ids, {"max_tokens": 2}))
         assert lines[-1].get("done"), lines[-1]
         assert lines[-1]["prefill_seconds"] > 0.5, lines[-1]  # it did outlast the lease
         assert tokens_of(lines) == tokens_of(run(generate_request(agent.url, ids, {"max_tokens": 2})))
         idle(agent)
+        idle(small)
 
 
 def test_cancel_a_decoding_request_by_id(small, long_ids):

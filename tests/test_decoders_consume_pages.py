@@ -236,6 +236,11 @@ def servers(smol_dir, tmp_path_factory):
                 jobs[name].result().close()
 
 
+def server_metrics(url: str) -> str:
+    """A server engine's own Prometheus counters (vLLM's and SGLang's /metrics)."""
+    return httpx.get(url + "/metrics", timeout=10).text
+
+
 def counter(metrics: str, name: str, **labels: str) -> float:
     """The sum of a Prometheus counter's samples whose labels include `labels`."""
     total = 0.0
@@ -270,9 +275,9 @@ def test_vllm_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
     name, sources = "vllm:prompt_tokens_by_source_total", ("local_compute", "local_cache_hit", "external_kv_transfer")
 
     def by_source(before: str) -> dict:
-        return grown(lambda: run(v.metrics()), before, name, "source", sources, len(ids))
+        return grown(lambda: server_metrics(v.server.url), before, name, "source", sources, len(ids))
 
-    before = run(v.metrics())
+    before = server_metrics(v.server.url)
     alone = run(collect(v.generate(EngineRequest("alone", ids, sampling()))))
     figures = {
         "decoder": "vllm",
@@ -284,7 +289,7 @@ def test_vllm_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
     for kind in ("perturbed", "true"):
         items = handoffs[kind, RL]
         logprobs = run(vllm_first_step_logprobs(v, ids, pages(items)))
-        before = run(v.metrics())
+        before = server_metrics(v.server.url)
         out = run(collect(v.decode(EngineRequest(kind, ids, sampling(), RL), replay(items))))
         figures[kind] = {
             "logprobs": logprob_diff(logprobs, reference),
@@ -312,10 +317,6 @@ def plain_generate(plain: PlainSGLangServer, ids: list[int], max_tokens: int, to
     return r.json()
 
 
-def sglang_metrics(url: str) -> str:
-    return httpx.get(url + "/metrics", timeout=10).text
-
-
 def test_sglang_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
     """SGLang's decode role continues (commit-first) from torch's pages of the whole prompt and
     torch's first token, against a plain SGLang server: top log-probabilities of the step after
@@ -325,9 +326,9 @@ def test_sglang_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
     name, modes = "sglang:realtime_tokens_total", ("prefill_compute", "prefill_cache", "decode")
 
     def by_mode(url: str, before: str, total: int) -> dict:
-        return grown(lambda: sglang_metrics(url), before, name, "mode", modes, total)
+        return grown(lambda: server_metrics(url), before, name, "mode", modes, total)
 
-    before = sglang_metrics(plain.url)
+    before = server_metrics(plain.url)
     alone = plain_generate(plain, ids, MAX_TOKENS)["output_ids"]
     figures = {
         "decoder": "sglang",
@@ -343,7 +344,7 @@ def test_sglang_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
         logprobs = run(sglang_decode_step_logprobs(s, ids, first, pages(items)))
         steps = plain_generate(plain, ids + [first], 1, TOP)["meta_info"]["output_top_logprobs"]
         reference = {int(token): float(logprob) for logprob, token, *_ in steps[0]}
-        before = sglang_metrics(s.server.url)
+        before = server_metrics(s.server.url)
         out = run(collect(s.decode(EngineRequest(kind, ids, sampling(), CF), replay(items))))
         figures[kind] = {
             "logprobs": logprob_diff(logprobs, reference),

@@ -59,10 +59,6 @@ def pair_name(p: str, d: str) -> str:
     return f"{p}-to-{d}"
 
 
-def tampered_name(p: str, d: str) -> str:
-    return f"tampered-{p}-to-{d}"
-
-
 class Cluster:
     """The agents (by name, `cluster["vllm"]`), the panel, one OpenAI client for it, the proxies."""
 
@@ -93,8 +89,11 @@ class Cluster:
         for p, d in FAULT_PAIRS:
             self.proxies[(p, d)] = TamperProxy(self[p].port, port=proxy_ports[(p, d)])
             stack.callback(self.proxies[(p, d)].close)
-        pairs = {pair_name(p, d): (self[p].url, self[d].url) for p, d in DIRECTIONS}
-        pairs |= {tampered_name(p, d): (proxy.url, self[d].url) for (p, d), proxy in self.proxies.items()}
+        # A node has one address (its identity, not its URL): the panel reaches each fault pair's
+        # prefiller through its proxy in every pair, which passes bytes untouched until a test
+        # sets a fault.
+        proxied = {p: proxy.url for (p, _), proxy in self.proxies.items()}
+        pairs = {pair_name(p, d): (proxied.get(p, self[p].url), proxied.get(d, self[d].url)) for p, d in DIRECTIONS}
         self.start_panel(*(a for name, (p, d) in pairs.items() for a in ("--pair", f"{name}={p},{d}")))
         stack.callback(lambda: self.panel.stop())  # whichever panel runs by then (see the restart)
 
