@@ -175,7 +175,7 @@ def main() -> None:
         expect = FrameExpectation(contract, b"\0" * 16, b"\0" * 16, SMOLLM2)
         uvloop.run(agent_stream(f"http://127.0.0.1:{port}", 20, expect))  # warm-up
         page = make_page(SMOLLM2, 0, np.zeros(SMOLLM2.page_shape, dtype="<f2"))
-        frame = frame_bytes(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16)
+        frame = frame_bytes(page, contract=contract, handoff_id=b"\0" * 16, tokens=b"\0" * 16)
         http_rates, tcp_rates, hashed_rates, kept_rates = [], [], [], []
         for kind in SERVERS:
             servers[kind] = start_server(kind, contract)

@@ -43,8 +43,8 @@ def main() -> None:
     kv = rng.standard_normal((g.layers, 2, args.tokens, g.kv_heads, g.head_dim)).astype("<f2")
     n_pages = g.pages_for(args.tokens)
     total = n_pages * g.page_bytes
-    contract, room, tokens = b"c" * 16, b"r" * 16, b"t" * 16
-    expect = FrameExpectation(contract, room, tokens, g)
+    contract, handoff_id, tokens = b"c" * 16, b"r" * 16, b"t" * 16
+    expect = FrameExpectation(contract, handoff_id, tokens, g)
 
     src = np.empty(total, dtype=np.uint8)
     src[:] = 1
@@ -57,7 +57,7 @@ def main() -> None:
         frames.clear()
         for i in range(n_pages):
             header, payload = encode_frame(
-                make_page(g, i, kv[:, :, i * P : (i + 1) * P]), contract=contract, room=room, tokens=tokens
+                make_page(g, i, kv[:, :, i * P : (i + 1) * P]), contract=contract, handoff_id=handoff_id, tokens=tokens
             )
             frames.append((header, payload))
 
@@ -69,7 +69,7 @@ def main() -> None:
             encode_frame(
                 make_page(g, i, kv[:, :, i * P : (i + 1) * P], out=pool[i % len(pool)]),
                 contract=contract,
-                room=room,
+                handoff_id=handoff_id,
                 tokens=tokens,
             )
 

@@ -36,7 +36,7 @@ def frames(count: int, contract: bytes):
     hashed = xxhash.xxh3_64(page.data)
     for i in range(count):
         page.index = i
-        yield encode_frame(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16, payload_state=hashed)
+        yield encode_frame(page, contract=contract, handoff_id=b"\0" * 16, tokens=b"\0" * 16, payload_state=hashed)
     yield (done_frame(PrefillDone(0, count * SMOLLM2.page_tokens, count, 0.0)), memoryview(b""))
 
 

@@ -44,7 +44,7 @@ END = object()  # ends a room's queue
 
 def page_frame(page: KVPage) -> bytes:
     """A page as it crosses the bridge."""
-    header, payload = encode_frame(page, contract=ZERO16, room=ZERO16, tokens=ZERO16)
+    header, payload = encode_frame(page, contract=ZERO16, handoff_id=ZERO16, tokens=ZERO16)
     return header + bytes(payload)
 
 

@@ -12,9 +12,9 @@ module of `node_agent/api/` per resource:
     GET    /v1/models/local                checkpoints in this node's model roots          config.py
     POST   /v1/config                      switch engine, model, context length, staging budget
     POST   /v1/tokenize                    chat messages or text -> token ids             tokenize.py
-    POST   /v1/handoffs                    P: reserve budget, start prefill of a room     handoffs.py
-    GET    /v1/handoffs/{room}/pages       P: the room's page stream (one reader)
-    DELETE /v1/handoffs/{room}             P: cancel a room (idempotent)
+    POST   /v1/handoffs                    P: reserve budget, start prefill of a handoff      handoffs.py
+    GET    /v1/handoffs/{handoff_id}/pages P: the handoff's page stream (one reader)
+    DELETE /v1/handoffs/{handoff_id}       P: cancel a handoff (idempotent)
     POST   /v1/decode                      D: the one request of a P/D pair: D creates    decode.py
                                            the handoff on the prefiller, pulls its pages, streams tokens
     POST   /v1/generate                    this engine alone: prefill + decode, stream tokens

@@ -1,6 +1,6 @@
 """Prefill-side handoffs: a prompt's pages, staged until the decoder has read them.
 
-Life of a handoff (one "room"):
+Life of a handoff (one "handoff_id"):
 
 1. `create` checks the request, then reserves `pages × page_bytes` of the staging budget
    *before any compute* (an oversize prompt is refused at once; a busy budget is waited for in
@@ -46,7 +46,7 @@ class HandoffError(TandemError):
 
 @dataclass
 class Handoff:
-    room: str
+    handoff_id: str
     request: EngineRequest
     reservation: Reservation
     created: float = field(default_factory=time.monotonic)
@@ -67,7 +67,7 @@ class HandoffManager:
         self.metrics = metrics
         self.ttl = ttl
         self.handoffs: dict[str, Handoff] = {}
-        self.waiting: dict[str, asyncio.Task] = {}  # rooms waiting for budget, cancellable by room
+        self.waiting: dict[str, asyncio.Task] = {}  # handoffs waiting for budget, cancellable by id
         self.prefill_calls = 0  # how many prefills reached the engine (tests assert on it)
 
     @property
@@ -80,41 +80,41 @@ class HandoffManager:
 
     async def create(
         self,
-        room: str,
+        handoff_id: str,
         token_ids: list[int],
         sampling: SamplingParams,
         mode: FirstTokenMode,
         wait_timeout: float,
         encoding: int = RAW,
     ) -> Handoff:
-        if room in self.handoffs:
-            raise HandoffError(f"room {room} already has a handoff on this node", 409)
-        request = EngineRequest(f"handoff-{room}", list(token_ids), sampling, mode)
+        if handoff_id in self.handoffs:
+            raise HandoffError(f"handoff {handoff_id} already exists on this node", 409)
+        request = EngineRequest(f"handoff-{handoff_id}", list(token_ids), sampling, mode)
         self.adapter.validate(request, generates=False)
         _, nbytes = self.page_bytes_for(len(token_ids), mode)
-        if room in self.waiting:
-            raise HandoffError(f"room {room} is already waiting for budget on this node", 409)
+        if handoff_id in self.waiting:
+            raise HandoffError(f"handoff {handoff_id} is already waiting for budget on this node", 409)
         self.budget.check_fits(nbytes)  # an oversize prompt is refused before any wait or compute
         wait = asyncio.ensure_future(self.budget.reserve(nbytes, wait_timeout))
-        self.waiting[room] = wait
+        self.waiting[handoff_id] = wait
         try:
             reservation = await wait
         except asyncio.CancelledError:
             if wait.cancelled() and not asyncio.current_task().cancelling():
-                raise Cancelled(f"room {room} was cancelled while waiting for staging budget") from None
+                raise Cancelled(f"handoff {handoff_id} was cancelled while waiting for staging budget") from None
             raise
         finally:
-            self.waiting.pop(room, None)
-        handoff = Handoff(room, request, reservation, encoding=encoding)
-        self.handoffs[room] = handoff
-        handoff.task = asyncio.create_task(self._produce(handoff), name=f"prefill-{room}")
-        handoff.lease = asyncio.get_running_loop().call_later(self.ttl, self._expire, room)
+            self.waiting.pop(handoff_id, None)
+        handoff = Handoff(handoff_id, request, reservation, encoding=encoding)
+        self.handoffs[handoff_id] = handoff
+        handoff.task = asyncio.create_task(self._produce(handoff), name=f"prefill-{handoff_id}")
+        handoff.lease = asyncio.get_running_loop().call_later(self.ttl, self._expire, handoff_id)
         self.metrics.handoffs_created.inc()
         return handoff
 
     async def _produce(self, h: Handoff) -> None:
         contract = self.adapter.contract.fingerprint_bytes
-        room_bytes, digest = bytes.fromhex(h.room), token_digest(h.request.token_ids)
+        id_bytes, digest = bytes.fromhex(h.handoff_id), token_digest(h.request.token_ids)
         self.prefill_calls += 1
         perturb = failpoints.fires("perturb_k")  # test-only: this handoff's pages carry wrong K
         try:
@@ -123,14 +123,14 @@ class HandoffManager:
                     if perturb and isinstance(item, KVPage):
                         item = failpoints.perturb_k(item)
                     if isinstance(item, KVPage) and h.encoding == RAW:  # header + a view of the page's buffer
-                        h.frames.put_nowait(encode_frame(item, contract=contract, room=room_bytes, tokens=digest))
+                        h.frames.put_nowait(encode_frame(item, contract=contract, handoff_id=id_bytes, tokens=digest))
                     elif isinstance(item, KVPage):  # compressed in a worker thread: the loop keeps serving
                         h.frames.put_nowait(
                             await asyncio.to_thread(
                                 encode_frame,
                                 item,
                                 contract=contract,
-                                room=room_bytes,
+                                handoff_id=id_bytes,
                                 tokens=digest,
                                 encoding=h.encoding,
                             )
@@ -144,16 +144,16 @@ class HandoffManager:
         except TandemError as e:
             h.frames.put_nowait(error_frame(type(e).__name__, str(e)))
         except Exception as e:  # an engine crash must still end the stream with a reason
-            log.exception("prefill of room %s failed", h.room)
+            log.exception("prefill of handoff %s failed", h.handoff_id)
             h.frames.put_nowait(error_frame("engine_error", f"prefill failed: {e}"))
 
-    async def stream(self, room: str) -> AsyncIterator[bytes]:
+    async def stream(self, handoff_id: str) -> AsyncIterator[bytes]:
         """The handoff's frames for its one reader; ends the handoff however the reading ends."""
-        h = self.handoffs.get(room)
+        h = self.handoffs.get(handoff_id)
         if h is None:
-            raise HandoffError(f"no handoff for room {room} (never created, expired or already read)", 404)
+            raise HandoffError(f"no handoff {handoff_id} (never created, expired or already read)", 404)
         if h.reader_attached:
-            raise HandoffError(f"room {room} is already being read by another decoder", 409)
+            raise HandoffError(f"handoff {handoff_id} is already being read by another decoder", 409)
         h.reader_attached = True
         if h.lease is not None:
             # The lease is for pages nobody reads; a reader that stops reading is the stall
@@ -178,25 +178,25 @@ class HandoffManager:
                 self.metrics.pages_sent.inc()
                 self.metrics.bytes_sent.inc(len(header) + len(payload))
         finally:
-            await self.finish(h.room, outcome)
+            await self.finish(h.handoff_id, outcome)
 
-    async def cancel(self, room: str) -> bool:
-        wait = self.waiting.get(room)
+    async def cancel(self, handoff_id: str) -> bool:
+        wait = self.waiting.get(handoff_id)
         if wait is not None:
             wait.cancel()  # the reserve call returns nothing it held; `create` raises Cancelled
             self.metrics.handoffs_finished.labels(outcome="cancelled_waiting").inc()
             return True
-        return await self.finish(room, "cancelled")
+        return await self.finish(handoff_id, "cancelled")
 
-    def _expire(self, room: str) -> None:
-        h = self.handoffs.get(room)
+    def _expire(self, handoff_id: str) -> None:
+        h = self.handoffs.get(handoff_id)
         if h is not None:
-            log.warning("handoff %s expired after %.0f s with its pages unread", room, self.ttl)
-            asyncio.ensure_future(self.finish(room, "expired"))
+            log.warning("handoff %s expired after %.0f s with its pages unread", handoff_id, self.ttl)
+            asyncio.ensure_future(self.finish(handoff_id, "expired"))
 
-    async def finish(self, room: str, outcome: str) -> bool:
+    async def finish(self, handoff_id: str, outcome: str) -> bool:
         """End a handoff and release everything it holds; False if it was already gone."""
-        h = self.handoffs.pop(room, None)
+        h = self.handoffs.pop(handoff_id, None)
         if h is None:
             return False
         # A separate, shielded task: when the caller is cancelled (a decoder hung up and the
@@ -217,19 +217,19 @@ class HandoffManager:
             h.frames.get_nowait()
         if h.reader_attached and outcome in ("cancelled", "expired", "shutdown"):
             # the reader may be waiting for its next frame: end its stream with the reason
-            h.frames.put_nowait(error_frame(outcome, f"room {h.room} was {outcome} on the prefiller"))
+            h.frames.put_nowait(error_frame(outcome, f"handoff {h.handoff_id} was {outcome} on the prefiller"))
         h.reservation.release()
         self.metrics.handoffs_finished.labels(outcome=outcome).inc()
 
     async def close(self) -> None:
-        for room in list(self.handoffs):
-            await self.finish(room, "shutdown")
+        for handoff_id in list(self.handoffs):
+            await self.finish(handoff_id, "shutdown")
 
     def describe(self) -> list[dict]:
         now = time.monotonic()
         return [
             {
-                "room": h.room,
+                "handoff_id": h.handoff_id,
                 "state": h.state,
                 "prompt_tokens": len(h.request.token_ids),
                 "reserved_bytes": h.reservation.nbytes,

@@ -50,7 +50,7 @@ class Handshake:
 
     def __init__(self, adapter: EngineAdapter, prefiller: AgentClient, url: str, metrics: Metrics):
         self.adapter, self.prefiller, self.url, self.metrics = adapter, prefiller, url, metrics
-        self.room = uuid.uuid4().hex
+        self.handoff_id = uuid.uuid4().hex
         self._attached = AsyncExitStack()  # the page stream, from `open` until the pages end
         self._stream: PageStream | None = None
         self.failed = False  # the page stream failed (the prefiller's side or the link)
@@ -74,7 +74,7 @@ class Handshake:
             # One attempt: the contract sent is this engine's live one, so a 409 (another model
             # contract, or the prefiller switching engines) would be the same on a second try.
             await self.prefiller.create_handoff(
-                room=self.room,
+                handoff_id=self.handoff_id,
                 token_ids=req.token_ids,
                 sampling=req.sampling.model_dump(mode="json"),
                 mode=req.mode.value,
@@ -89,12 +89,12 @@ class Handshake:
             raise PrefillerUnreachable(f"prefiller unreachable: {self.url}: {type(e).__name__}: {e}") from None
         expect = FrameExpectation(
             self.adapter.contract.fingerprint_bytes,
-            bytes.fromhex(self.room),
+            bytes.fromhex(self.handoff_id),
             token_digest(req.token_ids),
             self.adapter.geometry,
         )
         try:
-            self._stream = await self._attached.enter_async_context(self.prefiller.page_stream(self.room, expect))
+            self._stream = await self._attached.enter_async_context(self.prefiller.page_stream(self.handoff_id, expect))
         except (AgentHTTPError, *TransportError) as e:
             self.release()  # the handoff was created: end it now rather than at its lease
             raise PrefillerFailed(f"the page stream from {self.url} did not start: {type(e).__name__}: {e}") from None
@@ -144,6 +144,6 @@ class Handshake:
         if self.finished:
             return
         try:
-            await self.prefiller.cancel_handoff(self.room)
+            await self.prefiller.cancel_handoff(self.handoff_id)
         except (AgentHTTPError, *TransportError):
             pass  # a prefiller that is gone holds nothing; one that lives ends the handoff at its lease

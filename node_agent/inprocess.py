@@ -1,7 +1,7 @@
 """A prefill/decode pair inside one process: two adapters joined by framed pages in a queue.
 
 This is the data path of a real P/D request without the network: P's pages are framed with
-the wire codec, checked on receipt (checksum, contract, room, token digest, geometry) and fed
+the wire codec, checked on receipt (checksum, contract, handoff_id, token digest, geometry) and fed
 to D while P is still computing later chunks. `make run` uses it until the agent's HTTP
 transport exists, and the tests use it to check engines against each other.
 """
@@ -47,9 +47,9 @@ async def run_pair(
     mode = mode or decoder.decoder_modes[0]
     stats = stats if stats is not None else PairStats()
     request_id = uuid.uuid4().hex
-    room, digest = uuid.uuid4().bytes, token_digest(token_ids)
+    handoff_id, digest = uuid.uuid4().bytes, token_digest(token_ids)
     expect = FrameExpectation(
-        contract=decoder.contract.fingerprint_bytes, room=room, tokens=digest, geometry=decoder.geometry
+        contract=decoder.contract.fingerprint_bytes, handoff_id=handoff_id, tokens=digest, geometry=decoder.geometry
     )
     # Distinct ids per role: one engine may serve both roles of a pair.
     p_req = EngineRequest(f"{request_id}-p", list(token_ids), sampling, mode)
@@ -63,7 +63,7 @@ async def run_pair(
                 async for item in items:
                     if isinstance(item, KVPage):
                         frame = frame_bytes(
-                            item, contract=prefiller.contract.fingerprint_bytes, room=room, tokens=digest
+                            item, contract=prefiller.contract.fingerprint_bytes, handoff_id=handoff_id, tokens=digest
                         )
                         stats.wire_bytes += len(frame)
                         await wire.put(frame)

@@ -49,7 +49,7 @@ class DecodeBody(GenerateBody):
 class HandoffBody(_Body):
     """POST /v1/handoffs on a prefiller, sent by the decoder that will read the pages."""
 
-    room: str = Field(pattern=r"^[0-9a-f]{32}$")
+    handoff_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     token_ids: list[int]
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     mode: FirstTokenMode = FirstTokenMode.COMMIT_FIRST
@@ -62,7 +62,7 @@ class HandoffBody(_Body):
 
 
 class HandoffCreated(BaseModel):
-    room: str
+    handoff_id: str
     pages: int
     reserved_bytes: int
 

@@ -145,14 +145,14 @@ class AgentClient:
     async def create_handoff(self, **body) -> dict:
         return await self._json("POST", "/v1/handoffs", json=body)
 
-    async def cancel_handoff(self, room: str) -> dict:
-        return await self._json("DELETE", f"/v1/handoffs/{room}")
+    async def cancel_handoff(self, handoff_id: str) -> dict:
+        return await self._json("DELETE", f"/v1/handoffs/{handoff_id}")
 
     @asynccontextmanager
     async def page_stream(
-        self, room: str, expect: FrameExpectation | None, path: str | None = None
+        self, handoff_id: str, expect: FrameExpectation | None, path: str | None = None
     ) -> AsyncIterator[PageStream]:
-        """A room's pages and its PrefillDone, checked against `expect`, received in place.
+        """A handoff's pages and its PrefillDone, checked against `expect`, received in place.
 
         Leaving the block before the stream ends closes the connection, which tells the
         prefiller its reader is gone.
@@ -162,7 +162,7 @@ class AgentClient:
                 self.base_url, self._headers, self._ssl, self._connect_timeout, stall_timeout=self._stall_timeout
             )
         try:
-            async with self._pages.stream(path or f"/v1/handoffs/{room}/pages", expect) as stream:
+            async with self._pages.stream(path or f"/v1/handoffs/{handoff_id}/pages", expect) as stream:
                 yield stream
         except HTTPStatusError as e:
             raise _http_error(e.status, f"{self._pages.host}:{self._pages.port}", e.body) from None

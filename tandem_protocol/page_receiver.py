@@ -1,6 +1,6 @@
 """The decoder's side of the page stream: an HTTP/1.1 client that receives pages in place.
 
-`GET /v1/handoffs/{room}/pages` answers with a chunked body of frames (node_agent/wire.py). A
+`GET /v1/handoffs/{handoff_id}/pages` answers with a chunked body of frames (node_agent/wire.py). A
 general HTTP client (aiohttp, httpx) reads the socket into its own buffers and hands out byte
 chunks, which then have to be copied into page buffers: measured here, that capped the stream at
 ~1.7 GB/s against ~6 GB/s for a raw socket. This client is an `asyncio.BufferedProtocol`: while a
@@ -244,7 +244,7 @@ class _Receiver(asyncio.BufferedProtocol):
 
 
 class PageStream:
-    """Async iterator over a room's pages and its PrefillDone; `bytes_read` counts wire bytes."""
+    """Async iterator over a handoff's pages and its PrefillDone; `bytes_read` counts wire bytes."""
 
     def __init__(self, receiver: _Receiver):
         self._r = receiver

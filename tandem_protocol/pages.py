@@ -17,7 +17,7 @@ A **frame** is one page on the wire: a fixed 88-byte little-endian header follow
     4      2    version          PROTOCOL_VERSION
     6      2    header_size      88 (lets a later version grow the header)
     8      16   contract         first 16 bytes of the model contract fingerprint
-    24     16   room             request ("room") id, a UUID's 16 bytes
+    24     16   handoff_id       the handoff's id, a UUID's 16 bytes
     40     16   tokens           digest of the prompt's token ids (contract.token_digest)
     56     4    page_index
     60     2    valid_tokens     1..page_tokens
@@ -166,7 +166,7 @@ def max_compressed(page_bytes: int) -> int:
 class FrameHeader:
     raw: bytes  # the header as received; the checksum covers it
     contract: bytes
-    room: bytes
+    handoff_id: bytes
     tokens: bytes
     page_index: int
     valid_tokens: int
@@ -182,7 +182,7 @@ class FrameExpectation:
     """What the receiver knows in advance; every field is checked against each frame."""
 
     contract: bytes
-    room: bytes
+    handoff_id: bytes
     tokens: bytes
     geometry: PageGeometry
 
@@ -197,7 +197,7 @@ def encode_frame(
     page: KVPage,
     *,
     contract: bytes,
-    room: bytes,
+    handoff_id: bytes,
     tokens: bytes,
     payload_state: xxhash.xxh3_64 | None = None,
     encoding: int = RAW,
@@ -221,7 +221,7 @@ def encode_frame(
         PROTOCOL_VERSION,
         HEADER_SIZE,
         _id16(contract, "contract"),
-        _id16(room, "room"),
+        _id16(handoff_id, "handoff_id"),
         _id16(tokens, "tokens"),
         page.index,
         page.valid_tokens,
@@ -253,9 +253,9 @@ def checksum_finish(payload_state: xxhash.xxh3_64, header: bytes | memoryview) -
     return h.intdigest()
 
 
-def frame_bytes(page: KVPage, *, contract: bytes, room: bytes, tokens: bytes) -> bytes:
+def frame_bytes(page: KVPage, *, contract: bytes, handoff_id: bytes, tokens: bytes) -> bytes:
     """The whole frame as one bytes object (one copy; streaming writers use encode_frame)."""
-    header, payload = encode_frame(page, contract=contract, room=room, tokens=tokens)
+    header, payload = encode_frame(page, contract=contract, handoff_id=handoff_id, tokens=tokens)
     return header + payload
 
 
@@ -268,7 +268,7 @@ def parse_header(buf: bytes | memoryview) -> FrameHeader:
         version,
         header_size,
         contract,
-        room,
+        handoff_id,
         tokens,
         index,
         valid,
@@ -299,7 +299,7 @@ def parse_header(buf: bytes | memoryview) -> FrameHeader:
     return FrameHeader(
         bytes(buf[:HEADER_SIZE]),
         contract,
-        room,
+        handoff_id,
         tokens,
         index,
         valid,
@@ -349,9 +349,9 @@ def decode_payload(
 
 
 def check_expectation(header: FrameHeader, expect: FrameExpectation) -> None:
-    if header.room != _id16(expect.room, "room"):
+    if header.handoff_id != _id16(expect.handoff_id, "handoff_id"):
         raise FrameError(
-            f"page {header.page_index} belongs to room {header.room.hex()}, expected {expect.room[:16].hex()}"
+            f"page {header.page_index} belongs to handoff {header.handoff_id.hex()}, expected {expect.handoff_id[:16].hex()}"
         )
     if header.contract != _id16(expect.contract, "contract"):
         raise ContractMismatch(

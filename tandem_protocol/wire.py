@@ -1,6 +1,6 @@
 """The handoff stream: how pages travel from a prefiller agent to a decoder agent.
 
-The body of `GET /v1/handoffs/{room}/pages` (HTTP/1.1 chunked transfer) is a sequence of frames:
+The body of `GET /v1/handoffs/{handoff_id}/pages` (HTTP/1.1 chunked transfer) is a sequence of frames:
 
     page frame   b"TKVP" + 84 more header bytes + payload     (engine_adapters/pages.py)
     final frame  b"TKVD" + u32 length + JSON {"first_token", "kv_tokens", "pages", "prefill_seconds",

@@ -182,11 +182,15 @@ async def prefill_of(agent: AgentProcess, ids: list[int], mode: str = "commit-fi
     client = AgentClient(agent.url, TEST_KEY)
     try:
         info = await client.info()
-        room = uuid.uuid4().hex
+        handoff_id = uuid.uuid4().hex
         await client.create_handoff(
-            room=room, token_ids=ids, sampling={"max_tokens": 1}, mode=mode, contract=info["contract"]["fingerprint"]
+            handoff_id=handoff_id,
+            token_ids=ids,
+            sampling={"max_tokens": 1},
+            mode=mode,
+            contract=info["contract"]["fingerprint"],
         )
-        async with client.page_stream(room, None) as stream:
+        async with client.page_stream(handoff_id, None) as stream:
             items = [item async for item in stream]
         return [x for x in items if isinstance(x, KVPage)], items[-1]
     finally:
@@ -203,13 +207,13 @@ def wait_for(what, timeout: float = 60, step: float = 0.02):
 
 
 def wait_until_streaming(p: AgentProcess, timeout: float = 120) -> str:
-    """Until the prefiller has sent some but not all of a room's pages (the transfer is under
-    way); returns the room."""
+    """Until the prefiller has sent some but not all of a handoff's pages (the transfer is under
+    way); returns its id."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        rooms = p.status()["handoffs"]
-        if rooms and rooms[0]["pages_sent"] >= 1 and rooms[0]["state"] != "prefilled":
-            return rooms[0]["room"]
+        handoffs = p.status()["handoffs"]
+        if handoffs and handoffs[0]["pages_sent"] >= 1 and handoffs[0]["state"] != "prefilled":
+            return handoffs[0]["handoff_id"]
         time.sleep(0.05)
     raise AssertionError(f"no transfer under way on {p.url}")
 

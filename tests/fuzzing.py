@@ -274,8 +274,8 @@ def fuzz_agent(
             },
         },
     )
-    # a room is what POST /v1/handoffs accepts (its body's pattern), so invalid rooms are sent too
-    path_parameter(doc, "room", {"type": "string", "pattern": "^[0-9a-f]{32}$"})
+    # a handoff id is what POST /v1/handoffs accepts (its body's pattern), so invalid ids are sent too
+    path_parameter(doc, "handoff_id", {"type": "string", "pattern": "^[0-9a-f]{32}$"})
     return fuzz(
         d.url,
         doc,
@@ -296,8 +296,8 @@ def cancel_open_handoffs(*agents: AgentProcess) -> None:
     """Fuzzed handoffs nobody reads hold budget until their lease ends: cancel them (idempotent)."""
     for agent in agents:
         with agent.client() as c:
-            for room in c.get("/v1/status").json()["handoffs"]:
-                c.delete(f"/v1/handoffs/{room['room']}")
+            for handoff in c.get("/v1/status").json()["handoffs"]:
+                c.delete(f"/v1/handoffs/{handoff['handoff_id']}")
 
 
 # The agent routes whose handling reaches the engine (the rest of the API is the same for every
@@ -305,7 +305,7 @@ def cancel_open_handoffs(*agents: AgentProcess) -> None:
 ENGINE_ROUTES = {
     "POST /v1/tokenize",
     "POST /v1/handoffs",
-    "GET /v1/handoffs/{room}/pages",
+    "GET /v1/handoffs/{handoff_id}/pages",
     "POST /v1/decode",
     "POST /v1/generate",
     "DELETE /v1/requests/{request_id}",

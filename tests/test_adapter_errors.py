@@ -114,9 +114,9 @@ def test_cancel_during_prefill_and_decode(engines, long_ids, engine):
 
 async def framed_stream(prefiller, ids, mutate=None, expect_ids=None, drop_done=False, stop_after=None):
     """P's prefill as the decoder would receive it over the wire, optionally damaged on the way."""
-    room, digest = b"r" * 16, token_digest(ids)
+    handoff_id, digest = b"r" * 16, token_digest(ids)
     expect = FrameExpectation(
-        prefiller.contract.fingerprint_bytes, room, token_digest(expect_ids or ids), prefiller.geometry
+        prefiller.contract.fingerprint_bytes, handoff_id, token_digest(expect_ids or ids), prefiller.geometry
     )
     req = EngineRequest("wire-p", ids, SamplingParams(max_tokens=1))
     sent = 0
@@ -127,7 +127,9 @@ async def framed_stream(prefiller, ids, mutate=None, expect_ids=None, drop_done=
             continue
         if stop_after is not None and sent == stop_after:
             continue
-        frame = bytearray(frame_bytes(item, contract=prefiller.contract.fingerprint_bytes, room=room, tokens=digest))
+        frame = bytearray(
+            frame_bytes(item, contract=prefiller.contract.fingerprint_bytes, handoff_id=handoff_id, tokens=digest)
+        )
         if mutate:
             mutate(item.index, frame)
         yield decode_frame(bytes(frame), expect)[1]

@@ -40,12 +40,12 @@ def idle(agent: AgentProcess) -> None:
     ), s
 
 
-async def create(agent, ids, room=None, wait_timeout=30.0, mode="commit-first"):
+async def create(agent, ids, handoff_id=None, wait_timeout=30.0, mode="commit-first"):
     c = AgentClient(agent.url, TEST_KEY)
     try:
         info = await c.info()
         return await c.create_handoff(
-            room=room or uuid.uuid4().hex,
+            handoff_id=handoff_id or uuid.uuid4().hex,
             token_ids=ids,
             sampling={"max_tokens": 4},
             mode=mode,
@@ -106,7 +106,7 @@ def test_budget_wait_times_out_with_retry_after(small, long_ids):
                     small.url + "/v1/handoffs",
                     headers={"Authorization": f"Bearer {TEST_KEY}"},
                     json={
-                        "room": uuid.uuid4().hex,
+                        "handoff_id": uuid.uuid4().hex,
                         "token_ids": prompt(long_ids, 100),
                         "contract": small.status()["contract"]["fingerprint"],
                         "wait_timeout": 0.2,
@@ -114,7 +114,7 @@ def test_budget_wait_times_out_with_retry_after(small, long_ids):
                 )
             assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         finally:
-            await AgentClient(small.url, TEST_KEY).cancel_handoff(held["room"])
+            await AgentClient(small.url, TEST_KEY).cancel_handoff(held["handoff_id"])
 
     run(main())
     idle(small)
@@ -124,19 +124,19 @@ def test_cancel_a_waiting_and_a_streaming_request(small, long_ids):
     async def main():
         c = AgentClient(small.url, TEST_KEY)
         held = await create(small, prompt(long_ids, 130))
-        waiting_room = uuid.uuid4().hex
-        waiter = asyncio.create_task(create(small, prompt(long_ids, 100), room=waiting_room))
+        waiting_id = uuid.uuid4().hex
+        waiter = asyncio.create_task(create(small, prompt(long_ids, 100), handoff_id=waiting_id))
         while small.status()["budget"]["waiting"] < 1:
             await asyncio.sleep(0.05)
-        assert (await c.cancel_handoff(waiting_room))["cancelled"]
+        assert (await c.cancel_handoff(waiting_id))["cancelled"]
         with pytest.raises(AgentHTTPError) as e:
             await waiter
         assert e.value.status == 499 and "cancelled while waiting" in str(e.value)
-        # cancel the held room while a reader is attached: its stream ends with the reason, no hang
+        # cancel the held handoff while a reader is attached: its stream ends with the reason, no hang
         # (None: this test reads frames without checking their contract)
-        async with c.page_stream(held["room"], None) as stream:
-            cancelled = (await c.cancel_handoff(held["room"]))["cancelled"]
-            assert not (await c.cancel_handoff(held["room"]))["cancelled"]  # idempotent
+        async with c.page_stream(held["handoff_id"], None) as stream:
+            cancelled = (await c.cancel_handoff(held["handoff_id"]))["cancelled"]
+            assert not (await c.cancel_handoff(held["handoff_id"]))["cancelled"]  # idempotent
             try:
                 async for _ in stream:
                     pass  # a complete stream: every page had left before the cancel landed

@@ -124,14 +124,18 @@ def test_a_busy_node_refuses_to_switch(agent, root, long_ids):
     r, _ = root
     with agent.client() as c:
         info = c.get("/v1/info").json()
-        room = uuid.uuid4().hex
+        handoff_id = uuid.uuid4().hex
         made = c.post(
             "/v1/handoffs",
-            json={"room": room, "token_ids": list(long_ids[:70]), "contract": info["contract"]["fingerprint"]},
+            json={
+                "handoff_id": handoff_id,
+                "token_ids": list(long_ids[:70]),
+                "contract": info["contract"]["fingerprint"],
+            },
         )
         assert made.status_code == 201
         status, out = configure(agent, engine="mlx", model_path=str(r / "smollm2"))
         assert status == 409 and "in flight" in out["error"]["message"]
-        c.delete(f"/v1/handoffs/{room}")
+        c.delete(f"/v1/handoffs/{handoff_id}")
     settle(agent)
     assert agent.status()["engine"] == "torch"

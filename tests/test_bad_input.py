@@ -32,7 +32,7 @@ COUNTS: dict[str, dict] = {}  # schemathesis cases and 5xx per API, written to r
 @pytest.fixture(scope="module")
 def cluster(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("bad-input")
-    args = ("--context-length", str(CONTEXT), "--handoff-ttl", "3")  # fuzzed rooms nobody reads expire soon
+    args = ("--context-length", str(CONTEXT), "--handoff-ttl", "3")  # fuzzed handoffs nobody reads expire soon
     # one compute thread each: two agents, the panel and the test share two cores, and OpenMP
     # threads that spin-wait on a busy core made every forward pass several times slower
     env = {"OMP_NUM_THREADS": "1"}

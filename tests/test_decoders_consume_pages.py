@@ -84,15 +84,15 @@ async def pages_and_done(agent: AgentProcess, ids: list[int], mode: FirstTokenMo
     client = AgentClient(agent.url, TEST_KEY)
     try:
         info = await client.info()
-        room = uuid.uuid4().hex
+        handoff_id = uuid.uuid4().hex
         await client.create_handoff(
-            room=room,
+            handoff_id=handoff_id,
             token_ids=ids,
             sampling={"max_tokens": 1},
             mode=mode.value,
             contract=info["contract"]["fingerprint"],
         )
-        async with client.page_stream(room, None) as stream:
+        async with client.page_stream(handoff_id, None) as stream:
             return [item async for item in stream]
     finally:
         await client.aclose()

@@ -33,7 +33,7 @@ def synthetic_frames(adapter: EngineAdapter, count: int) -> AsyncIterator[bytes]
     async def frames() -> AsyncIterator[bytes]:
         for i in range(count):
             page.index = i
-            yield encode_frame(page, contract=contract, room=b"\0" * 16, tokens=b"\0" * 16, payload_state=hashed)
+            yield encode_frame(page, contract=contract, handoff_id=b"\0" * 16, tokens=b"\0" * 16, payload_state=hashed)
         yield done_frame(PrefillDone(first_token=0, kv_tokens=count * g.page_tokens, pages=count, prefill_seconds=0.0))
 
     return frames()
@@ -59,7 +59,7 @@ async def round_trip(client: AgentClient) -> float:
 @router.post("/v1/bench/link")
 async def bench_link(body: BenchLinkBody, agent: Agent):
     """Pull synthetic pages from `peer` through the decoder's own receiver (every frame
-    checked), as a decode pulls a room: the link from that prefiller to this decoder."""
+    checked), as a decode pulls a handoff's pages: the link from that prefiller to this decoder."""
     adapter = agent.slot.adapter
     g = adapter.geometry
     client = agent.peer(body.peer)

@@ -29,7 +29,7 @@ async def create_handoff(body: HandoffBody, slot: Slot, handoffs: Handoffs) -> H
             f"prefiller's {adapter.contract.fingerprint[:16]}…: compare /v1/info of both nodes",
         )
     h = await handoffs.create(
-        body.room,
+        body.handoff_id,
         body.token_ids,
         body.sampling,
         body.mode,
@@ -37,15 +37,15 @@ async def create_handoff(body: HandoffBody, slot: Slot, handoffs: Handoffs) -> H
         encoding=ENCODINGS[body.page_encoding],
     )
     pages, nbytes = handoffs.page_bytes_for(len(body.token_ids), body.mode)
-    return HandoffCreated(room=h.room, pages=pages, reserved_bytes=nbytes)
+    return HandoffCreated(handoff_id=h.handoff_id, pages=pages, reserved_bytes=nbytes)
 
 
-@router.get("/v1/handoffs/{room}/pages")
-async def handoff_pages(room: str, handoffs: Handoffs):
-    frames = await handoffs.stream(room)
+@router.get("/v1/handoffs/{handoff_id}/pages")
+async def handoff_pages(handoff_id: str, handoffs: Handoffs):
+    frames = await handoffs.stream(handoff_id)
     return PageStreamResponse(frames)
 
 
-@router.delete("/v1/handoffs/{room}")
-async def cancel_handoff(room: str, handoffs: Handoffs):
-    return {"room": room, "cancelled": await handoffs.cancel(room)}
+@router.delete("/v1/handoffs/{handoff_id}")
+async def cancel_handoff(handoff_id: str, handoffs: Handoffs):
+    return {"handoff_id": handoff_id, "cancelled": await handoffs.cancel(handoff_id)}

@@ -254,9 +254,9 @@ def test_a_handoff_cancelled_mid_transfer(cluster, long_ids, p, d):
         task = asyncio.create_task(
             pd_request(cluster[p].url, cluster[d].url, ids, {"max_tokens": 64, "ignore_eos": True})
         )
-        room = await asyncio.to_thread(wait_until_streaming, cluster[p])
+        handoff_id = await asyncio.to_thread(wait_until_streaming, cluster[p])
         client = AgentClient(cluster[p].url, TEST_KEY)
-        await client.cancel_handoff(room)
+        await client.cancel_handoff(handoff_id)
         await client.aclose()
         return await task
 

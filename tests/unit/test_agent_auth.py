@@ -88,8 +88,8 @@ def test_the_key_opens_them(client):
 
 def test_bad_bodies_get_clear_400s(client):
     headers = {"Authorization": f"Bearer {KEY}"}
-    r = client.post("/v1/handoffs", headers=headers, json={"room": "not-hex", "token_ids": [1], "contract": "x"})
-    assert r.status_code == 400 and "room" in r.json()["error"]["message"]
+    r = client.post("/v1/handoffs", headers=headers, json={"handoff_id": "not-hex", "token_ids": [1], "contract": "x"})
+    assert r.status_code == 400 and "handoff_id" in r.json()["error"]["message"]
     r = client.post("/v1/generate", headers=headers, json={"token_ids": [1, 2], "sampling": {"temperature": -1}})
     assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
     r = client.post("/v1/tokenize", headers=headers, json={})

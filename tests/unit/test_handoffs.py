@@ -99,8 +99,8 @@ def error_of(frame: bytes) -> dict:
     return json.loads(frame[8:])
 
 
-def assert_released(engine: FakeEngine, budget: StagingBudget, manager: HandoffManager, room: str) -> None:
-    assert room not in manager.handoffs and room not in manager.waiting
+def assert_released(engine: FakeEngine, budget: StagingBudget, manager: HandoffManager, handoff_id: str) -> None:
+    assert handoff_id not in manager.handoffs and handoff_id not in manager.waiting
     assert (budget.reserved, budget.waiting) == (0, 0)
     assert not engine.running, "the manager returned before the engine's prefill ended"
 
@@ -109,9 +109,9 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 10))  # a hang fails in 10 s instead of hanging the tier
 
 
-async def create(manager: HandoffManager, tokens: int = 150, room: str | None = None, timeout: float = 5.0):
-    room = room or uuid.uuid4().hex
-    return await manager.create(room, list(range(1, tokens + 1)), SamplingParams(max_tokens=4), COMMIT, timeout)
+async def create(manager: HandoffManager, tokens: int = 150, handoff_id: str | None = None, timeout: float = 5.0):
+    handoff_id = handoff_id or uuid.uuid4().hex
+    return await manager.create(handoff_id, list(range(1, tokens + 1)), SamplingParams(max_tokens=4), COMMIT, timeout)
 
 
 def test_read_to_the_end():
@@ -119,12 +119,12 @@ def test_read_to_the_end():
         engine, budget, metrics, manager = setup()
         h = await create(manager, tokens=150)  # 3 pages
         assert budget.reserved == 3 * GEOMETRY.page_bytes  # reserved before any compute
-        frames = await manager.stream(h.room)
+        frames = await manager.stream(h.handoff_id)
         engine.allow(3)
         got = [f async for f in frames]
         assert [kind(f) for f in got] == ["page", "page", "page", "done"]
         assert h.pages_sent == 3 and h.state == "done"
-        assert_released(engine, budget, manager, h.room)
+        assert_released(engine, budget, manager, h.handoff_id)
         assert finished(metrics, "done") == 1 and Metrics.value(metrics.pages_sent) == 3
 
     run(main())
@@ -136,11 +136,11 @@ def test_cancel_while_prefilling_with_no_reader():
         h = await create(manager)
         engine.allow(1)
         await asyncio.sleep(0)
-        assert await manager.cancel(h.room) is True
-        assert f"handoff-{h.room}" in engine.cancelled
-        assert_released(engine, budget, manager, h.room)
+        assert await manager.cancel(h.handoff_id) is True
+        assert f"handoff-{h.handoff_id}" in engine.cancelled
+        assert_released(engine, budget, manager, h.handoff_id)
         assert h.frames.empty(), "staged pages were kept after the handoff ended"
-        assert await manager.cancel(h.room) is False  # idempotent: already gone
+        assert await manager.cancel(h.handoff_id) is False  # idempotent: already gone
         assert finished(metrics, "cancelled") == 1
 
     run(main())
@@ -150,18 +150,18 @@ def test_cancel_while_a_reader_waits_ends_its_stream_with_the_reason():
     async def main():
         engine, budget, metrics, manager = setup()
         h = await create(manager)
-        frames = await manager.stream(h.room)
+        frames = await manager.stream(h.handoff_id)
         engine.allow(1)
         first = await anext(frames)
         assert kind(first) == "page"
-        cancelling = asyncio.create_task(manager.cancel(h.room))
+        cancelling = asyncio.create_task(manager.cancel(h.handoff_id))
         last = await anext(frames)  # the reader waited for its next page
         error = error_of(last)  # the engine's own Cancelled, or the manager's if the engine had ended
         assert error["code"] == "cancelled" and "was cancelled" in error["message"], error
         assert await cancelling is True
         with pytest.raises(StopAsyncIteration):
             await anext(frames)
-        assert_released(engine, budget, manager, h.room)
+        assert_released(engine, budget, manager, h.handoff_id)
         assert finished(metrics, "cancelled") == 1 and finished(metrics, "failed") == 0
 
     run(main())
@@ -171,12 +171,12 @@ def test_a_reader_that_goes_away_mid_stream_stops_prefill():
     async def main():
         engine, budget, metrics, manager = setup()
         h = await create(manager)
-        frames = await manager.stream(h.room)
+        frames = await manager.stream(h.handoff_id)
         engine.allow(1)
         assert kind(await anext(frames)) == "page"
         await frames.aclose()  # the decoder hung up
-        assert f"handoff-{h.room}" in engine.cancelled
-        assert_released(engine, budget, manager, h.room)
+        assert f"handoff-{h.handoff_id}" in engine.cancelled
+        assert_released(engine, budget, manager, h.handoff_id)
         assert finished(metrics, "reader_gone") == 1
 
     run(main())
@@ -188,7 +188,7 @@ def test_a_reader_task_cancelled_mid_teardown_still_releases_everything():
     async def main():
         engine, budget, metrics, manager = setup()
         h = await create(manager)
-        frames = await manager.stream(h.room)
+        frames = await manager.stream(h.handoff_id)
 
         async def read():
             async for _ in frames:
@@ -204,7 +204,7 @@ def test_a_reader_task_cancelled_mid_teardown_still_releases_everything():
         await asyncio.wait_for(engine.ended.wait(), 2)
         for _ in range(3):
             await asyncio.sleep(0)  # the shielded teardown's last synchronous steps
-        assert_released(engine, budget, manager, h.room)
+        assert_released(engine, budget, manager, h.handoff_id)
         assert finished(metrics, "reader_gone") == 1
 
     run(main())
@@ -216,10 +216,10 @@ def test_unread_pages_expire_with_the_lease():
         h = await create(manager)
         engine.allow(3)  # prefill finishes; nobody reads
         await asyncio.wait_for(engine.ended.wait(), 2)
-        assert h.room in manager.handoffs and budget.reserved > 0  # pages wait for a reader
-        while h.room in manager.handoffs or budget.reserved:
+        assert h.handoff_id in manager.handoffs and budget.reserved > 0  # pages wait for a reader
+        while h.handoff_id in manager.handoffs or budget.reserved:
             await asyncio.sleep(0.01)
-        assert_released(engine, budget, manager, h.room)
+        assert_released(engine, budget, manager, h.handoff_id)
         assert h.frames.empty() and finished(metrics, "expired") == 1
 
     run(main())
@@ -229,12 +229,12 @@ def test_a_reader_cancels_the_lease_and_reads_a_prefill_longer_than_it():
     async def main():
         engine, budget, metrics, manager = setup(ttl=0.05)
         h = await create(manager)
-        frames = await manager.stream(h.room)
+        frames = await manager.stream(h.handoff_id)
         await asyncio.sleep(0.15)  # three leases long, prefill not even started
-        assert h.room in manager.handoffs
+        assert h.handoff_id in manager.handoffs
         engine.allow(3)
         assert [kind(f) async for f in frames] == ["page", "page", "page", "done"]
-        assert_released(engine, budget, manager, h.room)
+        assert_released(engine, budget, manager, h.handoff_id)
         assert finished(metrics, "done") == 1 and finished(metrics, "expired") == 0
 
     run(main())
@@ -244,12 +244,12 @@ def test_an_engine_crash_ends_the_stream_with_an_error_frame():
     async def main():
         engine, budget, metrics, manager = setup(fail_at=1)
         h = await create(manager)
-        frames = await manager.stream(h.room)
+        frames = await manager.stream(h.handoff_id)
         engine.allow(3)
         got = [f async for f in frames]
         assert [kind(f) for f in got] == ["page", "error"]
         assert error_of(got[-1]) == {"code": "engine_error", "message": "prefill failed: device lost"}
-        assert_released(engine, budget, manager, h.room)
+        assert_released(engine, budget, manager, h.handoff_id)
         assert finished(metrics, "failed") == 1
 
     run(main())
@@ -259,19 +259,19 @@ def test_cancelled_while_waiting_for_budget():
     async def main():
         engine, budget, metrics, manager = setup(capacity_pages=3)
         first = await create(manager, tokens=150)  # takes the whole budget
-        room = uuid.uuid4().hex
-        waiting = asyncio.create_task(create(manager, tokens=100, room=room))
-        while room not in manager.waiting or not budget.waiting:
+        handoff_id = uuid.uuid4().hex
+        waiting = asyncio.create_task(create(manager, tokens=100, handoff_id=handoff_id))
+        while handoff_id not in manager.waiting or not budget.waiting:
             await asyncio.sleep(0)
         assert budget.waiting == 1
-        assert await manager.cancel(room) is True
-        with pytest.raises(Cancelled, match=f"room {room} was cancelled while waiting for staging budget"):
+        assert await manager.cancel(handoff_id) is True
+        with pytest.raises(Cancelled, match=f"handoff {handoff_id} was cancelled while waiting for staging budget"):
             await waiting
-        assert room not in manager.waiting and room not in manager.handoffs
+        assert handoff_id not in manager.waiting and handoff_id not in manager.handoffs
         assert budget.waiting == 0 and budget.reserved == 3 * GEOMETRY.page_bytes  # only the first's
         assert manager.prefill_calls == 1 and finished(metrics, "cancelled_waiting") == 1
-        await manager.cancel(first.room)
-        assert_released(engine, budget, manager, first.room)
+        await manager.cancel(first.handoff_id)
+        assert_released(engine, budget, manager, first.handoff_id)
 
     run(main())
 
@@ -286,18 +286,18 @@ def test_refusals_hold_nothing_and_compute_nothing():
         assert manager.prefill_calls == 0 and (budget.reserved, budget.waiting) == (0, 0)
         h = await create(manager, tokens=10)
         with pytest.raises(HandoffError) as e:
-            await create(manager, tokens=10, room=h.room)
-        assert e.value.status == 409 and "already has a handoff" in str(e.value)
-        await manager.stream(h.room)
+            await create(manager, tokens=10, handoff_id=h.handoff_id)
+        assert e.value.status == 409 and "already exists" in str(e.value)
+        await manager.stream(h.handoff_id)
         with pytest.raises(HandoffError) as e:
-            await manager.stream(h.room)
+            await manager.stream(h.handoff_id)
         assert e.value.status == 409 and "already being read" in str(e.value)
         with pytest.raises(HandoffError) as e:
             await manager.stream(uuid.uuid4().hex)
         assert e.value.status == 404
         assert budget.reserved == GEOMETRY.page_bytes  # the refusals took nothing of the budget
         await manager.close()
-        assert_released(engine, budget, manager, h.room)
+        assert_released(engine, budget, manager, h.handoff_id)
 
     run(main())
 
@@ -306,12 +306,12 @@ def test_shutdown_ends_every_handoff_and_tells_the_readers():
     async def main():
         engine, budget, metrics, manager = setup()
         read, unread = await create(manager), await create(manager)
-        frames = await manager.stream(read.room)
+        frames = await manager.stream(read.handoff_id)
         await manager.close()
         got = [f async for f in frames]
         assert [kind(f) for f in got] == ["error"] and error_of(got[0])["code"] == "shutdown"
         assert manager.handoffs == {} and (budget.reserved, budget.waiting) == (0, 0)
-        assert not engine.running and {f"handoff-{read.room}", f"handoff-{unread.room}"} <= engine.cancelled
+        assert not engine.running and {f"handoff-{read.handoff_id}", f"handoff-{unread.handoff_id}"} <= engine.cancelled
         assert finished(metrics, "shutdown") == 2
 
     run(main())

@@ -19,8 +19,8 @@ from tandem_protocol.pages import FrameExpectation, KVPage, PageGeometry, frame_
 from tandem_protocol.wire import done_frame
 
 GEOMETRY = PageGeometry(layers=2, kv_heads=1, head_dim=8)
-ROOM, TOKENS, CONTRACT = bytes(range(16)), bytes(range(16, 32)), bytes(range(32, 48))
-EXPECT = FrameExpectation(CONTRACT, ROOM, TOKENS, GEOMETRY)
+HANDOFF_ID, TOKENS, CONTRACT = bytes(range(16)), bytes(range(16, 32)), bytes(range(32, 48))
+EXPECT = FrameExpectation(CONTRACT, HANDOFF_ID, TOKENS, GEOMETRY)
 
 
 def body(pages: int = 3, g: PageGeometry = GEOMETRY) -> tuple[bytes, list[np.ndarray]]:
@@ -30,7 +30,8 @@ def body(pages: int = 3, g: PageGeometry = GEOMETRY) -> tuple[bytes, list[np.nda
         for i in range(pages)
     ]
     frames = b"".join(
-        frame_bytes(make_page(g, i, kv), contract=CONTRACT, room=ROOM, tokens=TOKENS) for i, kv in enumerate(kvs)
+        frame_bytes(make_page(g, i, kv), contract=CONTRACT, handoff_id=HANDOFF_ID, tokens=TOKENS)
+        for i, kv in enumerate(kvs)
     )
     return frames + done_frame(PrefillDone(7, 64 * (pages - 1) + 5, pages, 0.1)), kvs
 
@@ -83,7 +84,7 @@ def ok(payload: bytes, *headers: str) -> bytes:
 
 
 async def pull(client: AgentClient, expect: FrameExpectation = EXPECT) -> list:
-    async with client.page_stream(ROOM.hex(), expect) as stream:
+    async with client.page_stream(HANDOFF_ID.hex(), expect) as stream:
         return [item async for item in stream]
 
 
@@ -130,14 +131,14 @@ def test_connections_are_reused_and_a_stale_one_is_retried():
 
 def test_http_errors_and_broken_streams_say_what_happened():
     data, _ = body()
-    err = json.dumps({"error": {"type": "HandoffError", "message": "no handoff for room"}}).encode()
+    err = json.dumps({"error": {"type": "HandoffError", "message": "no handoff 00ff"}}).encode()
 
     async def main():
         cases = [
             (
                 b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n" % len(err) + err,
                 AgentHTTPError,
-                "404 HandoffError: no handoff for room",
+                "404 HandoffError: no handoff 00ff",
             ),
             (ok(chunked(data[:-20], [4096])), FrameError, "truncated"),  # clean end, no final frame
             (ok(chunked(data, [4096])[:3000]), TransportError, "connection closed after"),  # cut mid-stream
@@ -165,7 +166,9 @@ def test_a_slow_decoder_pauses_the_socket():
     async def main():
         async with Server([ok(chunked(data, [big.page_bytes + 88]))]) as url:
             client = AgentClient(url, "k")
-            async with client.page_stream(ROOM.hex(), FrameExpectation(CONTRACT, ROOM, TOKENS, big)) as stream:
+            async with client.page_stream(
+                HANDOFF_ID.hex(), FrameExpectation(CONTRACT, HANDOFF_ID, TOKENS, big)
+            ) as stream:
                 first = await stream.__anext__()
                 await asyncio.sleep(0.3)  # everything would have arrived by now, were reading not paused
                 waiting = len(stream._r.items)
@@ -201,7 +204,7 @@ def _frames(pages: int = 3) -> tuple[list, bytes]:
         encode_frame(
             make_page(g, i, rng.standard_normal((g.layers, 2, 64, g.kv_heads, g.head_dim)).astype("<f2")),
             contract=CONTRACT,
-            room=ROOM,
+            handoff_id=HANDOFF_ID,
             tokens=TOKENS,
         )
         for i in range(pages)

@@ -24,7 +24,7 @@ from tandem_protocol.pages import (
 )
 
 CONTRACT = bytes(range(16))
-ROOM = uuid.UUID(int=7).bytes
+HANDOFF_ID = uuid.UUID(int=7).bytes
 TOKENS = token_digest([1, 2, 3])
 
 
@@ -45,7 +45,7 @@ def pages(draw):
 
 
 def expectation(geometry: PageGeometry, **changes) -> FrameExpectation:
-    fields = dict(contract=CONTRACT, room=ROOM, tokens=TOKENS, geometry=geometry)
+    fields = dict(contract=CONTRACT, handoff_id=HANDOFF_ID, tokens=TOKENS, geometry=geometry)
     fields.update(changes)
     return FrameExpectation(**fields)
 
@@ -55,7 +55,7 @@ def expectation(geometry: PageGeometry, **changes) -> FrameExpectation:
 def test_round_trip_is_bit_exact(case):
     geometry, index, kv = case
     page = make_page(geometry, index, kv)
-    frame = frame_bytes(page, contract=CONTRACT, room=ROOM, tokens=TOKENS)
+    frame = frame_bytes(page, contract=CONTRACT, handoff_id=HANDOFF_ID, tokens=TOKENS)
     assert len(frame) == HEADER_SIZE + geometry.page_bytes
     header, back = decode_frame(frame, expectation(geometry))
     assert (header.page_index, header.valid_tokens, header.geometry) == (index, kv.shape[2], geometry)
@@ -69,7 +69,9 @@ def test_round_trip_is_bit_exact(case):
 @given(pages(), st.data())
 def test_any_flipped_bit_is_detected(case, data):
     geometry, index, kv = case
-    frame = bytearray(frame_bytes(make_page(geometry, index, kv), contract=CONTRACT, room=ROOM, tokens=TOKENS))
+    frame = bytearray(
+        frame_bytes(make_page(geometry, index, kv), contract=CONTRACT, handoff_id=HANDOFF_ID, tokens=TOKENS)
+    )
     position = data.draw(st.integers(0, len(frame) - 1))
     frame[position] ^= 1 << data.draw(st.integers(0, 7))
     with pytest.raises((FrameError, ContractMismatch)):
@@ -80,7 +82,7 @@ def test_layout_is_layers_kv_tokens_heads_dim_little_endian():
     g = PageGeometry(layers=2, kv_heads=3, head_dim=4)
     kv = np.arange(2 * 2 * 5 * 3 * 4, dtype=np.float32).reshape(2, 2, 5, 3, 4)
     page = make_page(g, 0, kv)
-    payload = frame_bytes(page, contract=CONTRACT, room=ROOM, tokens=TOKENS)[HEADER_SIZE:]
+    payload = frame_bytes(page, contract=CONTRACT, handoff_id=HANDOFF_ID, tokens=TOKENS)[HEADER_SIZE:]
     flat = np.frombuffer(payload, dtype="<f2").reshape(2, 2, 64, 3, 4)
     # layer 1, V (index 1), token 4, head 2, dim 3
     assert flat[1, 1, 4, 2, 3] == kv[1, 1, 4, 2, 3]
@@ -89,22 +91,26 @@ def test_layout_is_layers_kv_tokens_heads_dim_little_endian():
 
 def test_wrong_contract_room_tokens_and_geometry_are_refused():
     g = PageGeometry(layers=2, kv_heads=1, head_dim=8)
-    frame = frame_bytes(make_page(g, 0, np.ones((2, 2, 3, 1, 8))), contract=CONTRACT, room=ROOM, tokens=TOKENS)
+    frame = frame_bytes(
+        make_page(g, 0, np.ones((2, 2, 3, 1, 8))), contract=CONTRACT, handoff_id=HANDOFF_ID, tokens=TOKENS
+    )
     with pytest.raises(ContractMismatch) as e:
         decode_frame(frame, expectation(g, contract=bytes(16)))
     assert e.value.fields == ["contract fingerprint"]
     with pytest.raises(ContractMismatch) as e:
         decode_frame(frame, expectation(g, tokens=token_digest([1, 2, 4])))
     assert e.value.fields == ["token_ids"]
-    with pytest.raises(FrameError, match="room"):
-        decode_frame(frame, expectation(g, room=uuid.uuid4().bytes))
+    with pytest.raises(FrameError, match="belongs to handoff"):
+        decode_frame(frame, expectation(g, handoff_id=uuid.uuid4().bytes))
     with pytest.raises(FrameError, match="geometry"):
         decode_frame(frame, expectation(PageGeometry(layers=1, kv_heads=2, head_dim=8)))
 
 
 def test_truncated_and_foreign_frames_are_refused():
     g = PageGeometry(layers=1, kv_heads=1, head_dim=8)
-    frame = frame_bytes(make_page(g, 3, np.ones((1, 2, 64, 1, 8))), contract=CONTRACT, room=ROOM, tokens=TOKENS)
+    frame = frame_bytes(
+        make_page(g, 3, np.ones((1, 2, 64, 1, 8))), contract=CONTRACT, handoff_id=HANDOFF_ID, tokens=TOKENS
+    )
     with pytest.raises(FrameError, match="truncated frame header"):
         parse_header(frame[:40])
     with pytest.raises(FrameError, match="header says"):
@@ -143,7 +149,7 @@ def test_compressed_frames_round_trip_exactly_and_fail_clearly():
     rng = np.random.default_rng(3)
     kv = rng.standard_normal((g.layers, 2, 40, g.kv_heads, g.head_dim)).astype("<f2")
     page = make_page(g, 0, kv)
-    ids = dict(contract=b"c" * 16, room=b"r" * 16, tokens=b"t" * 16)
+    ids = dict(contract=b"c" * 16, handoff_id=b"r" * 16, tokens=b"t" * 16)
     header, payload = encode_frame(page, encoding=ZSTD_PLANES, **ids)
     frame = header + bytes(payload)
     _, back = decode_frame(frame)
