@@ -295,11 +295,13 @@ class TamperProxy:
                     await asyncio.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
 
         tasks = [asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream())]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for t in tasks:
-            t.cancel()
-        for w in (client_w, up_w):
-            w.close()
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when set_faults() cancels this connection: both ends see it close
+            for t in tasks:
+                t.cancel()
+            for w in (client_w, up_w):
+                w.close()
 
     def set_faults(self, flip_at=None, cut_at=None, freeze_at=None, rate=None) -> None:
         """Damage every connection opened from now on (all None: none), and close those open now:
@@ -308,8 +310,10 @@ class TamperProxy:
         asyncio.run_coroutine_threadsafe(self._drop_connections(), self.loop).result(10)
 
     async def _drop_connections(self) -> None:
-        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # closed by the time set_faults returns
 
     def close(self) -> None:
         async def shut() -> None:

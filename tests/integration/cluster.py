@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import openai
@@ -89,13 +89,33 @@ class Cluster:
         for p, d in FAULT_PAIRS:
             self.proxies[(p, d)] = TamperProxy(self[p].port, port=proxy_ports[(p, d)])
             stack.callback(self.proxies[(p, d)].close)
-        # A node has one address (its identity, not its URL): the panel reaches each fault pair's
-        # prefiller through its proxy in every pair, which passes bytes untouched until a test
-        # sets a fault.
-        proxied = {p: proxy.url for (p, _), proxy in self.proxies.items()}
-        pairs = {pair_name(p, d): (proxied.get(p, self[p].url), proxied.get(d, self[d].url)) for p, d in DIRECTIONS}
-        self.start_panel(*(a for name, (p, d) in pairs.items() for a in ("--pair", f"{name}={p},{d}")))
+        self.start_panel(*self.pair_args(DIRECTIONS))
         stack.callback(lambda: self.panel.stop())  # whichever panel runs by then (see the restart)
+
+    def pair_args(self, directions: list[tuple[str, str]], proxied: bool = False) -> list[str]:
+        """The panel's --pair options for `directions`; `proxied`: each fault pair's prefiller at
+        its proxy's address."""
+        proxies = {p: proxy.url for (p, _), proxy in self.proxies.items()} if proxied else {}
+        return [
+            a
+            for p, d in directions
+            for a in ("--pair", f"{pair_name(p, d)}={proxies.get(p, self[p].url)},{self[d].url}")
+        ]
+
+    @contextmanager
+    def through_proxies(self):
+        """The fault pairs' prefillers reached through their proxies (which pass bytes untouched
+        until a test sets a fault) while the block runs, directly again after. A node has one
+        address, so the panel is restarted with the pairs at the proxies' addresses: the
+        prefillers prove their identity there (they advertise them) and their nodes move, for
+        every pair they are in; the other scenarios keep the direct path."""
+        self.panel.stop()
+        self.start_panel(*self.pair_args(FAULT_PAIRS, proxied=True))
+        try:
+            yield
+        finally:
+            self.panel.stop()
+            self.start_panel(*self.pair_args(FAULT_PAIRS))
 
     def __getitem__(self, name: str) -> AgentProcess:
         return self.agents[name]

@@ -45,6 +45,13 @@ LONG = 1500  # prompt tokens: several prefill chunks, time to act mid-stream
 DECODERS = {"torch": "mlx", "mlx": "torch", "vllm": "torch", "sglang2": "torch"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def proxied(cluster):
+    """The fault pairs' prefillers behind their proxies for this module's scenarios."""
+    with cluster.through_proxies():
+        yield
+
+
 @pytest.fixture(scope="module")
 def other(smol_dir, tmp_path_factory):
     """A torch agent of another model contract (context length 4096)."""
