@@ -38,6 +38,12 @@ def up(
     home = data_dir()
     env = {"TANDEM_CLUSTER_KEY": key}
     services: list[ServiceProcess] = []
+    stop = threading.Event()
+    # Before anything starts, so a stop at any moment stops the services. SIGINT too, explicitly:
+    # a shell starts background jobs with SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt (the services, on uvicorn, handle it themselves).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         with console.status(f"starting the {prefill} and {decode} agents…"):
             agents = [
@@ -85,11 +91,6 @@ def up(
             '"messages": [{"role": "user", "content": "Hello!"}]}\''
         )
         console.print("\nCtrl-C stops everything.")
-        stop = threading.Event()
-        # SIGINT too, explicitly: a shell starts background jobs with SIGINT ignored, and Python
-        # then never raises KeyboardInterrupt (the services, on uvicorn, handle it themselves).
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(3600):
             pass
     except KeyboardInterrupt:
