@@ -16,7 +16,10 @@ from engine_adapters.server_process import free_port
 
 from ..agents import AgentProcess, PanelProcess, TamperProxy, complete, log_rows, settle, wait_for
 
-STALL_SECONDS = "15"  # a page stream silent this long is broken (the agents' --stall-timeout)
+# A page stream silent this long is broken (the agents' --stall-timeout). It also bounds how long
+# a prefiller may compute between pages: on two cores shared by six agents, a server engine's
+# 512-token prefill chunk (or the whole prompt, for SGLang) was seen to take over 15 s.
+STALL_SECONDS = "30"
 
 # name -> (engine, environment). SGLang starts one agent in each of its roles (either switches when
 # asked for the other, slowly), so SGLang prefills on "sglang" and decodes on "sglang2".

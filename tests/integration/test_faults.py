@@ -254,20 +254,26 @@ CANCELLED = [
 @pytest.mark.parametrize("p, d", CANCELLED, ids=[pair_name(*x) for x in CANCELLED])
 def test_a_handoff_cancelled_mid_transfer(cluster, long_ids, p, d):
     """The handoff cancelled on the prefiller mid-transfer: the decoder's answer ends with
-    "cancelled", and both sides let go."""
+    "cancelled", and both sides let go. The pages cross a link held to 20 MB/s (~2 s for the
+    prompt's 35 MB), so there is a transfer under way to cancel even where an engine prefills
+    the whole prompt before its first page."""
     ids = (list(long_ids) * 8)[:LONG]
+    proxy = TamperProxy(cluster[p].port)
+    proxy.set_faults(rate=20e6)
 
     async def cancel_mid_transfer() -> list[dict]:
-        task = asyncio.create_task(
-            pd_request(cluster[p].url, cluster[d].url, ids, {"max_tokens": 64, "ignore_eos": True})
-        )
+        sampling = {"max_tokens": 64, "ignore_eos": True}
+        task = asyncio.create_task(pd_request(cluster[p].url, cluster[d].url, ids, sampling, prefill_url=proxy.url))
         handoff_id = await asyncio.to_thread(wait_until_streaming, cluster[p])
         client = AgentClient(cluster[p].url, TEST_KEY)
         await client.cancel_handoff(handoff_id)
         await client.aclose()
         return await task
 
-    lines = asyncio.run(cancel_mid_transfer())
+    try:
+        lines = asyncio.run(cancel_mid_transfer())
+    finally:
+        proxy.close()
     assert "error" in lines[-1] and "cancelled" in lines[-1]["error"]["message"], lines[-1]
     cluster.idle(p, d)
 
