@@ -68,16 +68,15 @@ class RequestLogWriter:
             if self._running == 0:
                 self._none_running.set()
 
-    async def wait_finished(self, timeout: float) -> bool:
+    async def wait_finished(self, timeout: float) -> None:
         """Until every running request has written how it ended, or `timeout`: on shutdown the
         server cancels the requests still streaming, and each needs a moment to let go of its
         agents and log itself as cancelled before the process exits (else the next start would
         call it interrupted)."""
         try:
             await asyncio.wait_for(self._none_running.wait(), timeout)
-            return True
         except TimeoutError:
-            return False
+            pass  # those left are marked interrupted at the next start
 
     def _finish(self, started: tuple[RequestLog, Future], fields: dict) -> None:
         row, written = started
