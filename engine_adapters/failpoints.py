@@ -2,6 +2,7 @@
 
     TANDEM_FAILPOINTS="prefill_chunk@2"              # the 2nd prefill chunk this process computes raises
     TANDEM_FAILPOINTS="perturb_k@1,perturb_k@2"      # the first two handoffs send wrong K
+    TANDEM_FAILPOINTS="slow_prefill_chunk@1"         # the first prefill chunk takes 8 s longer
 
 Each `name@N` fires once, on the N-th time the step is reached in this process (repeat a name to
 fire it more than once); everything else runs normally, so a drill sees the fault and then the
@@ -9,6 +10,8 @@ recovery. Unset (the normal case), a check is one dictionary lookup. Points:
 
 - `prefill_chunk` (before each chunk's forward pass, any prefill): raises the error an engine
   crash would give (a RuntimeError from inside the model call).
+- `slow_prefill_chunk` (before each chunk's forward pass, any in-process prefill): waits
+  SLOW_CHUNK_SECONDS first, without blocking the agent, as a server engine's long chunk would.
 - `perturb_k` (once per handoff, on the prefiller, before its pages are framed): every page of
   that handoff goes out with K of one layer negated (`perturb_k`). The frames are valid, so a
   decoder accepts them: the tests use it to prove each decoder computes with the pages it is sent.
@@ -16,10 +19,13 @@ recovery. Unset (the normal case), a check is one dictionary lookup. Points:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 
 from tandem_protocol.pages import KVPage
+
+SLOW_CHUNK_SECONDS = 8.0
 
 # of the layers tried (0, 1, 15, 29 of SmolLM2-135M), negating layer 1's K moved the next token's
 # log-probabilities most
@@ -58,6 +64,12 @@ def reach(name: str) -> None:
     """Called at a step: raises InjectedFault when this is an armed N-th time."""
     if fires(name):
         raise InjectedFault(f"engine failure injected at {name} #{_seen[name]} (TANDEM_FAILPOINTS)")
+
+
+async def pause(name: str) -> None:
+    """Called at a step: waits SLOW_CHUNK_SECONDS when this is an armed N-th time."""
+    if fires(name):
+        await asyncio.sleep(SLOW_CHUNK_SECONDS)
 
 
 def perturb_k(page: KVPage) -> KVPage:

@@ -120,6 +120,7 @@ class InProcessEngine(EngineAdapter):
             for i, (start, end) in enumerate(spans):
                 self._check(req, event)
                 failpoints.reach("prefill_chunk")
+                await failpoints.pause("slow_prefill_chunk")
                 logits = await self._compute(session, ids[start:end], last=end == n)
                 ready = export if end == n else min(end, export) // P * P
                 if ready > sent:

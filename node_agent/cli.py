@@ -18,6 +18,7 @@ from rich.table import Table
 from tandem_protocol.auth import canonical_address
 from tandem_protocol.pages import PROTOCOL_VERSION
 from tandem_protocol.settings import data_dir, hash_cache_path
+from tandem_protocol.wire import HEARTBEAT_SECONDS
 
 from .identity import NodeIdInUse, claim_node_id, cluster_key, key_path, known_node_ids, node_id_path, set_cluster_key
 
@@ -100,7 +101,10 @@ def serve(
     mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all)."),
     handoff_ttl: float = typer.Option(60.0, help="Seconds before unread pages expire."),
     stall_timeout: float = typer.Option(
-        60.0, help="Seconds a page stream may move no byte before both ends give it up (a pulled cable, a frozen peer)."
+        60.0,
+        min=2 * HEARTBEAT_SECONDS,
+        help="Seconds a page stream may move no byte before both ends give it up (a pulled cable, a frozen "
+        "peer; a prefiller still computing sends a heartbeat every second).",
     ),
     advertise_address: list[str] = typer.Option(
         None,

@@ -7,7 +7,8 @@ Life of a handoff (one "handoff_id"):
    FIFO order up to a deadline). It then starts prefill in a task and a lease timer, which the
    decoder's arrival cancels (a lease bounds how long pages wait for a reader, not a prefill).
 2. The task frames each page as prefill produces it and queues it; the decoder's `stream`
-   call sends the queue as it fills, then the final frame (P's first token) or an error frame.
+   call sends the queue as it fills (a heartbeat each second it stays empty), then the final
+   frame (P's first token) or an error frame.
 3. `finish` ends the handoff on every path — read to the end, cancelled, decoder gone, lease
    expired: it stops prefill, waits for the engine's in-flight work to finish (so engine memory
    is released after it), drops staged pages and returns the reservation. It is idempotent.
@@ -29,7 +30,7 @@ from tandem_protocol.errors import Cancelled, TandemError
 from tandem_protocol.handoff import FirstTokenMode, kv_tokens
 from tandem_protocol.pages import RAW, KVPage, encode_frame
 from tandem_protocol.sampling import SamplingParams
-from tandem_protocol.wire import DONE_MAGIC, done_frame, error_frame
+from tandem_protocol.wire import DONE_MAGIC, HEARTBEAT_FRAME, HEARTBEAT_SECONDS, done_frame, error_frame
 
 from .budget import Reservation, StagingBudget
 from .engine_slot import EngineSlot
@@ -166,7 +167,11 @@ class HandoffManager:
         outcome = "reader_gone"
         try:
             while True:
-                frame = await h.frames.get()
+                try:
+                    frame = await asyncio.wait_for(h.frames.get(), HEARTBEAT_SECONDS)
+                except TimeoutError:  # still prefilling: tell the reader the link is alive
+                    yield HEARTBEAT_FRAME
+                    continue
                 if isinstance(frame, bytes):  # the final frame or an error frame
                     yield frame
                     outcome = "done" if frame[:4] == DONE_MAGIC else "failed"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
@@ -61,6 +62,7 @@ class _Receiver(asyncio.BufferedProtocol):
         self.reader = reader
         self.items: list = []  # pages and PrefillDone, in order; an exception ends the list
         self.got_bytes = False
+        self.last_data = time.monotonic()  # when a byte last came (the stall timeout's clock)
         self.keep_alive = True
         self.complete = False
         self._state = "head"
@@ -103,6 +105,7 @@ class _Receiver(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.got_bytes = True
+        self.last_data = time.monotonic()
         try:
             if self._direct:
                 self._chunk_left -= nbytes
@@ -221,6 +224,12 @@ class _Receiver(asyncio.BufferedProtocol):
         self._wake.set()
 
     # ---- the consumer ----------------------------------------------------------------------
+    def _stall_left(self) -> float | None:
+        """Seconds until the stream counts as stalled: no byte at all for `stall_timeout`."""
+        if self.stall_timeout is None:
+            return None
+        return self.last_data + self.stall_timeout - time.monotonic()
+
     async def next_item(self):
         while not self.items:
             if self.complete:
@@ -229,8 +238,10 @@ class _Receiver(asyncio.BufferedProtocol):
                 raise StreamBroken(f"the connection closed before the page stream ended ({self._lost})")
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), self.stall_timeout)
+                await asyncio.wait_for(self._wake.wait(), self._stall_left())
             except TimeoutError:
+                if self._stall_left() > 0:  # bytes came meanwhile (a heartbeat, part of a page)
+                    continue
                 raise StreamBroken(
                     f"the page stream stalled: no data for {self.stall_timeout:g} s after "
                     f"{self.reader.bytes_read:,} bytes (link down or peer frozen)"

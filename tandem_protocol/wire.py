@@ -6,9 +6,12 @@ The body of `GET /v1/handoffs/{handoff_id}/pages` (HTTP/1.1 chunked transfer) is
     final frame  b"TKVD" + u32 length + JSON {"first_token", "kv_tokens", "pages", "prefill_seconds",
                                               "finished_at"}
     error frame  b"TKVE" + u32 length + JSON {"code", "message"}
+    heartbeat    b"TKVH" + u32 0         (P is still prefilling: the link is alive)
 
 Page frames come in page order as prefill produces them; the stream ends after exactly one
-final frame or one error frame. A stream that stops before either is truncated, and the
+final frame or one error frame. While P computes and has nothing to send it sends a heartbeat
+every HEARTBEAT_SECONDS, so the decoder's stall timeout measures the link and P's agent, not
+how long a prefill chunk takes (a server engine's can take longer than any sane timeout). A stream that stops before either is truncated, and the
 decoder fails the request. `FrameReader` reassembles frames from arbitrary chunk boundaries,
 copying each byte once, straight into the buffer that becomes the page.
 """
@@ -36,6 +39,8 @@ from .pages import (
 
 DONE_MAGIC = b"TKVD"
 ERROR_MAGIC = b"TKVE"
+HEARTBEAT_MAGIC = b"TKVH"
+HEARTBEAT_SECONDS = 1.0  # the stall timeout's floor is twice this (node_agent/cli.py)
 _LEN = struct.Struct("<I")
 _MAX_JSON = 64 * 1024
 
@@ -70,6 +75,9 @@ def error_frame(code: str, message: str) -> bytes:
     return _json_frame(ERROR_MAGIC, {"code": code, "message": message})
 
 
+HEARTBEAT_FRAME = HEARTBEAT_MAGIC + _LEN.pack(0)
+
+
 class FrameReader:
     """Incremental parser: `feed(chunk)` returns the items completed by that chunk."""
 
@@ -89,12 +97,14 @@ class FrameReader:
         magic = bytes(self._head[:4])
         if magic == MAGIC:
             return HEADER_SIZE
-        if magic in (DONE_MAGIC, ERROR_MAGIC):
+        if magic in (DONE_MAGIC, ERROR_MAGIC, HEARTBEAT_MAGIC):
             if len(self._head) < 8:
                 return 8
             length = _LEN.unpack_from(self._head, 4)[0]
             if length > _MAX_JSON:
                 raise FrameError(f"control frame of {length} bytes is larger than {_MAX_JSON}")
+            if magic == HEARTBEAT_MAGIC and length:
+                raise FrameError(f"heartbeat frame with a {length}-byte body (it has none)")
             return 8 + length
         raise FrameError(f"unknown frame type {magic!r} in the page stream")
 
@@ -154,6 +164,8 @@ class FrameReader:
             self._view[:HEADER_SIZE] = head
             self._hash = xxhash.xxh3_64()
             self._filled = HEADER_SIZE
+            return []
+        if magic == HEARTBEAT_MAGIC:
             return []
         try:
             obj = json.loads(head[8:])

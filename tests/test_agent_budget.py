@@ -9,6 +9,7 @@ import uuid
 import httpx
 import pytest
 
+from engine_adapters.failpoints import SLOW_CHUNK_SECONDS
 from tandem_protocol.client import AgentClient, AgentHTTPError
 from tandem_protocol.pages import PageGeometry
 from tandem_protocol.wire import PeerError
@@ -189,6 +190,23 @@ def test_a_prefill_longer_than_the_lease_is_read_to_the_end(small, smol_dir, tmp
         assert tokens_of(lines) == tokens_of(run(generate_request(agent.url, ids, {"max_tokens": 2})))
         idle(agent)
         idle(small)
+
+
+def test_a_prefill_chunk_longer_than_the_stall_timeout_is_no_stall(smol_dir, tmp_path, long_ids):
+    """A prefiller that computes longer than the decoder's stall timeout without a page to send
+    (here its first chunk takes 8 s more, the decoder gives up after 3 s of silence) sends
+    heartbeats: the request completes P/D. A silent link still stalls (tests/integration/test_faults)."""
+    with (
+        AgentProcess("torch", smol_dir, tmp_path / "p", env={"TANDEM_FAILPOINTS": "slow_prefill_chunk@1"}) as p,
+        AgentProcess("torch", smol_dir, tmp_path / "d", "--stall-timeout", "3") as d,
+    ):
+        ids = prompt(long_ids, 130)
+        lines = run(pd_request(p.url, d.url, ids, {"max_tokens": 4}))
+        assert lines[-1].get("done"), lines[-1]
+        assert lines[-1]["prefill_seconds"] >= SLOW_CHUNK_SECONDS, lines[-1]  # it did outlast the timeout
+        assert tokens_of(lines) == tokens_of(run(generate_request(d.url, ids, {"max_tokens": 4})))
+        idle(p)
+        idle(d)
 
 
 def test_cancel_a_decoding_request_by_id(small, long_ids):

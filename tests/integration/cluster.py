@@ -16,9 +16,9 @@ from engine_adapters.server_process import free_port
 
 from ..agents import AgentProcess, PanelProcess, TamperProxy, complete, log_rows, settle, wait_for
 
-# A page stream silent this long is broken (the agents' --stall-timeout). It also bounds how long
-# a prefiller may compute between pages: on two cores shared by six agents, a server engine's
-# 512-token prefill chunk (or the whole prompt, for SGLang) was seen to take over 15 s.
+# A page stream silent this long is broken (the agents' --stall-timeout). Heartbeats cover a
+# prefiller's compute between pages; this also bounds how long a decoder may leave queued pages
+# unread while its one engine finishes earlier requests (test_load's queues on two cores).
 STALL_SECONDS = "30"
 
 # name -> (engine, environment). SGLang starts one agent in each of its roles (either switches when

@@ -24,7 +24,7 @@ from tandem_protocol.errors import Cancelled, RequestError
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
 from tandem_protocol.pages import PageGeometry, make_page
 from tandem_protocol.sampling import SamplingParams
-from tandem_protocol.wire import DONE_MAGIC, ERROR_MAGIC
+from tandem_protocol.wire import DONE_MAGIC, ERROR_MAGIC, HEARTBEAT_MAGIC
 
 GEOMETRY = PageGeometry(layers=2, kv_heads=1, head_dim=8)
 COMMIT = FirstTokenMode.COMMIT_FIRST
@@ -91,7 +91,7 @@ def finished(metrics: Metrics, outcome: str) -> float:
 def kind(frame) -> str:
     if isinstance(frame, tuple):
         return "page"
-    return {DONE_MAGIC: "done", ERROR_MAGIC: "error"}[frame[:4]]
+    return {DONE_MAGIC: "done", ERROR_MAGIC: "error", HEARTBEAT_MAGIC: "heartbeat"}[frame[:4]]
 
 
 def error_of(frame: bytes) -> dict:
@@ -126,6 +126,31 @@ def test_read_to_the_end():
         assert h.pages_sent == 3 and h.state == "done"
         assert_released(engine, budget, manager, h.handoff_id)
         assert finished(metrics, "done") == 1 and Metrics.value(metrics.pages_sent) == 3
+
+    run(main())
+
+
+def test_a_reader_waiting_for_pages_gets_heartbeats(monkeypatch):
+    """While prefill computes and nothing is queued the reader gets a heartbeat every
+    HEARTBEAT_SECONDS, never while pages flow; they count as no page."""
+    from node_agent import handoffs
+
+    monkeypatch.setattr(handoffs, "HEARTBEAT_SECONDS", 0.05)
+
+    async def main():
+        engine, budget, metrics, manager = setup()
+        h = await create(manager, tokens=150)
+        frames = await manager.stream(h.handoff_id)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.4, engine.allow, 1)
+        loop.call_later(0.8, engine.allow, 2)
+        got = [kind(f) async for f in frames]
+        pages = [i for i, k in enumerate(got) if k == "page"]
+        assert got[:3] == ["heartbeat"] * 3, got  # ~8 in the first 0.4 s
+        assert got[pages[0] + 1 : pages[0] + 4].count("heartbeat") >= 3, got  # between page 0 and 1
+        assert pages[2] == pages[1] + 1 and got[-1] == "done", got  # no beat while pages are queued
+        assert h.pages_sent == 3
+        assert_released(engine, budget, manager, h.handoff_id)
 
     run(main())
 

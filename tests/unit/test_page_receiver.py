@@ -16,7 +16,7 @@ from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.errors import FrameError
 from tandem_protocol.handoff import PrefillDone
 from tandem_protocol.pages import FrameExpectation, KVPage, PageGeometry, frame_bytes, make_page
-from tandem_protocol.wire import done_frame
+from tandem_protocol.wire import HEARTBEAT_FRAME, done_frame
 
 GEOMETRY = PageGeometry(layers=2, kv_heads=1, head_dim=8)
 HANDOFF_ID, TOKENS, CONTRACT = bytes(range(16)), bytes(range(16, 32)), bytes(range(32, 48))
@@ -106,6 +106,58 @@ def test_any_chunking_gives_the_same_pages(sizes):
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_heartbeats_between_frames_are_skipped_in_any_chunking():
+    data, kvs = body()
+    first = len(data) - len(done_frame(PrefillDone(7, 133, 3, 0.1)))  # the final frame starts here
+    with_beats = HEARTBEAT_FRAME * 2 + data[:first] + HEARTBEAT_FRAME + data[first:]
+
+    async def main():
+        for sizes in ([1], [5, 3], [4096]):
+            async with Server([ok(chunked(with_beats, sizes))], close_after=True) as url:
+                client = AgentClient(url, "k")
+                check(await pull(client), kvs)
+                await client.aclose()
+        bad = HEARTBEAT_FRAME[:4] + (3).to_bytes(4, "little") + b"abc" + data
+        async with Server([ok(chunked(bad, [4096]))], close_after=True) as url:
+            client = AgentClient(url, "k")
+            with pytest.raises(FrameError, match="heartbeat frame with a 3-byte body"):
+                await pull(client)
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_silent_stream_stalls_and_one_with_heartbeats_does_not():
+    """The decoder's stall timeout (0.3 s here) ends a stream that sends nothing for longer, but a
+    prefiller that is still computing keeps it alive with heartbeats (every 0.1 s here)."""
+    data, kvs = body()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, beats: bool) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        w.write(ok(b""))
+        for _ in range(10):  # a second of "prefill" before the first page
+            if beats:
+                w.write(chunked(HEARTBEAT_FRAME, [8])[:-5])  # one chunk, not the stream's end
+            await w.drain()
+            await asyncio.sleep(0.1)
+        w.write(chunked(data, [4096]))
+        await w.drain()
+        w.close()
+
+    async def main(beats: bool):
+        server = await asyncio.start_server(lambda r, w: serve(r, w, beats), "127.0.0.1", 0)
+        client = AgentClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "k", stall_timeout=0.3)
+        try:
+            return await pull(client)
+        finally:
+            await client.aclose()
+            server.close()
+
+    check(asyncio.run(main(beats=True)), kvs)
+    with pytest.raises(TransportError, match="stalled: no data for 0.3 s"):
+        asyncio.run(main(beats=False))
 
 
 def test_connections_are_reused_and_a_stale_one_is_retried():
