@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+
+from starlette.responses import StreamingResponse
 
 from engine_adapters.base import EngineAdapter, EngineRequest
 from tandem_protocol.api import PREFILLER_FAILED
@@ -37,6 +39,23 @@ class IncrementalDetokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(before) :]
+
+
+class NDJSONResponse(StreamingResponse):
+    """A token stream's response; `release` runs however it ends. The lines' own `finally` is
+    not enough: a client gone before the first line makes Starlette give up before it starts
+    the generator, whose body (and so its `finally`) then never runs."""
+
+    def __init__(self, lines: AsyncIterator[bytes], release: Callable[[], None] | None = None):
+        super().__init__(lines, media_type="application/x-ndjson")
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._release is not None:
+                self._release()
 
 
 def line(item: dict) -> bytes:

@@ -7,7 +7,6 @@ import time
 import uuid
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 
 from engine_adapters.base import EngineRequest
 from tandem_protocol.api import DecodeBody, GenerateBody
@@ -15,13 +14,9 @@ from tandem_protocol.errors import RequestError
 
 from ..deps import KEYED, Agent, Slot
 from ..handshake import Handshake
-from ..token_stream import token_lines
+from ..token_stream import NDJSONResponse, token_lines
 
 router = APIRouter(dependencies=KEYED)
-
-
-def ndjson(lines) -> StreamingResponse:
-    return StreamingResponse(lines, media_type="application/x-ndjson")
 
 
 @router.post("/v1/generate")
@@ -29,7 +24,9 @@ async def generate(body: GenerateBody, agent: Agent):
     adapter = agent.slot.adapter
     req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling)
     adapter.validate(req, generates=True)
-    return ndjson(token_lines(adapter, agent.metrics, req, adapter.generate(req), "generate", time.perf_counter(), {}))
+    return NDJSONResponse(
+        token_lines(adapter, agent.metrics, req, adapter.generate(req), "generate", time.perf_counter(), {})
+    )
 
 
 @router.post("/v1/decode")
@@ -43,14 +40,15 @@ async def decode(body: DecodeBody, agent: Agent):
     req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling, mode)
     adapter.validate(req, generates=True)  # context length, sampling fields: refused before P computes
     if body.prefill_url is None:
-        return ndjson(
+        return NDJSONResponse(
             token_lines(adapter, agent.metrics, req, adapter.generate(req), "generate", time.perf_counter(), {})
         )
     t0 = time.perf_counter()
     handshake = Handshake(adapter, agent.peer(body.prefill_url), body.prefill_url, agent.metrics)
     await handshake.open(req, body.page_encoding)  # a 4xx/429/502 here, before any stream
     tokens = adapter.decode(req, handshake.pages())
-    return ndjson(token_lines(adapter, agent.metrics, req, tokens, "decode", t0, handshake.stats, handshake))
+    lines = token_lines(adapter, agent.metrics, req, tokens, "decode", t0, handshake.stats, handshake)
+    return NDJSONResponse(lines, release=handshake.release)
 
 
 @router.delete("/v1/requests/{request_id}")
