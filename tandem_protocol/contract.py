@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -126,10 +127,13 @@ class HashCache:
     def put(self, file: Path, digest: str) -> None:
         self._entries[self._key(file)] = digest
         if self.path is not None:
+            # Agents sharing a data dir may write at once: each through a temporary file of its
+            # own, so a replace never finds its file taken by another's (the last one wins; the
+            # others' entries only cost a re-hash).
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self._entries, indent=0))
-            os.replace(tmp, self.path)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as tmp:
+                tmp.write(json.dumps(self._entries, indent=0))
+            os.replace(tmp.name, self.path)
 
 
 def hash_file(file: Path, progress: Callable[[int], None] | None = None) -> str:

@@ -120,3 +120,26 @@ def test_progress_is_reported_in_bytes(tiny):
     compute_contract(inspect_model(tiny), 256, None, lambda done, total: seen.append((done, total)))
     size = (tiny / "model.safetensors").stat().st_size
     assert seen and seen[-1] == (size, size)
+
+
+def test_agents_writing_one_hash_cache_at_once_do_not_fail(tmp_path):
+    """Agents sharing a data dir hash at the same start: their writes to the one cache file must
+    not trip over each other (they shared one temporary name, and a replace found it gone)."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache_file, files = tmp_path / "hashes.json", []
+    for i in range(4):
+        files.append(tmp_path / f"w{i}")
+        files[-1].write_bytes(b"x" * i)
+
+    def writer(i: int) -> None:
+        cache = HashCache(cache_file)  # one per agent, as each process has its own
+        for n in range(300):
+            cache.put(files[i], f"{i}-{n}")
+
+    with ThreadPoolExecutor(4) as pool:
+        for job in [pool.submit(writer, i) for i in range(4)]:
+            job.result()
+    assert len(json.loads(cache_file.read_text())) >= 1
+    assert not list(tmp_path.glob("*.tmp"))
