@@ -11,7 +11,6 @@ from engine_adapters.sglang_adapter import sglang_environment
 from engine_adapters.vllm_adapter import vllm_python
 
 from .cluster import Cluster
-from .probes import ServerEngines
 
 
 @pytest.fixture(scope="package")
@@ -23,11 +22,3 @@ def cluster(smol_dir, tmp_path_factory):
             pytest.fail(f"{name} is part of `make test`: {e}")
     with ExitStack() as stack:
         yield Cluster(smol_dir, tmp_path_factory.mktemp("cluster"), stack)
-
-
-@pytest.fixture(scope="package")
-def server_engines(smol_dir, tmp_path_factory):
-    """tests/integration/probes.py: started at the first use, closed by the last (or here)."""
-    engines = ServerEngines(smol_dir, tmp_path_factory.mktemp("server-engines"))
-    yield engines
-    engines.close()

@@ -8,6 +8,7 @@ Figures are printed and written to reports/cross_engine_*.json."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -25,6 +26,38 @@ from .rules import MEASURED_MAX, PROMPTS, logits_after_import, tolerance
 
 SAMPLING = {"max_tokens": 32, "ignore_eos": True}
 DECODER_AGENT = {"sglang": "sglang2"}  # SGLang decodes on its decode-role agent
+
+
+class Probes:
+    """vLLM or SGLang driven from this process through its adapter, for its log-probabilities
+    (their agents expose none). One at a time: asking for the other engine closes the first."""
+
+    def __init__(self, model):
+        self.model, self.engine, self.adapter = model, None, None
+
+    def get(self, engine: str | None):
+        from engine_adapters import load_adapter
+
+        if engine is None:  # the decoder is in-process: its logits come from `engines`
+            return None
+        if engine != self.engine:
+            self.close()
+            self.adapter, self.engine = load_adapter(engine, self.model), engine
+        return self.adapter
+
+    def close(self) -> None:
+        if self.adapter is not None:
+            self.adapter.close()
+        self.engine = self.adapter = None
+
+
+@pytest.fixture(scope="module")
+def probes(smol_dir):
+    os.environ.setdefault("TANDEM_VLLM_THREADS", "1")
+    os.environ.setdefault("TANDEM_SGLANG_THREADS", "1")
+    probes = Probes(smol_dir)
+    yield probes
+    probes.close()
 
 
 _ALONE: dict = {}
@@ -111,9 +144,9 @@ DIRECTIONS = list(MEASURED_MAX)
 
 
 @pytest.mark.parametrize("p, d", DIRECTIONS, ids=[f"{p}->{d}" for p, d in DIRECTIONS])
-def test_cross_engine_rules(cluster, engines, server_engines, p, d):
+def test_cross_engine_rules(cluster, engines, probes, p, d):
     p_agent, d_agent = cluster[p], cluster[DECODER_AGENT.get(d, d)]
-    server_probe = server_engines[d] if d in ("vllm", "sglang") else None  # the decoder's log-probabilities
+    server_probe = probes.get(d if d in ("vllm", "sglang") else None)
     modes = d_agent.status().get("decoder_modes") or None
     diffs, agree, rows = [], 0, []
     for i, text in enumerate(PROMPTS):
@@ -155,10 +188,10 @@ def test_cross_engine_rules(cluster, engines, server_engines, p, d):
     cluster.idle(p_agent, d_agent)
 
 
-def test_broken_page_streams_inside_the_adapter_release_sglangs_slots(server_engines, engines, long_ids):
+def test_broken_page_streams_inside_the_adapter_release_sglangs_slots(probes, engines, long_ids):
     """The adapter's own checks on a stream handed to SGLang's decode role: a missing page, pages
     out of order and a page of the wrong shape; each fails and SGLang frees the slots it held."""
-    sglang_engine = server_engines["sglang"]
+    sglang_engine = probes.get("sglang")  # the SGLang probe of the last direction above
     ids = prompt(long_ids, 200)
     items = run(collect(engines["torch"].prefill(EngineRequest("src", ids, SamplingParams(max_tokens=1)))))
     pages, done = [x for x in items if isinstance(x, KVPage)], items[-1]

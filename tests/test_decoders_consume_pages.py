@@ -23,21 +23,28 @@ Figures go to reports/consume_pages_*.json.
 
 from __future__ import annotations
 
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import httpx
 import numpy as np
 import pytest
 
 from engine_adapters.base import EngineRequest
 from engine_adapters.failpoints import PERTURBED_LAYER
+from engine_adapters.settings import EngineSettings
+from engine_adapters.sglang_adapter import SGLangProcess
+from tandem_protocol.client import AgentClient
 from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.pages import KVPage
 from tandem_protocol.sampling import SamplingParams
 
-from ..agents import AgentProcess, prefill_of, wait_for
-from ..conftest import collect, own_greedy, run, write_report
-from ..engine_probes import sglang_decode_step_logprobs, vllm_first_step_logprobs
-from .probes import PlainSGLangServer
-from .rules import LOGIT_TOLERANCE, logits_after_import
+from .agents import TEST_KEY, AgentProcess, wait_for
+from .conftest import collect, own_greedy, run, write_report
+from .engine_probes import sglang_decode_step_logprobs, vllm_first_step_logprobs
+from .integration.rules import LOGIT_TOLERANCE, logits_after_import
 
 RL, CF = FirstTokenMode.RECOMPUTE_LAST, FirstTokenMode.COMMIT_FIRST
 PERTURB = {"TANDEM_FAILPOINTS": "perturb_k@1,perturb_k@2"}  # the prefiller's first two handoffs
@@ -74,8 +81,21 @@ def handoffs(smol_dir, tmp_path_factory, prompt_ids) -> dict:
 
 async def pages_and_done(agent: AgentProcess, ids: list[int], mode: FirstTokenMode) -> list:
     """One handoff of `ids` on `agent`: its pages (KVPage) and its PrefillDone, as a decoder receives them."""
-    pages, done = await prefill_of(agent, ids, mode.value)
-    return [*pages, done]
+    client = AgentClient(agent.url, TEST_KEY)
+    try:
+        info = await client.info()
+        handoff_id = uuid.uuid4().hex
+        await client.create_handoff(
+            handoff_id=handoff_id,
+            token_ids=ids,
+            sampling={"max_tokens": 1},
+            mode=mode.value,
+            contract=info["contract"]["fingerprint"],
+        )
+        async with client.page_stream(handoff_id, None) as stream:
+            return [item async for item in stream]
+    finally:
+        await client.aclose()
 
 
 def pages(items: list) -> list[KVPage]:
@@ -162,12 +182,58 @@ def test_in_process_decoders_consume_the_pages(engines, handoffs, prompt_ids, de
 
 
 # ---- vLLM and SGLang -------------------------------------------------------------------------
+CONTEXT = 4096
+
+
+class PlainSGLangServer(SGLangProcess):
+    """SGLang as a user runs it alone: Tandem's command line for the same model and CPU recipe,
+    less everything of PD disaggregation."""
+
+    WITH_VALUE = {
+        "--disaggregation-mode",
+        "--disaggregation-transfer-backend",
+        "--disaggregation-bootstrap-port",
+        "--disaggregation-decode-retraction-backup",
+    }
+
+    def __init__(self, model_dir: Path, log_path: Path, settings: EngineSettings):
+        super().__init__(model_dir, CONTEXT, log_path.with_suffix(".sock"), log_path, lambda: "null", settings)
+
+    def command(self) -> list[str]:
+        cmd, plain = iter(super().command()), []
+        for arg in cmd:
+            if arg in self.WITH_VALUE:
+                next(cmd)
+            elif arg != "--enable-pd-role-switch":
+                plain.append(arg)
+        return plain
+
+
 @pytest.fixture(scope="module")
-def servers(server_engines):
-    """The tier's vLLM and SGLang adapters and plain SGLang server (tests/integration/probes.py);
-    this module is their last user: they close after it."""
-    yield server_engines
-    server_engines.close()
+def servers(smol_dir, tmp_path_factory):
+    """A vLLM adapter, an SGLang adapter in its decode role and a plain SGLang server, started
+    side by side (each takes the better part of a minute)."""
+    from engine_adapters import load_adapter
+
+    os.environ.setdefault("TANDEM_VLLM_THREADS", "1")
+    os.environ.setdefault("TANDEM_SGLANG_THREADS", "1")
+    settings = EngineSettings()
+    plain = PlainSGLangServer(smol_dir, tmp_path_factory.mktemp("plain-sglang") / "sglang.log", settings)
+    decode_role = settings.model_copy(update={"sglang_role": "decode"})
+    pool = ThreadPoolExecutor(3)
+    jobs = {
+        "vllm": pool.submit(load_adapter, "vllm", smol_dir, CONTEXT, settings),
+        "sglang": pool.submit(load_adapter, "sglang", smol_dir, CONTEXT, decode_role),
+        "plain": pool.submit(plain.start),
+    }
+    try:
+        yield {"vllm": jobs["vllm"].result(), "sglang": jobs["sglang"].result(), "plain": plain}
+    finally:
+        pool.shutdown(wait=True)  # every start has ended, one way or the other
+        plain.stop()
+        for name in ("vllm", "sglang"):
+            if jobs[name].exception() is None:
+                jobs[name].result().close()
 
 
 def server_metrics(url: str) -> str:
