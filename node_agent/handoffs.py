@@ -167,8 +167,9 @@ class HandoffManager:
         outcome = "reader_gone"
         try:
             while True:
-                try:
-                    frame = await asyncio.wait_for(h.frames.get(), HEARTBEAT_SECONDS)
+                try:  # asyncio.timeout, not wait_for: no task per frame on the send path
+                    async with asyncio.timeout(HEARTBEAT_SECONDS):
+                        frame = await h.frames.get()
                 except TimeoutError:  # still prefilling: tell the reader the link is alive
                     yield HEARTBEAT_FRAME
                     continue

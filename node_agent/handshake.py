@@ -53,7 +53,6 @@ class Handshake:
         self.handoff_id = uuid.uuid4().hex
         self._attached = AsyncExitStack()  # the page stream, from `open` until the pages end
         self._stream: PageStream | None = None
-        self._released = False
         self.failed = False  # the page stream failed (the prefiller's side or the link)
         self.finished = False  # the prefiller sent its last frame: it has let go of the handoff
         self.stats = {
@@ -134,11 +133,9 @@ class Handshake:
 
     def release(self) -> None:
         """Close the page stream if it is still open, and cancel the handoff on the prefiller
-        unless it already ended; only the first call acts. Runs in its own task: the request's
-        task may be the one being cancelled (its client hung up)."""
-        if self._released:
-            return
-        self._released = True
+        unless it already ended. Called once: by `open` when the stream does not start, else by
+        the response once it ends (token_stream.NDJSONResponse). Runs in its own task: the
+        request's task may be the one being cancelled (its client hung up)."""
         task = asyncio.get_running_loop().create_task(self._release())
         _releases.add(task)
         task.add_done_callback(_releases.discard)

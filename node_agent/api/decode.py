@@ -14,6 +14,7 @@ from tandem_protocol.errors import RequestError
 
 from ..deps import KEYED, Agent, Slot
 from ..handshake import Handshake
+from ..state import AgentState
 from ..token_stream import NDJSONResponse, token_lines
 
 router = APIRouter(dependencies=KEYED)
@@ -24,6 +25,12 @@ async def generate(body: GenerateBody, agent: Agent):
     adapter = agent.slot.adapter
     req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling)
     adapter.validate(req, generates=True)
+    return alone(agent, req)
+
+
+def alone(agent: AgentState, req: EngineRequest) -> NDJSONResponse:
+    """This engine's own answer: it computes the prompt itself."""
+    adapter = agent.slot.adapter
     return NDJSONResponse(
         token_lines(adapter, agent.metrics, req, adapter.generate(req), "generate", time.perf_counter(), {})
     )
@@ -40,15 +47,13 @@ async def decode(body: DecodeBody, agent: Agent):
     req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling, mode)
     adapter.validate(req, generates=True)  # context length, sampling fields: refused before P computes
     if body.prefill_url is None:
-        return NDJSONResponse(
-            token_lines(adapter, agent.metrics, req, adapter.generate(req), "generate", time.perf_counter(), {})
-        )
+        return alone(agent, req)
     t0 = time.perf_counter()
     handshake = Handshake(adapter, agent.peer(body.prefill_url), body.prefill_url, agent.metrics)
     await handshake.open(req, body.page_encoding)  # a 4xx/429/502 here, before any stream
     tokens = adapter.decode(req, handshake.pages())
     lines = token_lines(adapter, agent.metrics, req, tokens, "decode", t0, handshake.stats, handshake)
-    return NDJSONResponse(lines, release=handshake.release)
+    return NDJSONResponse(lines, release=handshake.release)  # the one place it is released after open
 
 
 @router.delete("/v1/requests/{request_id}")
