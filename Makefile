@@ -64,7 +64,7 @@ $(STAMP): pyproject.toml
 
 # vLLM in its own environment (pyproject.toml [dependency-groups]); the agent starts its server
 # with this interpreter. torchvision/torchaudio/torchcodec come along and fail to import beside
-# the CPU torch, so they go.
+# the CPU torch, so they go. Tandem itself (no dependencies) for its vLLM plugin's entry point.
 vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml
@@ -72,6 +72,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --upgrade 'pip>=25.1'
 	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --group $(VLLM_GROUP)
 	$(VLLM_VENV)/bin/python -m pip uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps -e .
 	touch $(VLLM_STAMP)
 
 # SGLang in its own environment too, with Tandem installed (no dependencies) so SGLang sees the

@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 
 from tandem_protocol.errors import FrameError
-from tandem_protocol.pages import HEADER_SIZE, KVPage, decode_frame, encode_frame, parse_header
+from tandem_protocol.pages import HEADER_SIZE, KVPage, decode_frame, decode_payload, encode_frame, parse_header
 
 # The variables an adapter sets in its engine server's environment, where the engine's KV plugin
 # (vllm_connector.py, sglang_backend.py) reads the bridge socket's path. Not settings: the
@@ -68,6 +68,63 @@ def read_item(stream) -> KVPage | int | None:
         raise FrameError("the bridge ended inside a page header")
     payload = stream.read(parse_header(head).payload_size)
     return decode_frame(head + payload)[1]
+
+
+class ItemReader:
+    """The pages and first token of a non-blocking bridge connection, as its bytes come: `read`
+    takes what the socket holds now and returns the items that completed; `ended` once the agent
+    closed it. For an engine's own step loop, which must not block on one request's pages. Bytes
+    land straight in the part of the frame they belong to (`recv_into`): nothing is copied twice."""
+
+    def __init__(self, conn: socket.socket):
+        conn.setblocking(False)
+        self.conn, self.ended = conn, False
+        self._head = bytearray(HEADER_SIZE)
+        self._expect("magic", memoryview(self._head)[:4])
+
+    def fileno(self) -> int:  # for select()
+        return self.conn.fileno()
+
+    def _expect(self, part: str, target: memoryview, filled: int = 0) -> None:
+        self._part, self._target, self._filled = part, target, filled
+
+    def read(self) -> list[KVPage | int]:
+        items = []
+        while not self.ended:
+            try:
+                n = self.conn.recv_into(self._target[self._filled :])
+            except (BlockingIOError, InterruptedError):
+                break
+            if n == 0:
+                if self._part != "magic" or self._filled:
+                    raise FrameError("the bridge ended inside a frame")
+                self.ended = True
+                break
+            self._filled += n
+            if self._filled == len(self._target) and (item := self._next_part()) is not None:
+                items.append(item)
+        return items
+
+    def _next_part(self) -> KVPage | int | None:
+        """The part being read is whole: expect the next one, or return the item it completes."""
+        head = self._head
+        if self._part == "magic":
+            if head[:4] == FIRST_TOKEN_MAGIC:
+                self._expect("first token", memoryview(head)[:FIRST_TOKEN_SIZE], 4)
+            else:
+                self._expect("header", memoryview(head), 4)
+            return None
+        if self._part == "header":
+            self._header = parse_header(bytes(head))
+            self._expect("payload", memoryview(bytearray(self._header.payload_size)))
+            return None
+        item = (
+            _FIRST_TOKEN.unpack(bytes(head[:FIRST_TOKEN_SIZE]))[1]
+            if self._part == "first token"
+            else decode_payload(self._header, self._target)
+        )
+        self._expect("magic", memoryview(head)[:4])
+        return item
 
 
 def connect(path: str, op: str, room: str, **extra) -> socket.socket:

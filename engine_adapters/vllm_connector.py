@@ -28,8 +28,9 @@ vLLM 0.32 (`StridedLayout`). Anything else is refused with a clear error.
 from __future__ import annotations
 
 import os
+import select
 import socket
-import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,8 @@ from tandem_protocol.pages import KVPage, PageGeometry, make_page
 logger = init_logger("vllm.tandem_connector")  # a vllm.* logger, so worker processes' lines show
 
 BRIDGE_ENV = bridge.VLLM_BRIDGE_ENV
+# How long a step that computes nothing waits for pages before it lets vLLM look for new requests.
+IDLE_WAIT_SECONDS = 0.02
 
 
 # ---- what the scheduler tells the workers each step ------------------------------------------
@@ -67,6 +70,23 @@ class LoadItem:
 class TandemMeta(KVConnectorMetadata):
     saves: list[SaveItem] = field(default_factory=list)
     loads: list[LoadItem] = field(default_factory=list)
+    idle: bool = False  # the step computes nothing: the worker may wait for pages
+
+
+class PageLoad:
+    """One request's pages coming in over its bridge connection, written into the blocks vLLM
+    allocated as each one completes."""
+
+    def __init__(self, item: LoadItem, conn: socket.socket, block_size: int):
+        self.item, self.reader = item, bridge.ItemReader(conn)
+        self.written, self.pages = 0, -(-item.tokens // block_size)
+
+    def fileno(self) -> int:
+        return self.reader.fileno()
+
+    @property
+    def done(self) -> bool:
+        return self.written == self.pages
 
 
 # ---- cache layouts -----------------------------------------------------------------------------
@@ -177,7 +197,7 @@ class TandemConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []
         self._layout: CacheLayout | StridedLayout | None = None
         self._exports: dict[str, tuple[socket.socket, int]] = {}  # room -> (connection, pages sent)
-        self._lock = threading.Lock()
+        self._loads: dict[str, PageLoad] = {}  # req_id -> its pages coming in
         self._loaded: set[str] = set()
         self._failed_blocks: set[int] = set()
 
@@ -202,7 +222,7 @@ class TandemConnector(KVConnectorBase_V1):
             self._saves[request.request_id] = {"room": room, "tokens": int(params["tandem_save"]), "blocks": []}
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = TandemMeta(loads=self._new_loads)
+        meta = TandemMeta(loads=self._new_loads, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._new_loads = []
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -280,45 +300,68 @@ class TandemConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if isinstance(meta, TandemMeta):
-            for item in meta.loads:
-                threading.Thread(
-                    target=self._load, args=(item,), name=f"tandem-load-{item.room[:8]}", daemon=True
-                ).start()
+        if not isinstance(meta, TandemMeta):
+            return
+        for item in meta.loads:
+            try:
+                self._loads[item.req_id] = PageLoad(
+                    item, self._connect("import", item.room, item.tokens), self.block_size
+                )
+            except OSError as e:
+                self._end_load(item, f"cannot reach the Tandem agent's bridge: {e}")
 
-    def _load(self, item: LoadItem) -> None:
-        P = self.block_size
-        pages = -(-item.tokens // P)
-        try:
-            with self._connect("import", item.room, item.tokens) as conn:
-                stream = conn.makefile("rb")
-                for index in range(pages):
-                    page = bridge.read_item(stream)
-                    if not isinstance(page, KVPage):
-                        raise ConnectionError(f"the agent ended room {item.room}'s pages at {index} of {pages}")
-                    if (
-                        page.index != index
-                        or page.valid_tokens != min(P, item.tokens - index * P)
-                        or page.data.shape != self.geometry.page_shape
-                    ):
-                        raise ValueError(
-                            f"page {page.index} ({page.valid_tokens} tokens, shape {page.data.shape}) "
-                            f"does not fit slot {index} of a {item.tokens}-token load"
-                        )
-                    kv = torch.from_numpy(np.ascontiguousarray(page.kv))  # [layers, 2, valid, heads, dim]
-                    slots = torch.tensor(
-                        [item.block_ids[index] * P + t for t in range(page.valid_tokens)], dtype=torch.long
-                    )
-                    for i, cache in enumerate(self._layers):
-                        self._layout.write(cache, kv[i, 0], kv[i, 1], slots)
-            failed = False
-        except Exception as e:  # any failure fails the request (kv_load_failure_policy "fail")
-            logger.warning("Tandem load of room %s failed: %s", item.room, e)
-            failed = True
-        with self._lock:  # failed blocks are reported no later than the request's completion
-            if failed:
-                self._failed_blocks.update(item.block_ids)
-            self._loaded.add(item.req_id)
+    def _receive(self, wait: bool) -> None:
+        """Write the pages that have come in. The loads run on vLLM's own step loop, not a thread
+        of their own: a thread had to win the GIL back from that loop after every socket read and
+        kernel call, and imported about one page a second. `wait`: the step computes nothing, so
+        rather than spin, sleep until a page arrives (or a short while, for new requests)."""
+        deadline = time.monotonic() + IDLE_WAIT_SECONDS
+        while True:
+            for load in list(self._loads.values()):
+                try:
+                    self._write_arrived(load)
+                except Exception as e:  # any failure fails the request (kv_load_failure_policy "fail")
+                    self._end_load(load.item, str(e))
+            left = deadline - time.monotonic()
+            if not wait or not self._loads or self._loaded or left <= 0:
+                return
+            select.select(list(self._loads.values()), [], [], left)
+
+    def _write_arrived(self, load: PageLoad) -> None:
+        P, item = self.block_size, load.item
+        for page in load.reader.read():
+            index = load.written
+            if not isinstance(page, KVPage) or index == load.pages:
+                raise ValueError(f"the agent sent more than room {item.room}'s {load.pages} pages")
+            if (
+                page.index != index
+                or page.valid_tokens != min(P, item.tokens - index * P)
+                or page.data.shape != self.geometry.page_shape
+            ):
+                raise ValueError(
+                    f"page {page.index} ({page.valid_tokens} tokens, shape {page.data.shape}) "
+                    f"does not fit slot {index} of a {item.tokens}-token load"
+                )
+            kv = torch.from_numpy(page.kv)  # [layers, 2, valid, heads, dim]
+            first = item.block_ids[index] * P
+            slots = torch.arange(first, first + page.valid_tokens, dtype=torch.long)
+            for i, cache in enumerate(self._layers):
+                self._layout.write(cache, kv[i, 0], kv[i, 1], slots)
+            load.written += 1
+        if load.done:
+            self._end_load(item)
+        elif load.reader.ended:
+            raise ConnectionError(f"the agent ended room {item.room}'s pages at {load.written} of {load.pages}")
+
+    def _end_load(self, item: LoadItem, failure: str | None = None) -> None:
+        """The load is over; a failed one's blocks are reported no later than its request id."""
+        load = self._loads.pop(item.req_id, None)
+        if load is not None:
+            load.reader.conn.close()
+        if failure is not None:
+            logger.warning("Tandem load of room %s failed: %s", item.room, failure)
+            self._failed_blocks.update(item.block_ids)
+        self._loaded.add(item.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -327,11 +370,11 @@ class TandemConnector(KVConnectorBase_V1):
         return  # whole pages leave in wait_for_save, after every layer of the step is written
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        with self._lock:
-            done, self._loaded = self._loaded, set()
+        meta = self._get_connector_metadata()
+        self._receive(wait=isinstance(meta, TandemMeta) and meta.idle)
+        done, self._loaded = self._loaded, set()
         return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._lock:
-            failed, self._failed_blocks = self._failed_blocks, set()
+        failed, self._failed_blocks = self._failed_blocks, set()
         return failed

@@ -78,12 +78,12 @@ async def token_lines(
     handshake: Handshake | None = None,
 ) -> AsyncIterator[bytes]:
     text = IncrementalDetokenizer(adapter)
-    outcome, count, ttft, last = "error", 0, None, None
+    outcome, count, ttft, first_at, last = "error", 0, None, None, None
     try:
         async with aclosing(tokens) as stream:
             async for token in stream:
                 if ttft is None:
-                    ttft = time.perf_counter() - t0
+                    ttft, first_at = time.perf_counter() - t0, time.time()
                 count, last = count + 1, token
                 metrics.generated_tokens.inc()
                 yield line({"token": token, "text": text.add(token)})
@@ -96,6 +96,7 @@ async def token_lines(
                 "prompt_tokens": len(req.token_ids),
                 "completion_tokens": count,
                 "ttft_seconds": ttft,
+                "first_token_at": first_at,  # wall clock, as the page times (stage breakdowns)
                 **extra,
             }
         )
@@ -111,5 +112,3 @@ async def token_lines(
         yield line({"error": {"type": "engine_error", "message": f"{type(e).__name__}: {e}"}})
     finally:
         metrics.requests.labels(kind=kind, outcome=outcome).inc()
-        if handshake is not None:
-            handshake.release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import threading
 import time
@@ -231,7 +232,9 @@ class TamperProxy:
     cut the connection after `cut_at` bytes, go silent after `freeze_at` bytes (a pulled cable:
     no byte and no close either way, until the client gives up), or pass at most `rate` bytes a
     second (a slow link). All counted per connection and read when a connection opens, so a
-    test may change them between requests. `replace`: (old, new) byte strings of equal length
+    test may change them between requests. `hold_pages()`: page streams opened from then on
+    are read from the upstream at once but kept back until `release_pages()` (a prefiller
+    that has staged every page before its reader sees one). `replace`: (old, new) byte strings of equal length
     replaced in what the client sends (a request rewritten on its way). Runs its own event loop
     in a thread."""
 
@@ -249,6 +252,7 @@ class TamperProxy:
         self.upstream_port, self.flip_at, self.cut_at, self.replace = upstream_port, flip_at, cut_at, replace
         self.freeze_at: int | None = None
         self.rate: float | None = None
+        self._held: asyncio.Event | None = None  # set: the held page streams go on
         self.upstream_host, self.host, self.port = upstream_host, host, port
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -269,13 +273,29 @@ class TamperProxy:
     async def _handle(self, client_r, client_w) -> None:
         flip_at, cut_at, freeze_at, rate = self.flip_at, self.cut_at, self.freeze_at, self.rate
         up_r, up_w = await asyncio.open_connection(self.upstream_host, self.upstream_port)
+        first = await client_r.read(65536)  # a page stream's connection carries nothing else
+        held = self._held if re.match(rb"GET /v1/handoffs/\w+/pages ", first) else None
+        chunks: asyncio.Queue[bytes] = asyncio.Queue()  # what a held stream's upstream sent
 
         async def upstream() -> None:
-            while data := await client_r.read(65536):
+            data = first
+            while data:
                 for old, new in self.replace:
                     data = data.replace(old, new)
                 up_w.write(data)
                 await up_w.drain()
+                data = await client_r.read(65536)
+
+        async def stage() -> None:
+            while data := await up_r.read(65536):
+                chunks.put_nowait(data)
+            chunks.put_nowait(b"")
+
+        async def release() -> None:
+            await held.wait()
+            while data := await chunks.get():
+                client_w.write(data)
+                await client_w.drain()
 
         async def downstream() -> None:
             sent, t0 = 0, time.monotonic()
@@ -295,11 +315,13 @@ class TamperProxy:
                 if rate:  # hold the average at `rate`: TCP back-pressure reaches the upstream
                     await asyncio.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
 
-        tasks = [asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream())]
+        ends = [upstream(), release() if held is not None else downstream()]
+        tasks = [asyncio.ensure_future(c) for c in ends]
+        staging = [asyncio.ensure_future(stage())] if held is not None else []
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when set_faults() cancels this connection: both ends see it close
-            for t in tasks:
+            for t in tasks + staging:
                 t.cancel()
             for w in (client_w, up_w):
                 w.close()
@@ -309,6 +331,13 @@ class TamperProxy:
         a client's pooled connection would otherwise keep the faults it was opened with."""
         self.flip_at, self.cut_at, self.freeze_at, self.rate = flip_at, cut_at, freeze_at, rate
         asyncio.run_coroutine_threadsafe(self._drop_connections(), self.loop).result(10)
+
+    def hold_pages(self) -> None:
+        self._held = asyncio.Event()
+
+    def release_pages(self) -> None:
+        held, self._held = self._held, None
+        self.loop.call_soon_threadsafe(held.set)
 
     async def _drop_connections(self) -> None:
         tasks = asyncio.all_tasks() - {asyncio.current_task()}

@@ -1,0 +1,145 @@
+"""A decoder keeps up with its pages and leaves the CPU alone while it waits for them.
+
+- Staged: every page of a 1,536-token prompt is held back until the prefiller has sent it all (a
+  proxy between them), so the whole stream lands at once; the time from the last page's arrival
+  on the decoder's agent to the first token the decoder computes stays within a few of its own
+  decode steps.
+- Trickled: the pages come as the prefiller computes them; between the first page and the last,
+  the decoder's agent and engine processes use a small part of one core. (vLLM's engine core and
+  SGLang's scheduler each spun a whole core while a request waited for pages, which slowed a
+  torch prefiller beside them 1.8-4.5x: engine_adapters/vllm_plugin.py, sglang_backend.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from tandem_protocol.client import AgentClient
+
+from ..agents import TEST_KEY, TamperProxy, wait_for
+from ..conftest import write_report
+
+TOKENS = 1536  # 24 pages (23 and a bit where the decoder recomputes the last token)
+# decoder agent -> a prefiller of another engine (torch's CPU prefill is the quickest here)
+PREFILLERS = {"torch": "vllm", "mlx": "torch", "vllm": "torch", "sglang2": "torch"}
+# The most decode steps the last page's arrival may precede the first computed token by: twice
+# the most measured (2.4, torch -> MLX; vLLM 2.3, SGLang 2.3, torch 1.8).
+MAX_STEPS = 4.8
+# The most CPU (cores) the decoder's processes may use while its pages trickle in: twice the most
+# measured (vLLM 0.16, MLX 0.09, SGLang 0.07, torch 0.00; before the fix vLLM used 1.23, SGLang 0.57).
+MAX_WAITING_CORES = 0.32
+
+
+async def timed_decode(d_url: str, body: dict) -> list[tuple[float, dict]]:
+    """D's NDJSON lines, each with the wall-clock time it arrived."""
+    client = AgentClient(d_url, TEST_KEY)
+    try:
+        return [(time.time(), line) async for line in client.lines("/v1/decode", body)]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("decoder", list(PREFILLERS))
+def test_staged_pages_are_imported_within_a_few_decode_steps(cluster, long_ids, decoder):
+    p, d = cluster[PREFILLERS[decoder]], cluster[decoder]
+    ids = (list(long_ids) * 8)[:TOKENS]
+    proxy = TamperProxy(p.port)
+    proxy.hold_pages()
+    sent = p.status()["totals"]["pages_sent"]
+    body = {"token_ids": ids, "sampling": {"max_tokens": 16, "ignore_eos": True}, "prefill_url": proxy.url}
+
+    async def staged_then_released() -> list[tuple[float, dict]]:
+        request = asyncio.create_task(timed_decode(d.url, body))
+
+        def all_sent() -> bool:
+            s = p.status()
+            return s["open_handoffs"] == 0 and s["totals"]["pages_sent"] >= sent + TOKENS // 64 - 1
+
+        await asyncio.to_thread(wait_for, all_sent, 120)
+        proxy.release_pages()
+        return await request
+
+    try:
+        timed = asyncio.run(staged_then_released())
+    finally:
+        proxy.close()
+    done = timed[-1][1]
+    assert done.get("done"), done
+    arrivals = [t for t, line in timed if "token" in line]
+    step = statistics.median(b - a for a, b in zip(arrivals[1:], arrivals[2:]))  # D's own steps
+    # the first token D computes: a commit-first decoder's first is the prefiller's
+    computed = arrivals[1] if d.status()["decoder_modes"][0] == "commit-first" else done["first_token_at"]
+    lag = computed - done["last_page_at"]
+    burst = done["last_page_at"] - done["first_page_at"]
+    figures = {
+        "decoder": d.engine,
+        "prefiller": p.engine,
+        "pages": done["pages"],
+        "wire_bytes": done["wire_bytes"],
+        "burst_seconds": burst,
+        "last_page_to_first_token_seconds": lag,
+        "decode_step_seconds": step,
+        "lag_in_steps": lag / step,
+        "import_rate_bytes_per_second_at_least": done["wire_bytes"] / (burst + lag),
+    }
+    write_report(f"import_lag_{d.engine}", figures)
+    print(
+        f"\n{p.engine}->{d.engine}: {done['pages']} staged pages in {burst * 1000:.0f} ms, last page to first "
+        f"token {lag * 1000:.0f} ms = {lag / step:.1f} decode steps of {step * 1000:.0f} ms; import at least "
+        f"{figures['import_rate_bytes_per_second_at_least'] / 1e9:.2f} GB/s"
+    )
+    assert done["pages"] >= TOKENS // 64 - 1, done
+    assert lag <= MAX_STEPS * step, figures
+    cluster.idle(p, d)
+
+
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds used so far by a process and its children (an agent and its engine server)."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+@pytest.mark.parametrize("decoder", list(PREFILLERS))
+def test_a_decoder_waiting_for_its_pages_leaves_the_cpu_alone(cluster, long_ids, decoder):
+    p, d = cluster[PREFILLERS[decoder]], cluster[decoder]
+    ids = (list(long_ids) * 8)[::-1][:TOKENS]  # not the staged test's prompt: no cache to hit
+    body = {"token_ids": ids, "sampling": {"max_tokens": 4, "ignore_eos": True}, "prefill_url": p.url}
+    samples, stop = [], threading.Event()
+
+    def sample() -> None:  # (time, CPU seconds) of D's processes, every 20 ms
+        while not stop.wait(0.02):
+            samples.append((time.time(), process_tree_cpu(d.proc.pid)))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        done = asyncio.run(timed_decode(d.url, body))[-1][1]
+    finally:
+        stop.set()
+        sampler.join()
+    assert done.get("done"), done
+    times, cpu = np.array(samples).T
+    first, last = done["first_page_at"], done["last_page_at"]
+    used = np.interp(last, times, cpu) - np.interp(first, times, cpu)
+    cores = used / (last - first)
+    write_report(f"waiting_cpu_{d.engine}", {"pages_seconds": last - first, "cpu_seconds": used, "cores": cores})
+    print(
+        f"\n{p.engine}->{d.engine}: pages over {last - first:.2f} s, the decoder's processes used "
+        f"{used:.2f} CPU s meanwhile ({cores:.2f} cores)"
+    )
+    assert last - first > 1, done  # the pages did trickle: the prefill took a while
+    assert cores <= MAX_WAITING_CORES, (cores, done)
+    cluster.idle(p, d)
