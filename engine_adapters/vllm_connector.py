@@ -170,14 +170,28 @@ class CacheLayout:
         key_cache, value_cache = cache.view(nb, self.heads, self.block_size * 2, -1).chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, self.isa)
 
+    def write_block(self, caches: list[torch.Tensor], block: int, kv: torch.Tensor) -> None:
+        """A whole page, kv [layers][K,V][block_size][heads][head_dim], into `block` of every
+        layer: packed into the kernel's layout on the host in one copy, then one copy per layer.
+        The kernel writes slot by slot, three calls a layer: 90 a page, most of its import time."""
+        n, _, bs, h, d = kv.shape
+        k_t = kv[:, 0].permute(0, 2, 3, 1).reshape(n, h, d * bs)  # K transposed per (block, head)
+        v = kv[:, 1].permute(0, 2, 1, 3).reshape(n, h, bs * d)
+        packed = torch.cat([k_t, v], dim=2)
+        for i, cache in enumerate(caches):
+            cache.view(cache.shape[0], h, -1)[block].copy_(packed[i])
+
     def _probe(self) -> None:
-        """Write random K/V through the kernel into a scratch cache and read them back."""
+        """Write random K/V through the kernel into a scratch cache and read them back; write
+        them again with `write_block` and compare the bytes."""
         scratch = torch.zeros(2, self.heads, self.block_size, 2 * self.head_dim, dtype=torch.float16)
         k = torch.randn(self.block_size, self.heads, self.head_dim).half()
         v = torch.randn(self.block_size, self.heads, self.head_dim).half()
         self.write(scratch, k, v, torch.arange(self.block_size, 2 * self.block_size, dtype=torch.long))
         rk, rv = self.read(scratch, 1)
-        if not (torch.equal(rk, k) and torch.equal(rv, v)):
+        packed = torch.zeros_like(scratch)
+        self.write_block([packed], 1, torch.stack([k, v])[None])
+        if not (torch.equal(rk, k) and torch.equal(rv, v) and torch.equal(packed, scratch)):
             raise RuntimeError(
                 "vLLM's CPU KV cache layout is not the one Tandem reads (probe mismatch): "
                 "this vLLM version is not supported"
@@ -343,10 +357,13 @@ class TandemConnector(KVConnectorBase_V1):
                     f"does not fit slot {index} of a {item.tokens}-token load"
                 )
             kv = torch.from_numpy(page.kv)  # [layers, 2, valid, heads, dim]
-            first = item.block_ids[index] * P
-            slots = torch.arange(first, first + page.valid_tokens, dtype=torch.long)
-            for i, cache in enumerate(self._layers):
-                self._layout.write(cache, kv[i, 0], kv[i, 1], slots)
+            block = item.block_ids[index]
+            if page.valid_tokens == P and hasattr(self._layout, "write_block"):
+                self._layout.write_block(self._layers, block, kv)
+            else:  # the last page of a prompt, or a GPU's layout: slot by slot
+                slots = torch.arange(block * P, block * P + page.valid_tokens, dtype=torch.long)
+                for i, cache in enumerate(self._layers):
+                    self._layout.write(cache, kv[i, 0], kv[i, 1], slots)
             load.written += 1
         if load.done:
             self._end_load(item)

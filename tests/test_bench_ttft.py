@@ -73,6 +73,10 @@ def test_bench_ttft_on_loopback(tmp_path):
     check_cells(result, [51, 70], {"node/a-torch", "node/b-mlx", "a-torch->b-mlx", "b-mlx->a-torch"})
     assert result["pinned"] and [a["cpus"] for a in result["agents"]] == ["0", "1"]
     assert all(v["bytes_per_second"] > 1e8 for v in result["link_measured"].values())
+    for c in result["cells"]:  # the traced request's stages on the decoder
+        if "->" in c["column"]:
+            stages = c["trace"]["decoder"]
+            assert stages["first page to last page"] >= 0 and stages["last page to first token"] > 0, c["trace"]
 
 
 @needs_netns

@@ -22,6 +22,17 @@ from .report import markdown_table, output_stem, write_outputs
 from .running_panel import bench_running_panel
 
 DEFAULT_LENGTHS = "51,184,744,2844"
+# --fast-prefiller: torch (the quickest CPU prefiller here) into every decoder, and every server
+# engine into torch, so that no slow prefill hides a decoder's import (each pair its own cluster).
+FAST_PREFILLER_PAIRS = [
+    ("torch", "vllm"),
+    ("torch", "sglang"),
+    ("torch", "mlx"),
+    ("torch", "torch"),
+    ("vllm", "torch"),
+    ("sglang", "torch"),
+]
+FAST_PREFILLER_LENGTHS = "184,744,2844,6000"
 
 
 def bench_ttft(
@@ -58,8 +69,15 @@ def bench_ttft(
     ),
     api_key: str = typer.Option(None, envvar="TANDEM_API_KEY", help="With --panel: an API key of that panel."),
     models: str = typer.Option(None, help="With --panel: the models to measure, comma-separated (default: all)."),
+    fast_prefiller: bool = typer.Option(
+        False,
+        help="Every decoder behind a fast prefiller: torch -> vLLM, SGLang, MLX, torch and vLLM, SGLang -> torch "
+        f"(A prefills; --prefill/--decode/--direction are ignored; lengths {FAST_PREFILLER_LENGTHS} by default).",
+    ),
 ) -> None:
     """Measure time to first token, engines alone and P->D, against the physical bound."""
+    if fast_prefiller and lengths == DEFAULT_LENGTHS:
+        lengths = FAST_PREFILLER_LENGTHS
     sizes = [int(x) for x in lengths.split(",") if x.strip()]
     if not sizes or min(sizes) < 2:
         raise typer.BadParameter("--lengths must be prompt lengths of at least 2 tokens, comma-separated")
@@ -93,9 +111,11 @@ def bench_ttft(
         if link not in ("loopback", "shaped"):
             raise typer.BadParameter("--link must be loopback or shaped")
         result |= {"link": link, "pinned": pin}
+        pairs = FAST_PREFILLER_PAIRS if fast_prefiller else [(prefill, decode)]
+        dirs = [(0, 1)] if fast_prefiller else dirs
         with shaped_link(rate, delay_ms, random_block()) if link == "shaped" else loopback_link() as net:
-            engines = (prefill, decode)
-            own_cluster(result, net, engines, dirs, model_dir, pin, cores_per_agent, zstd, alone, b_cpu_only, save)
+            for engines in pairs:
+                own_cluster(result, net, engines, dirs, model_dir, pin, cores_per_agent, zstd, alone, b_cpu_only, save)
     paths = save()
     console.print(markdown_table(result))
     console.print("written: " + ", ".join(str(p) for p in paths))
@@ -131,13 +151,15 @@ def own_cluster(
         agents = c.agents
         result["model"] = str(model)
         result["vocab"] = inspect_model(model).vocab_size
-        result["agents"] = [
+        # kept over every pair of a --fast-prefiller run (each pair's cells are measured before the next)
+        result.setdefault("agents", []).extend(
             {"name": a.name, "engine": a.engine, "url": a.url, "cpus": a.cpus, "accelerator": a.info.get("accelerator")}
             for a in agents
-        ]
+        )
         with console.status("measuring the link (raw TCP and the page stream) and one decode step per engine…"):
-            result["link_measured"] = measure_links(c, net, dirs, key)
-            result["decode_step_seconds"] = {a.name: decode_step_seconds(a.url, key, result["vocab"]) for a in agents}
+            result.setdefault("link_measured", {}).update(measure_links(c, net, dirs, key))
+            steps = {a.name: decode_step_seconds(a.url, key, result["vocab"]) for a in agents}
+            result.setdefault("decode_step_seconds", {}).update(steps)
         columns = [Column(f"node/{a.name}", None, a) for a in agents] if alone else []
         columns += [
             Column(f"{agents[p].name}->{agents[d].name}{suffix}", agents[p], agents[d], encoding)

@@ -117,6 +117,11 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, enco
     return {
         "total_seconds": first - t0,
         "parts": parts,
+        # the decoder's own stages (its agent's clock): pages in, then to the first token it emits
+        "decoder": {
+            "first page to last page": done["last_page_at"] - done["first_page_at"],
+            "last page to first token": done["first_token_at"] - done["last_page_at"],
+        },
         "pages": done["pages"],
         "wire_bytes": done["wire_bytes"],
         "first_page_before_prefill_end_seconds": done["prefill_finished_at"] - done["first_page_at"],

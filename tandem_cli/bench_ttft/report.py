@@ -92,6 +92,9 @@ def header(result: dict) -> str:
     )
 
 
+DECODER_STAGES = ("first page to last page", "last page to first token")
+
+
 def trace_table(result: dict) -> list[str]:
     traces = [c for c in result["cells"] if c.get("trace", {}).get("parts")]
     rows = []
@@ -101,14 +104,18 @@ def trace_table(result: dict) -> list[str]:
             "",
             "Where the time of one P/D request goes (ms; one traced request per cell, agents' clocks)",
             "",
-            "| tokens | column | " + " | ".join(names) + " | raw FP16 bytes ÷ wire bytes |",
-            "|---:|---|" + "---:|" * (len(names) + 1),
+            "| tokens | column | " + " | ".join(names) + " | raw FP16 bytes ÷ wire bytes | "
+            "D: first page to last | D: last page to first token |",
+            "|---:|---|" + "---:|" * (len(names) + 3),
         ]
         for c in traces:
+            stages = c["trace"].get("decoder", {})
             rows.append(
                 f"| {c['tokens']} | {c['column']} | "
                 + " | ".join(f"{c['trace']['parts'][k] * 1000:.1f}" for k in names)
-                + f" | {c['trace'].get('wire_ratio', 0):.2f} |"
+                + f" | {c['trace'].get('wire_ratio', 0):.2f} | "
+                + " | ".join(f"{stages[k] * 1000:.1f}" if k in stages else "–" for k in DECODER_STAGES)
+                + " |"
             )
     for c in result["cells"]:
         if c.get("trace", {}).get("error"):
