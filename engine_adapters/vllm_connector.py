@@ -326,9 +326,10 @@ class TandemConnector(KVConnectorBase_V1):
 
     def _receive(self, wait: bool) -> None:
         """Write the pages that have come in. The loads run on vLLM's own step loop, not a thread
-        of their own: a thread had to win the GIL back from that loop after every socket read and
-        kernel call, and imported about one page a second. `wait`: the step computes nothing, so
-        rather than spin, sleep until a page arrives (or a short while, for new requests)."""
+        of their own that had to win the GIL back from that loop after every socket read and
+        kernel call. `wait`: the step computes nothing, so rather than step again at once (which
+        spun a core while a request waited for its pages), sleep until a page arrives (or a short
+        while, for new requests)."""
         deadline = time.monotonic() + IDLE_WAIT_SECONDS
         while True:
             for load in list(self._loads.values()):
@@ -358,7 +359,7 @@ class TandemConnector(KVConnectorBase_V1):
                 )
             kv = torch.from_numpy(page.kv)  # [layers, 2, valid, heads, dim]
             block = item.block_ids[index]
-            if page.valid_tokens == P and hasattr(self._layout, "write_block"):
+            if page.valid_tokens == P and isinstance(self._layout, CacheLayout):
                 self._layout.write_block(self._layers, block, kv)
             else:  # the last page of a prompt, or a GPU's layout: slot by slot
                 slots = torch.arange(block * P, block * P + page.valid_tokens, dtype=torch.long)
