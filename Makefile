@@ -4,6 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tandem-installed
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
+# An editable install writes tandem.egg-info into this tree: the environments take turns at it.
+EDITABLE := flock $(CURDIR)/.editable-install.lock
 
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.tandem-installed
@@ -25,7 +27,11 @@ run: setup
 	$(BIN)/tandem model fetch
 	$(BIN)/tandem up
 
-test: setup test-deps vllm sglang lint
+# The three environments install side by side (their downloads and unpacking overlap: about
+# 1.5 min of a fresh machine's setup); apt (test-deps, system-deps) stays one at a time.
+test: test-deps
+	$(MAKE) --no-print-directory -j3 --output-sync=target setup vllm sglang
+	$(MAKE) --no-print-directory lint
 	$(BIN)/tandem model fetch
 	$(BIN)/python -m pytest
 
@@ -59,7 +65,7 @@ test-deps:
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
+	$(EDITABLE) $(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
 	touch $(STAMP)
 
 # vLLM in its own environment (pyproject.toml [dependency-groups]); the agent starts its server
@@ -72,7 +78,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --upgrade 'pip>=25.1'
 	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --group $(VLLM_GROUP)
 	$(VLLM_VENV)/bin/python -m pip uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps -e .
+	$(EDITABLE) $(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps -e .
 	touch $(VLLM_STAMP)
 
 # SGLang in its own environment too, with Tandem installed (no dependencies) so SGLang sees the
@@ -92,7 +98,7 @@ ifeq ($(SGLANG_CPU),yes)
 else
 	$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --group sglang-cuda
 endif
-	$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps -e .
+	$(EDITABLE) $(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps -e .
 	touch $(SGLANG_STAMP)
 
 clean:

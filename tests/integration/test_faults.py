@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -59,28 +60,50 @@ def other(smol_dir, tmp_path_factory):
         yield agent
 
 
-@pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
-@pytest.mark.parametrize(
-    "damage, reason",
-    [
-        (dict(flip_at=300_000), "checksum mismatch on page 0"),
-        (dict(cut_at=700_000), "broke off"),
-        (dict(freeze_at=700_000), "stalled"),  # a pulled cable: no byte, no close; D's stall timeout ends it
-    ],
-    ids=["flipped-bit", "truncated", "stalled"],
-)
-def test_damaged_stream_through_the_panel_falls_back(cluster, long_ids, p, d, damage, reason):
-    ids = prompt(long_ids, 130)
+def falls_back(cluster, ids: list[int], p: str, d: str, damage: dict) -> tuple[str, str]:
+    """One request through the pair's panel route with its prefiller's link damaged: the client's
+    text and the decoder alone's."""
     expected, proxy = cluster.alone(d, ids), cluster.proxies[(p, d)]
     proxy.set_faults(**damage)
     try:
-        text = complete(cluster.client, pair_name(p, d), ids, False)
+        return complete(cluster.client, pair_name(p, d), ids, False), expected
     finally:
         proxy.set_faults()
+
+
+@pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
+@pytest.mark.parametrize(
+    "damage, reason",
+    [(dict(flip_at=300_000), "checksum mismatch on page 0"), (dict(cut_at=700_000), "broke off")],
+    ids=["flipped-bit", "truncated"],
+)
+def test_damaged_stream_through_the_panel_falls_back(cluster, long_ids, p, d, damage, reason):
+    text, expected = falls_back(cluster, prompt(long_ids, 130), p, d, damage)
     assert text == expected, (text, expected)
     row = cluster.last_row()
     assert row.route == "decode_alone" and reason in row.reason, row
     cluster.idle(p, d)
+
+
+def test_a_stalled_stream_through_the_panel_falls_back(cluster, long_ids):
+    """A pulled cable on every fault pair at once: no byte and no close after 700 kB, until each
+    decoder's stall timeout (30 s) ends the transfer and the router falls back. The pairs share no
+    agent and a stall holds no CPU, so they wait out their timeouts side by side."""
+    with ThreadPoolExecutor(len(FAULT_PAIRS)) as pool:
+        answers = list(
+            pool.map(lambda pd: falls_back(cluster, prompt(long_ids, 130), *pd, {"freeze_at": 700_000}), FAULT_PAIRS)
+        )
+
+    def final_rows():  # each pair's newest row, once the panel has written how it ended
+        rows = {row.model: row for row in cluster.log()}
+        return rows if all(rows[pair_name(*pd)].outcome != "running" for pd in FAULT_PAIRS) else None
+
+    rows = wait_for(final_rows, 10)
+    for (p, d), (text, expected) in zip(FAULT_PAIRS, answers):
+        assert text == expected, (p, d, text, expected)
+        row = rows[pair_name(p, d)]
+        assert row.route == "decode_alone" and "stalled" in row.reason, row
+    cluster.idle(*{name for pair in FAULT_PAIRS for name in pair})
 
 
 @pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
