@@ -77,6 +77,12 @@ def test_bench_ttft_on_loopback(tmp_path):
         if "->" in c["column"]:
             stages = c["trace"]["decoder"]
             assert stages["first page to last page"] >= 0 and stages["last page to first token"] > 0, c["trace"]
+    # each P/D cell against its decoder alone, at the same length
+    md, cells = next(tmp_path.glob("ttft-*.md")).read_text(), {(c["tokens"], c["column"]): c for c in result["cells"]}
+    for (n, column), c in cells.items():
+        if "->" in column:
+            pd, alone = c["ttft"]["median"], cells[n, "node/" + column.split("->")[1]]["ttft"]["median"]
+            assert f"| {n} | {column} | {pd * 1000:.0f} | {alone * 1000:.0f} | {pd / alone:.2f} |" in md, md
 
 
 @needs_netns

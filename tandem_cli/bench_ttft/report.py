@@ -51,8 +51,35 @@ def markdown_table(result: dict) -> str:
         if invalid
         else f"Every P/D sample's TTFT ÷ bound is at least {MIN_RATIO}.",
     ]
+    rows += alone_table(result)
     rows += trace_table(result)
     return header(result) + "\n".join(rows) + "\n"
+
+
+def alone_table(result: dict) -> list[str]:
+    """Each P/D cell against its decoder alone at the same length, measured in the same cluster
+    (the nearest alone cell before it): does P/D pay off?"""
+    rows = []
+    for i, c in enumerate(result["cells"]):
+        if "bound" not in c:
+            continue
+        decoder = "node/" + c["column"].split("->")[1].split("+")[0]
+        alone = [a for a in result["cells"][:i] if a["column"] == decoder and a["tokens"] == c["tokens"]]
+        if alone:
+            d = alone[-1]["ttft"]["median"]
+            rows.append(
+                f"| {c['tokens']} | {c['column']} | {ms(c['ttft']['median'])} | {ms(d)} | {c['ttft']['median'] / d:.2f} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "P/D against the decoder alone (TTFT medians)",
+        "",
+        "| tokens | column | P/D ms | decoder alone ms | P/D ÷ alone |",
+        "|---:|---|---:|---:|---:|",
+        *rows,
+    ]
 
 
 def header(result: dict) -> str:
