@@ -68,6 +68,18 @@ def check_cells(result: dict, lengths: list[int], columns: set[str], pairs: tupl
         assert len(own["samples"]) == result["samples"] and 0 < own["median"] < c["ttft"]["median"]
 
 
+def check_alone_rows(tmp_path, result: dict) -> None:
+    """The report puts each P/D cell beside its decoder alone at the same length."""
+    md, cells = next(tmp_path.glob("ttft-*.md")).read_text(), {(c["tokens"], c["column"]): c for c in result["cells"]}
+    rows = 0
+    for (n, column), c in cells.items():
+        if "decoder" in c:
+            pd, alone = c["ttft"]["median"], cells[n, f"node/{c['decoder']}"]["ttft"]["median"]
+            assert f"| {n} | {column} | {pd * 1000:.0f} | {alone * 1000:.0f} | {pd / alone:.2f} |" in md, md
+            rows += 1
+    assert rows, result["cells"]
+
+
 def test_bench_ttft_on_loopback(tmp_path):
     result = run_bench(tmp_path, "--lengths", "51,70", "--prefill", "torch", "--decode", "mlx")
     check_cells(result, [51, 70], {"node/a-torch", "node/b-mlx", "a-torch->b-mlx", "b-mlx->a-torch"})
@@ -77,12 +89,7 @@ def test_bench_ttft_on_loopback(tmp_path):
         if "->" in c["column"]:
             stages = c["trace"]["decoder"]
             assert stages["first page to last page"] >= 0 and stages["last page to first token"] > 0, c["trace"]
-    # each P/D cell against its decoder alone, at the same length
-    md, cells = next(tmp_path.glob("ttft-*.md")).read_text(), {(c["tokens"], c["column"]): c for c in result["cells"]}
-    for (n, column), c in cells.items():
-        if "->" in column:
-            pd, alone = c["ttft"]["median"], cells[n, "node/" + column.split("->")[1]]["ttft"]["median"]
-            assert f"| {n} | {column} | {pd * 1000:.0f} | {alone * 1000:.0f} | {pd / alone:.2f} |" in md, md
+    check_alone_rows(tmp_path, result)
 
 
 @needs_netns
@@ -141,6 +148,7 @@ def test_bench_ttft_against_a_running_panel(tmp_path, smol_dir):
         result = run_bench(tmp_path, *args, env={"TANDEM_CLUSTER_KEY": TEST_KEY})
         names = {p.status()["name"], d.status()["name"]}
     check_cells(result, [51], {"duo", *(f"node/{n}" for n in names)}, pairs=("duo",))
+    check_alone_rows(tmp_path, result)
     assert result["link"] == "panel" and not result["pinned"]
     [(link_name, link)] = result["link_measured"].items()
     assert link["method"] == "page stream" and link["bytes_per_second"] > 1e8 and link["rtt_seconds"] > 0, link

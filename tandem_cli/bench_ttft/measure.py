@@ -114,6 +114,7 @@ def cell(result: dict, col: Column, n: int, taken: list[Sample], key: str, link:
     if col.p is None:
         return out
     pd = [s for s in taken if s.prefill_seconds is not None]
+    out["decoder"] = col.d.name  # its alone column is node/<decoder>, in either kind of run
     out["fell_back"] = len(taken) - len(pd)
     out["trace"] = traced(result, col, n, key) if result["trace"] else {}
     if not pd:

@@ -63,7 +63,7 @@ def alone_table(result: dict) -> list[str]:
     for i, c in enumerate(result["cells"]):
         if "bound" not in c:
             continue
-        decoder = "node/" + c["column"].split("->")[1].split("+")[0]
+        decoder = f"node/{c['decoder']}"
         alone = [a for a in result["cells"][:i] if a["column"] == decoder and a["tokens"] == c["tokens"]]
         if alone:
             d = alone[-1]["ttft"]["median"]
