@@ -27,8 +27,9 @@ run: setup
 	$(BIN)/tandem model fetch
 	$(BIN)/tandem up
 
-# The three environments install side by side (their downloads and unpacking overlap: about
-# 1.5 min of a fresh machine's setup); apt (test-deps, system-deps) stays one at a time.
+# The three environments install side by side, their downloads and unpacking overlapping (a
+# clean clone's setup here: 211 s one after another, 189 s side by side); apt stays serial
+# (test-deps first, then system-deps alone inside the parallel step).
 test: test-deps
 	$(MAKE) --no-print-directory -j3 --output-sync=target setup vllm sglang
 	$(MAKE) --no-print-directory lint
