@@ -55,6 +55,7 @@ class EngineRequest:
     token_ids: list[int]
     sampling: SamplingParams
     mode: FirstTokenMode = FirstTokenMode.COMMIT_FIRST
+    imported_at: float | None = None  # a decode's: wall clock once every page was in the engine's cache
 
 
 class EngineAdapter(ABC):

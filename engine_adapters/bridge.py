@@ -8,7 +8,9 @@ One connection per room. The engine side opens it with a JSON line
             checksummed) and closes the connection after its last page;
     import  the agent writes page frames in order, then (for engines that continue from the
             prefiller's first token) one first-token frame, then closes the connection.
-            A connection that ends early is a failed load.
+            A connection that ends early is a failed load. Once every page is in its KV cache
+            the engine writes back one imported frame (when, by its clock): the decoder's
+            "last page imported" stage, which the agent cannot see from its side.
 
 The ids in the frames (contract, room, token digest) are zero on this hop: the agent checked
 them on the wire before a page gets here. This module imports no engine and no agent, so both
@@ -26,6 +28,8 @@ import struct
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from tandem_protocol.errors import FrameError
 from tandem_protocol.pages import HEADER_SIZE, KVPage, decode_frame, decode_payload, encode_frame, parse_header
 
@@ -39,6 +43,9 @@ ZERO16 = b"\0" * 16
 FIRST_TOKEN_MAGIC = b"TKVF"
 _FIRST_TOKEN = struct.Struct("<4sq")
 FIRST_TOKEN_SIZE = _FIRST_TOKEN.size
+IMPORTED_MAGIC = b"TKVI"
+_IMPORTED = struct.Struct("<4sd")
+ACK_WAIT_SECONDS = 60  # an engine that neither acknowledges nor closes: the reader gives up
 END = object()  # ends a room's queue
 
 
@@ -50,6 +57,11 @@ def page_frame(page: KVPage) -> bytes:
 
 def first_token_frame(token: int) -> bytes:
     return _FIRST_TOKEN.pack(FIRST_TOKEN_MAGIC, token)
+
+
+def imported_frame(at: float) -> bytes:
+    """The engine's answer on an import connection: every page is in its cache, since `at`."""
+    return _IMPORTED.pack(IMPORTED_MAGIC, at)
 
 
 def read_item(stream) -> KVPage | int | None:
@@ -116,7 +128,8 @@ class ItemReader:
             return None
         if self._part == "header":
             self._header = parse_header(bytes(head))
-            self._expect("payload", memoryview(bytearray(self._header.payload_size)))
+            # np.empty, not bytearray: recv_into fills every byte, so zero-filling it is waste
+            self._expect("payload", memoryview(np.empty(self._header.payload_size, np.uint8)))
             return None
         item = (
             _FIRST_TOKEN.unpack(bytes(head[:FIRST_TOKEN_SIZE]))[1]
@@ -139,6 +152,7 @@ class Room:
     def __init__(self, kind: str, tokens: int, loop: asyncio.AbstractEventLoop | None):
         self.kind, self.tokens, self.loop = kind, tokens, loop
         self.outgoing: queue.Queue = queue.Queue()  # import rooms: frames for the engine, then END
+        self.imported_at: float | None = None  # import rooms: when the engine had every page
         self.incoming: asyncio.Queue = asyncio.Queue()  # export rooms: pages from the engine, then END
 
 
@@ -199,6 +213,13 @@ class Bridge:
                 conn.sendall(item)
             except OSError:
                 return
+        conn.settimeout(ACK_WAIT_SECONDS)
+        try:
+            ack = conn.recv(_IMPORTED.size, socket.MSG_WAITALL)
+        except OSError:
+            return  # a failed or cancelled load: its request reports that
+        if len(ack) == _IMPORTED.size and ack[:4] == IMPORTED_MAGIC:
+            room.imported_at = _IMPORTED.unpack(ack)[1]
 
     def _collect(self, stream, room: Room) -> None:
         def deliver(item) -> None:

@@ -168,6 +168,7 @@ class InProcessEngine(EngineAdapter):
                         # goes while the engine thread is still importing the last pages.
                         yield done.first_token
             await self.on_engine(self.set_length, session, expected_tokens)
+            req.imported_at = time.time()  # every page is in the engine's cache now
             sampler = Sampler(req.sampling)
             if commit_first:
                 sampler.skip()

@@ -174,6 +174,7 @@ class ServerEngine(EngineAdapter):
                 self._hand_over(box, done)
                 while (token := await self._next(req, out)) is not None:
                     yield token
+                req.imported_at = box.imported_at  # the engine acknowledged before it decoded
         finally:
             self.bridge.close_room(room)
             self._end(req, task)

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from tandem_protocol.errors import TandemError
+from tandem_protocol.page_memory import malloc_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,7 +81,14 @@ class ServerProcess:
 
     def environment(self) -> dict[str, str]:
         # the engine never downloads weights or tokenizers either
-        return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        # and keeps freed page buffers for the next request (tandem_protocol/page_memory.py)
+        return {
+            **malloc_env(),
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
 
     def pick_ports(self) -> None:
         """The ports the server will bind (a subclass adds those its engine needs besides HTTP)."""

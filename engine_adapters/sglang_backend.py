@@ -34,6 +34,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -355,6 +356,7 @@ class TandemKVReceiver(_Transfer, BaseKVReceiver):
                         f"(expected {pool.geometry.page_shape})"
                     )
                 pool.write(slot_page, item.kv)
+            self._conn.sendall(bridge.imported_frame(time.time()))
             first = bridge.read_item(stream)
             if not isinstance(first, int):
                 raise RuntimeError("the Tandem agent sent no first token after the pages")

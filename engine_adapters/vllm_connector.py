@@ -367,6 +367,10 @@ class TandemConnector(KVConnectorBase_V1):
                     self._layout.write(cache, kv[i, 0], kv[i, 1], slots)
             load.written += 1
         if load.done:
+            try:
+                load.reader.conn.sendall(bridge.imported_frame(time.time()))
+            except OSError:
+                pass  # the agent is gone: the request ends with it
             self._end_load(item)
         elif load.reader.ended:
             raise ConnectionError(f"the agent ended room {item.room}'s pages at {load.written} of {load.pages}")

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem_protocol.auth import canonical_address
+from tandem_protocol.page_memory import keep_freed_pages
 from tandem_protocol.pages import PROTOCOL_VERSION
 from tandem_protocol.settings import data_dir, hash_cache_path
 from tandem_protocol.wire import HEARTBEAT_SECONDS
@@ -150,6 +151,7 @@ def serve(
     sock.listen(1024)
     port = sock.getsockname()[1]
 
+    keep_freed_pages()  # every request's pages reuse the last one's memory (page_memory.py)
     engine_settings = load(EngineSettings)  # read once, at start: every engine this agent loads gets them
 
     def loader(engine: str, path: Path, context_length: int | None):

@@ -98,6 +98,7 @@ async def token_lines(
                 "ttft_seconds": ttft,
                 "first_token_at": first_at,  # wall clock, as the page times (stage breakdowns)
                 **extra,
+                **({"last_page_imported_at": req.imported_at} if req.imported_at else {}),
             }
         )
     except (TandemError, AgentHTTPError) as e:

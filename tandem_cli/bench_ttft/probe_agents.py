@@ -97,16 +97,17 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, enco
     body = {"token_ids": ids, "sampling": sampling, "prefill_url": p.url, "page_encoding": encoding}
     with httpx.Client(headers=headers, timeout=600) as c:
         t0 = time.time()
-        first, done, last = None, None, ""
+        stamps, done, last = [], None, ""
         with c.stream("POST", d.url + "/v1/decode", json=body) as r:
             for line in r.iter_lines():
                 last = line or last
-                if line.startswith('{"token"') and first is None:
-                    first = time.time()
+                if line.startswith('{"token"'):
+                    stamps.append(time.time())
                 elif line.startswith('{"done"'):
                     done = json.loads(line)
-    if done is None or first is None or done.get("prefill_finished_at") is None:
+    if done is None or not stamps or done.get("prefill_finished_at") is None:
         return {"error": last[:500] or f"HTTP {r.status_code}"}  # reported in the output, the run goes on
+    first = stamps[0]
     prefill_start = done["prefill_finished_at"] - done["prefill_seconds"]
     parts = {
         "D: checks + handoff on P, to prefill start": prefill_start - t0,
@@ -117,12 +118,26 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, enco
     return {
         "total_seconds": first - t0,
         "parts": parts,
-        # the decoder's own stages (its agent's clock): pages in, then to the first token it emits
-        "decoder": {
-            "first page to last page": done["last_page_at"] - done["first_page_at"],
-            "last page to first token": done["first_token_at"] - done["last_page_at"],
-        },
+        "decoder": decoder_stages(done, stamps, d.info["decoder_modes"][0]),
         "pages": done["pages"],
         "wire_bytes": done["wire_bytes"],
         "first_page_before_prefill_end_seconds": done["prefill_finished_at"] - done["first_page_at"],
     }
+
+
+def decoder_stages(done: dict, stamps: list[float], mode: str) -> dict:
+    """The decoder's own stages of one P/D request (one host, one clock): its pages in, every page
+    in its engine's cache (the engine's own word, `last_page_imported_at`), then the first token
+    it computes itself. A commit-first decoder streams the prefiller's token once the pages have
+    arrived, maybe before they are all imported: its own first token is its second."""
+    stages = {
+        "first page to last page": done["last_page_at"] - done["first_page_at"],
+        "last page to first token": done["first_token_at"] - done["last_page_at"],
+    }
+    imported = done.get("last_page_imported_at")
+    computed = done["first_token_at"] if mode == "recompute-last" else (stamps[1] if len(stamps) > 1 else None)
+    if imported is not None:
+        stages["last page to imported"] = imported - done["last_page_at"]
+        if computed is not None:
+            stages["imported to first computed token"] = computed - imported
+    return stages

@@ -119,7 +119,12 @@ def header(result: dict) -> str:
     )
 
 
-DECODER_STAGES = ("first page to last page", "last page to first token")
+DECODER_STAGES = (
+    "first page to last page",
+    "last page to first token",
+    "last page to imported",
+    "imported to first computed token",
+)
 
 
 def trace_table(result: dict) -> list[str]:
@@ -131,9 +136,12 @@ def trace_table(result: dict) -> list[str]:
             "",
             "Where the time of one P/D request goes (ms; one traced request per cell, agents' clocks)",
             "",
-            "| tokens | column | " + " | ".join(names) + " | raw FP16 bytes ÷ wire bytes | "
-            "D: first page to last | D: last page to first token |",
-            "|---:|---|" + "---:|" * (len(names) + 3),
+            "| tokens | column | "
+            + " | ".join(names)
+            + " | raw FP16 bytes ÷ wire bytes | "
+            + " | ".join(f"D: {k}" for k in DECODER_STAGES)
+            + " |",
+            "|---:|---|" + "---:|" * (len(names) + 1 + len(DECODER_STAGES)),
         ]
         for c in traces:
             stages = c["trace"].get("decoder", {})

@@ -3,7 +3,8 @@
 - Staged: every page of a 1,536-token prompt is held back until the prefiller has sent it all (a
   proxy between them), so the whole stream lands at once; the time from the last page's arrival
   on the decoder's agent to the first token the decoder computes stays within a few of its own
-  decode steps.
+  decode steps, and the engine has every page in its cache at no less than a rate measured for it
+  (its own acknowledgement, engine_adapters/bridge.py).
 - Trickled: the pages come as the prefiller computes them; between the first page and the last,
   the decoder's agent and engine processes use a small part of one core. (vLLM's engine core and
   SGLang's scheduler each spun a whole core while a request waited for pages, which slowed a
@@ -29,8 +30,14 @@ TOKENS = 1536  # 24 pages (23 and a bit where the decoder recomputes the last to
 # decoder agent -> a prefiller of another engine (torch's CPU prefill is the quickest here)
 PREFILLERS = {"torch": "vllm", "mlx": "torch", "vllm": "torch", "sglang2": "torch"}
 # The most decode steps the last page's arrival may precede the first computed token by: twice
-# the most measured (2.4, torch -> MLX; vLLM 2.3, SGLang 2.3, torch 1.8).
-MAX_STEPS = 4.8
+# the most measured (3.6: torch -> vLLM and torch -> SGLang, torch -> MLX 3.5, vLLM -> torch 3.1;
+# the medians 1.7-2.6). Pages released through the proxy at 0.7-1.2 GB/s.
+MAX_STEPS = 7.2
+# The least rate (bytes/s) at which each decoder may take in the staged pages, from the first
+# page's arrival to the engine's "every page imported": half the least measured (torch 0.61-1.05
+# GB/s, vLLM 0.39-0.66, SGLang 0.27-0.30, MLX 0.09-0.15). Below the 1 GB/s goal of issue 18 for
+# every engine but torch (MLX on a CPU widens each page to float32 as it stages it).
+MIN_IMPORT_RATE = {"torch": 0.30e9, "vllm": 0.19e9, "sglang": 0.13e9, "mlx": 0.045e9}
 # The most CPU (cores) the decoder's processes may use while its pages trickle in: twice the most
 # measured (vLLM 0.16, MLX 0.09, SGLang 0.07, torch 0.00; before the fix vLLM used 1.23, SGLang 0.57).
 MAX_WAITING_CORES = 0.32
@@ -49,6 +56,10 @@ async def timed_decode(d_url: str, body: dict) -> list[tuple[float, dict]]:
 def test_staged_pages_are_imported_within_a_few_decode_steps(cluster, long_ids, decoder):
     p, d = cluster[PREFILLERS[decoder]], cluster[decoder]
     ids = (list(long_ids) * 8)[:TOKENS]
+    # A P/D decode of another prompt first, of the same length: the first one a fresh vLLM decodes
+    # from imported pages took 3-9 of its steps longer (a cold start this test does not measure).
+    warm = {"token_ids": (list(long_ids) * 8)[7 : TOKENS + 7], "sampling": {"max_tokens": 2}, "prefill_url": p.url}
+    assert asyncio.run(timed_decode(d.url, warm))[-1][1].get("done")
     proxy = TamperProxy(p.port)
     proxy.hold_pages()
     sent = p.status()["totals"]["pages_sent"]
@@ -77,25 +88,33 @@ def test_staged_pages_are_imported_within_a_few_decode_steps(cluster, long_ids, 
     computed = arrivals[1] if d.status()["decoder_modes"][0] == "commit-first" else done["first_token_at"]
     lag = computed - done["last_page_at"]
     burst = done["last_page_at"] - done["first_page_at"]
+    imported = done["last_page_imported_at"]  # the engine's own word: every page in its cache
     figures = {
         "decoder": d.engine,
         "prefiller": p.engine,
         "pages": done["pages"],
         "wire_bytes": done["wire_bytes"],
         "burst_seconds": burst,
+        "arrival_rate_bytes_per_second": done["wire_bytes"] / burst,
+        "last_page_to_imported_seconds": imported - done["last_page_at"],
+        "imported_to_first_computed_token_seconds": computed - imported,
         "last_page_to_first_token_seconds": lag,
         "decode_step_seconds": step,
         "lag_in_steps": lag / step,
-        "import_rate_bytes_per_second_at_least": done["wire_bytes"] / (burst + lag),
+        "import_rate_bytes_per_second": done["wire_bytes"] / (imported - done["first_page_at"]),
     }
     write_report(f"import_lag_{d.engine}", figures)
     print(
-        f"\n{p.engine}->{d.engine}: {done['pages']} staged pages in {burst * 1000:.0f} ms, last page to first "
-        f"token {lag * 1000:.0f} ms = {lag / step:.1f} decode steps of {step * 1000:.0f} ms; import at least "
-        f"{figures['import_rate_bytes_per_second_at_least'] / 1e9:.2f} GB/s"
+        f"\n{p.engine}->{d.engine}: {done['pages']} staged pages in {burst * 1000:.0f} ms "
+        f"({figures['arrival_rate_bytes_per_second'] / 1e9:.2f} GB/s), all imported "
+        f"{figures['last_page_to_imported_seconds'] * 1000:.0f} ms after the last arrived: import "
+        f"{figures['import_rate_bytes_per_second'] / 1e9:.2f} GB/s; first token computed "
+        f"{(computed - imported) * 1000:.0f} ms later; last page to first token {lag * 1000:.0f} ms = "
+        f"{lag / step:.1f} decode steps of {step * 1000:.0f} ms"
     )
     assert done["pages"] >= TOKENS // 64 - 1, done
     assert lag <= MAX_STEPS * step, figures
+    assert figures["import_rate_bytes_per_second"] >= MIN_IMPORT_RATE[d.engine], figures
     cluster.idle(p, d)
 
 
