@@ -294,7 +294,7 @@ class TamperProxy:
                 chunks.put_nowait(data)
             chunks.put_nowait(b"")
 
-        async def release() -> None:  # what is held in one write: the client gets it at loopback speed
+        async def release() -> None:  # what is held, at once: the client gets it at loopback speed
             await held.wait()
             while True:
                 parts = [await chunks.get()]

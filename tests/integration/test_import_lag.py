@@ -35,7 +35,7 @@ PREFILLERS = {"torch": "vllm", "mlx": "torch", "vllm": "torch", "sglang2": "torc
 MAX_STEPS = 7.2
 # The least rate (bytes/s) at which each decoder may take in the staged pages, from the first
 # page's arrival to the engine's "every page imported": half the least measured (torch 0.61-1.05
-# GB/s, vLLM 0.39-0.66, SGLang 0.27-0.30, MLX 0.09-0.15). Below the 1 GB/s goal of issue 18 for
+# GB/s, vLLM 0.39-0.66, SGLang 0.27-0.63, MLX 0.09-0.16). Below the 1 GB/s goal of issue 18 for
 # every engine but torch (MLX on a CPU widens each page to float32 as it stages it).
 MIN_IMPORT_RATE = {"torch": 0.30e9, "vllm": 0.19e9, "sglang": 0.13e9, "mlx": 0.045e9}
 # The most CPU (cores) the decoder's processes may use while its pages trickle in: twice the most
