@@ -7,7 +7,7 @@ One connection per room. The engine side opens it with a JSON line
     export  the engine writes page frames in order (engine_adapters/pages.py framing,
             checksummed) and closes the connection after its last page;
     import  the agent writes page frames in order, then (for engines that continue from the
-            prefiller's first token) one first-token frame, then closes the connection.
+            prefiller's first token) one first-token frame, then shuts its side for writing.
             A connection that ends early is a failed load. Once every page is in its KV cache
             the engine writes back one imported frame (when, by its clock): the decoder's
             "last page imported" stage, which the agent cannot see from its side.
@@ -215,6 +215,9 @@ class Bridge:
                 return
         conn.settimeout(ACK_WAIT_SECONDS)
         try:
+            # the engine must see the end now, not when the acknowledgement wait is over: a room
+            # closed early (a damaged stream, a cancel) is a load it fails and frees at once
+            conn.shutdown(socket.SHUT_WR)
             ack = conn.recv(_IMPORTED.size, socket.MSG_WAITALL)
         except OSError:
             return  # a failed or cancelled load: its request reports that

@@ -53,12 +53,13 @@ TOP = 20
 
 # Measured here (one 219-token prompt, 16 greedy tokens; server engines on one thread each), max
 # |Δ log p| over the tokens in both top-20 lists against the reference — perturbed pages: torch
-# 1.05, MLX 1.05, vLLM 1.04, SGLang 3.08; true pages: torch 0.0025, MLX 0.0019, vLLM 0.0084 in the
+# 1.05, MLX 1.05, vLLM 1.04, SGLang 3.08; true pages: torch 0.0025, MLX 0.0019 (0.0041, every
+# run, on an AMD EPYC without AVX512-FP16: OpenBLAS runs other kernels there), vLLM 0.0084 in the
 # whole suite and 0.0212 with this module alone (vLLM CPU is not batch-invariant), SGLang 0.039
 # (tolerance 0.1). Perturbed pages must move it by at least half of that (and by at least 5x the
 # tolerance), true pages by at most twice the largest.
 PERTURBED_AT_LEAST = {"torch": 0.52, "mlx": 0.52, "vllm": 0.52, "sglang": 1.5}
-TRUE_AT_MOST = {"torch": 0.005, "mlx": 0.0038, "vllm": 0.043, "sglang": 0.077}
+TRUE_AT_MOST = {"torch": 0.005, "mlx": 0.0083, "vllm": 0.043, "sglang": 0.077}
 
 
 # ---- the prefiller and its pages ---------------------------------------------------------------

@@ -4,9 +4,11 @@ that ends inside a frame."""
 
 from __future__ import annotations
 
+import asyncio
 import select
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -71,3 +73,58 @@ def test_a_damaged_page_is_refused():
     frame[-1] ^= 1
     with pytest.raises(FrameError, match="checksum"):
         read_all(bytes(frame), [])
+
+
+def loader(path, room: str, pages: int, ack: bool) -> tuple[list, float]:
+    """An engine's import of `room`: what it read before the agent's end, and how long it waited."""
+    conn = bridge.connect(str(path), "import", room, tokens=pages * 64)
+    reader, items, start = bridge.ItemReader(conn), [], time.monotonic()
+    with conn:
+        while not reader.ended and time.monotonic() - start < 10:
+            select.select([reader], [], [], 10)
+            items += reader.read()
+            if ack and len(items) == pages:
+                conn.sendall(bridge.imported_frame(123.5))
+                ack = False
+    return items, time.monotonic() - start
+
+
+def test_a_room_closed_early_ends_the_engines_load_at_once(tmp_path):
+    """A decode that fails mid-stream closes its room: the engine must read the end at once (and
+    free its blocks), not when the agent's wait for an acknowledgement runs out."""
+    b = bridge.Bridge(tmp_path / "b.sock", "test")
+
+    async def go():
+        room = b.open("import", "r1", 3 * 64)
+        room.outgoing.put(bridge.page_frame(page(0)))
+        got = asyncio.get_running_loop().run_in_executor(None, loader, b.path, "r1", 3, True)
+        await asyncio.sleep(0.2)
+        b.close_room("r1")  # two pages never come
+        return await got
+
+    try:
+        items, waited = asyncio.run(go())
+    finally:
+        b.close()
+    assert [x.index for x in items] == [0]
+    assert waited < 2, waited
+
+
+def test_a_whole_room_is_acknowledged(tmp_path):
+    b = bridge.Bridge(tmp_path / "b.sock", "test")
+
+    async def go():
+        room = b.open("import", "r2", 2 * 64)
+        for i in range(2):
+            room.outgoing.put(bridge.page_frame(page(i)))
+        room.outgoing.put(bridge.END)
+        items, _ = await asyncio.get_running_loop().run_in_executor(None, loader, b.path, "r2", 2, True)
+        while room.imported_at is None:  # the agent's reader thread records it a moment later
+            await asyncio.sleep(0.01)
+        return items, room.imported_at
+
+    try:
+        items, at = asyncio.run(asyncio.wait_for(go(), 10))
+    finally:
+        b.close()
+    assert [x.index for x in items] == [0, 1] and at == 123.5
