@@ -10,7 +10,8 @@ A subclass implements six *engine primitives*, always called on the adapter's en
     import_kv(session, start, kv)  write K/V for positions [start, start + n) into the cache
     set_length(session, n)         declare the first n positions valid (after imports)
 
-and may override `release` (free a session), plus three more where the engine runs
+and may override `release` (free a session) and `forward_rows` (one decode step of several
+requests in one forward: continuous batching, `decode_batch.py`), plus three more where the engine runs
 asynchronously (CUDA): `forward_chunk` (a chunk whose logits nobody reads) and
 `export_start`/`export_finish` with `export_lag` (pages copied off the device while it
 computes the next chunk). On CPU the math runs in float32 and K/V are rounded to FP16 as they
@@ -40,11 +41,16 @@ from tandem_protocol.pages import KVPage, make_page
 
 from . import failpoints
 from .base import EngineAdapter, EngineRequest
+from .decode_batch import DecodeBatch, Row
 from .sampler import Sampler
 
 
 class InProcessEngine(EngineAdapter):
     prefill_chunk_tokens: int = 256  # an engine may choose its own per device (torch on CUDA: 2,048)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batch = DecodeBatch(self._executor, self.forward_rows)
 
     # ---- engine primitives (engine thread only) -------------------------------------------
     @abstractmethod
@@ -64,6 +70,12 @@ class InProcessEngine(EngineAdapter):
 
     def release(self, session: Any) -> None:  # noqa: B027 (optional hook, not abstract)
         """Free the session's KV memory (engines with pooled memory override this)."""
+
+    def forward_rows(self, sessions: list[Any], tokens: list[int]) -> np.ndarray:
+        """One decode step of several requests: row r runs `tokens[r]` after `sessions[r]`'s
+        cache; the logits, [rows][vocab]. An engine that can batch overrides it; one row must
+        give `forward`'s logits exactly (a request alone computes as it always has)."""
+        return np.stack([self.forward(s, [t]) for s, t in zip(sessions, tokens, strict=True)])
 
     def forward_chunk(self, session: Any, token_ids: list[int]) -> None:
         """Compute a prompt chunk whose logits nobody reads (every chunk but the last). An
@@ -211,19 +223,31 @@ class InProcessEngine(EngineAdapter):
         token: int,
         emitted: bool = False,
     ) -> AsyncIterator[int]:
-        """Yield `token` (unless the caller already has), then decode until a stop or max_tokens."""
+        """Yield `token` (unless the caller already has), then decode in the engine's batch until
+        a stop or max_tokens."""
         params = req.sampling
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        produced = 0
-        while True:
-            if not emitted:
+        if not emitted:
+            yield token
+        if params.max_tokens <= 1 or token in stops:
+            return
+        self._check(req, event)
+        loop = asyncio.get_running_loop()
+        row = Row(req.request_id, session, token, sampler, stops, params.max_tokens, 1, event, loop)
+        await self.on_engine(self.batch.add, row)
+        try:
+            while True:
+                item = await row.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                token, last = item
                 yield token
-            emitted = False
-            produced += 1
-            if produced >= params.max_tokens or token in stops:
-                return
-            self._check(req, event)
-            token = await self.on_engine(self._next_token, session, token, sampler)
+                if last:
+                    return
+                self._check(req, event)
+        finally:
+            # before the session is released (also on the engine thread, queued after this)
+            await asyncio.shield(self.on_engine(self.batch.remove, row))
 
     def _next_token(self, session: Any, token: int, sampler: Sampler) -> int:
         return sampler(self.forward(session, [token]))

@@ -6,6 +6,8 @@ from . import openblas
 
 openblas.preload()  # before the first `import mlx` (see openblas.py)
 
+import sys  # noqa: E402
+
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm import load as mlx_load  # noqa: E402
@@ -52,6 +54,47 @@ class _Session(list):
     staged: np.ndarray | None = None
 
 
+class _RowsLayer:
+    """Layer i of several requests' caches, for one batched decode step (`forward_rows`): row r's
+    new K/V go into request r's own cache, RoPE turns each row at its own position, and attention
+    reads each row's own K/V (`_rows_attention`). Requests of any lengths step together with no
+    padding and no copy of their caches; the projections and MLPs run batched. (mlx-lm's
+    BatchKVCache keeps the batch in one left-padded array, which every join and leave copies.)"""
+
+    def __init__(self, caches: list[_FP16KVCache]):
+        self.caches = caches
+        self.offset = mx.array([c.offset for c in caches])
+
+    def update_and_fetch(self, keys, values):
+        pairs = [c.update_and_fetch(keys[r : r + 1], values[r : r + 1]) for r, c in enumerate(self.caches)]
+        return [k for k, _ in pairs], [v for _, v in pairs]
+
+    def make_mask(self, n: int, **kwargs):
+        return None  # one new token per row, which sees its whole cache
+
+
+def _rows_attention(module) -> None:
+    """Make the model module's attention take `_RowsLayer` rows, one by one; every other call
+    goes to mlx-lm's own function unchanged. mlx-lm's attention modules call the function they
+    imported by name, so it is replaced there (once per module)."""
+    original = module.scaled_dot_product_attention
+    if getattr(original, "tandem_rows", False):
+        return
+
+    def attention(queries, keys, values, cache, scale, mask, **kwargs):
+        if isinstance(cache, _RowsLayer):
+            return mx.concatenate(
+                [
+                    original(queries[r : r + 1], k, v, cache=None, scale=scale, mask=None, **kwargs)
+                    for r, (k, v) in enumerate(zip(keys, values, strict=True))
+                ]
+            )
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+
+    attention.tandem_rows = True
+    module.scaled_dot_product_attention = attention
+
+
 class MLXAdapter(InProcessEngine):
     name = "mlx"
 
@@ -61,6 +104,7 @@ class MLXAdapter(InProcessEngine):
         self.model, _ = mlx_load(str(self.model_dir), model_config=rope_overrides(self.info.config))
         self.model.set_dtype(self.dtype)
         mx.eval(self.model.parameters())
+        _rows_attention(sys.modules[type(self.model).__module__])
 
     def accelerator(self) -> dict:
         if self.on_metal:
@@ -83,6 +127,15 @@ class MLXAdapter(InProcessEngine):
         logits = self._logits(hidden[:, -1, :]).astype(mx.float32)
         mx.eval(logits, [(c.keys, c.values) for c in session])
         return np.array(logits[0])
+
+    def forward_rows(self, sessions: list[_Session], tokens: list[int]) -> np.ndarray:
+        if len(sessions) == 1:  # alone, a request computes exactly as it always has
+            return self.forward(sessions[0], tokens)[None]
+        rows = [_RowsLayer([s[i] for s in sessions]) for i in range(self.geometry.layers)]
+        hidden = self.model.model(mx.array([[t] for t in tokens]), rows)
+        logits = self._logits(hidden[:, -1, :]).astype(mx.float32)
+        mx.eval(logits, [(c.keys, c.values) for s in sessions for c in s])
+        return np.array(logits)
 
     def export_kv(self, session: list[_FP16KVCache], start: int, end: int) -> np.ndarray:
         # per layer (1, heads, capacity, dim) -> [layers][2][n][heads][dim] in FP16

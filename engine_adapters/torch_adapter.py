@@ -6,8 +6,10 @@ import warnings
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 from transformers.utils import logging as hf_logging
 
 from tandem_protocol.pages import KVPage
@@ -63,6 +65,41 @@ class _FP16KVLayer(DynamicLayer):
         return self.length
 
 
+class _Rows(Cache):
+    """Several requests' caches as one batch for a decode step: row r's new K/V go into request
+    r's own layer, and attention reads each row's own K/V (`_rows_attention`). So requests of any
+    lengths step together with no padding and no copy of their caches; only the projections and
+    MLPs (nearly all of a decode step's work) run batched. transformers' own continuous batching
+    (a paged cache it allocates and fills from its own prefill) has no way in for imported KV."""
+
+    def __init__(self, sessions: list[Cache]):
+        super().__init__(layers=list(sessions[0].layers))  # what mask helpers inspect: plain full layers
+        self.sessions = sessions
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        pairs = [
+            s.layers[layer_idx].update(key_states[r : r + 1], value_states[r : r + 1])
+            for r, s in enumerate(self.sessions)
+        ]
+        return [k for k, _ in pairs], [v for _, v in pairs]
+
+
+def _rows_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa, row by row where the cache is `_Rows` (its keys come as one tensor per row)."""
+    if isinstance(key, list):
+        rows = [
+            sdpa_attention_forward(module, query[r : r + 1], k, v, None, **kwargs)[0]
+            for r, (k, v) in enumerate(zip(key, value))
+        ]
+        return torch.cat(rows), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+ROWS_ATTENTION = "tandem_rows"
+AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
+AttentionMaskInterface.register(ROWS_ATTENTION, sdpa_mask)  # a single request's masks stay sdpa's
+
+
 class TorchAdapter(InProcessEngine):
     name = "torch"
 
@@ -82,7 +119,9 @@ class TorchAdapter(InProcessEngine):
             # leave chunk by chunk and the last page still computes on its own.
             self.prefill_chunk_tokens = CUDA_PREFILL_CHUNK_TOKENS
         # local_files_only: Tandem never downloads weights at run time
-        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(self.model_dir), dtype=self.dtype, local_files_only=True, attn_implementation=ROWS_ATTENTION
+        )
         self.model = model.to(self.device).eval()
 
     def accelerator(self) -> dict:
@@ -106,6 +145,24 @@ class TorchAdapter(InProcessEngine):
 
     def forward(self, session: Cache, token_ids: list[int]) -> np.ndarray:
         return self._run(session, token_ids).logits[0, -1].float().cpu().numpy()
+
+    @torch.inference_mode()
+    def forward_rows(self, sessions: list[Cache], tokens: list[int]) -> np.ndarray:
+        if len(sessions) == 1:  # alone, a request computes exactly as it always has
+            return self.forward(sessions[0], tokens)[None]
+        ids = torch.tensor([[t] for t in tokens], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[s.layers[0].length] for s in sessions], dtype=torch.long, device=self.device)
+        # a 4D mask is taken as given (and `_rows_attention` needs none): no mask is built
+        no_mask = torch.empty(len(sessions), 1, 1, 0, device=self.device)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=no_mask,
+            cache=_Rows(sessions),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float().cpu().numpy()
 
     def forward_chunk(self, session: Cache, token_ids: list[int]) -> None:
         self._run(session, token_ids)  # on CUDA: queued, not waited for
