@@ -98,8 +98,9 @@ class Router:
         try:
             return await self.client(target.decode_url).tokenize(messages=messages, prompt=prompt)
         except AgentHTTPError as e:
-            if e.status == 400:  # e.g. messages the chat template cannot render
-                raise RouteError(str(e), 400, kind="invalid_request_error") from e
+            if e.status == 400:  # e.g. messages the chat template cannot render: its own words,
+                # not the decoder's address
+                raise RouteError(e.detail.get("message") or str(e), 400, kind="invalid_request_error") from e
             raise RouteError(str(e), 503) from e
         except TransportError as e:
             raise RouteError(f"the decoder of {target.name} is not reachable: {e}", 503) from e

@@ -193,6 +193,15 @@ class EngineAdapter(ABC):
 
         return {"kind": "cpu", "name": platform.processor() or platform.machine()}
 
+    def kv_budget_bytes(self) -> int:
+        """The KV, at the canonical FP16 size, this engine can hold for its running requests: the
+        decoder's default admission budget (node_agent/admission.py). By default a quarter of the
+        memory available once the model is loaded: in-process engines on a CPU keep float32
+        caches, twice the canonical size, beside the weights and everything else on the machine."""
+        import psutil
+
+        return psutil.virtual_memory().available // 4
+
     async def engine_stats(self) -> dict:
         """Engine-side figures for the agent's status (an engine in another process reports its
         own KV pool here, so tests and users can see it return to baseline)."""

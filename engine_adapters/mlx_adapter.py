@@ -111,6 +111,12 @@ class MLXAdapter(InProcessEngine):
             return {"kind": "metal", "name": mx.metal.device_info().get("device_name", "Apple GPU")}
         return {**super().accelerator(), "blas": "OpenBLAS" if openblas.loaded else "reference BLAS (slow)"}
 
+    def kv_budget_bytes(self) -> int:
+        if self.on_metal:  # half of what Metal recommends keeping wired, less the weights (FP16 cache)
+            info = mx.metal.device_info()
+            return max(1, (info["max_recommended_working_set_size"] - mx.get_active_memory()) // 2)
+        return super().kv_budget_bytes()
+
     def new_session(self, capacity: int) -> _Session:
         session = _Session(_FP16KVCache() for _ in range(self.geometry.layers))
         session.capacity = capacity

@@ -216,6 +216,11 @@ class SGLangAdapter(ServerEngine):
     exports_whole_prompt = True  # a recompute-last decoder's share is cut from it (_relay_prefill)
     decoder_modes = (FirstTokenMode.COMMIT_FIRST,)
 
+    def kv_budget_bytes(self) -> int:
+        if on_cpu(self.settings):  # SGLang's own CPU pool (it sizes a GPU's pool itself)
+            return self.settings.sglang_kv_tokens * self.geometry.token_bytes
+        return super().kv_budget_bytes()
+
     def _server(self, run_dir: Path) -> SGLangProcess:
         self.gate = RoleGate(self.settings.sglang_role, self._switch_role)
         return SGLangProcess(

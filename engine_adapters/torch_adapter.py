@@ -124,6 +124,11 @@ class TorchAdapter(InProcessEngine):
         )
         self.model = model.to(self.device).eval()
 
+    def kv_budget_bytes(self) -> int:
+        if self.cuda:  # half the device memory free once the weights are in (the cache is FP16)
+            return self._executor.submit(lambda: torch.cuda.mem_get_info(self.device)[0] // 2).result()
+        return super().kv_budget_bytes()
+
     def accelerator(self) -> dict:
         if self.device.type == "cuda":
             return {"kind": "cuda", "name": torch.cuda.get_device_name(self.device)}

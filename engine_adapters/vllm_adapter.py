@@ -22,6 +22,7 @@ on CPU machines).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -122,6 +123,11 @@ class VLLMAdapter(ServerEngine):
 
     engine_label = "vLLM"
     generate_path = "/v1/completions"
+
+    def kv_budget_bytes(self) -> int:
+        if shutil.which("nvidia-smi") is None:  # the CPU build's pool (a GPU's vLLM sizes its own)
+            return self.settings.vllm_kv_gib << 30
+        return super().kv_budget_bytes()
 
     def _server(self, run_dir: Path) -> VLLMProcess:
         return VLLMProcess(self.model_dir, self.context_length, self.bridge.path, run_dir / "vllm.log", self.settings)

@@ -1,4 +1,5 @@
-"""The staging budget: how many bytes of KV pages a node may hold in flight at once.
+"""The staging budget: how many bytes of KV pages a node may hold in flight at once. (The same
+FIFO budget, under another name, counts the decoder's KV and sequence slots: admission.py.)
 
 A prefill reserves `pages × page_bytes` *before* any compute. A request larger than the whole
 budget is refused at once (`BudgetExceeded`). Otherwise it waits its turn in strict FIFO order
@@ -49,10 +50,10 @@ class _Waiter:
 
 
 class StagingBudget:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, what: str = "staging budget", unit: str = "bytes"):
         if capacity <= 0:
-            raise ValueError("the staging budget must be positive")
-        self.capacity = capacity
+            raise ValueError(f"the {what} must be positive")
+        self.capacity, self.what, self.unit = capacity, what, unit
         self.reserved = 0
         self._waiters: deque[_Waiter] = deque()
 
@@ -93,8 +94,8 @@ class StagingBudget:
                 self._wake()  # the head may have been blocking smaller requests behind it
             if isinstance(e, asyncio.TimeoutError):
                 raise BudgetTimeout(
-                    f"the staging budget stayed busy for {timeout:.1f} s ({self.reserved:,} of "
-                    f"{self.capacity:,} bytes reserved, {len(self._waiters)} waiting)",
+                    f"the {self.what} stayed busy for {timeout:.1f} s ({self.reserved:,} of "
+                    f"{self.capacity:,} {self.unit} reserved, {len(self._waiters)} waiting)",
                     retry_after=max(1.0, timeout or 1.0),
                 ) from None
             raise
@@ -103,21 +104,21 @@ class StagingBudget:
         """Change the capacity (a panel sets a pair's budget). Waiters that can no longer ever fit
         are refused as an oversize request would be; the others may now fit."""
         if capacity <= 0:
-            raise ValueError("staging capacity must be positive")
+            raise ValueError(f"the {self.what} must be positive")
         self.capacity = capacity
         for waiter in [w for w in self._waiters if w.nbytes > capacity]:
             self._waiters.remove(waiter)
             if not waiter.future.done():
                 waiter.future.set_exception(
                     BudgetExceeded(
-                        f"the staging budget shrank to {capacity:,} bytes, below this request's {waiter.nbytes:,}"
+                        f"the {self.what} shrank to {capacity:,} {self.unit}, below this request's {waiter.nbytes:,}"
                     )
                 )
         self._wake()
 
     def _give_back(self, nbytes: int) -> None:
         self.reserved -= nbytes
-        assert self.reserved >= 0, "staging budget released more than it reserved"
+        assert self.reserved >= 0, f"the {self.what} released more than it reserved"
         self._wake()
 
     def _wake(self) -> None:

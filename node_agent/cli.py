@@ -21,6 +21,7 @@ from tandem_protocol.pages import PROTOCOL_VERSION
 from tandem_protocol.settings import data_dir, hash_cache_path
 from tandem_protocol.wire import HEARTBEAT_SECONDS
 
+from .admission import MAX_SEQUENCES, WAIT_SECONDS
 from .identity import NodeIdInUse, claim_node_id, cluster_key, key_path, known_node_ids, node_id_path, set_cluster_key
 
 # On Ctrl-C or SIGTERM, requests still streaming after this long are cancelled (each releases what
@@ -90,6 +91,15 @@ def serve(
     model: str = typer.Option(None, help="Model directory or registered name (default: embedded SmolLM2)."),
     context_length: int = typer.Option(None, help="Context length (default: the model's)."),
     staging_bytes: str = typer.Option("512MiB", help="KV staging budget, e.g. 512MiB or 2GB."),
+    decode_kv_bytes: str = typer.Option(
+        None,
+        help="KV the decoder admits at once (prompt plus max_tokens of every running request, FP16), e.g. "
+        "4GiB (default: the engine's share of its memory).",
+    ),
+    max_sequences: int = typer.Option(MAX_SEQUENCES, min=1, help="Requests the decoder runs at once."),
+    admission_wait: float = typer.Option(
+        WAIT_SECONDS, min=0, help="Seconds a request may wait for the decoder's room before it is answered 429."
+    ),
     host: str = typer.Option("0.0.0.0", help="Address to listen on."),
     port: int = typer.Option(DEFAULT_PORT, help="Port to listen on."),
     name: str = typer.Option(
@@ -167,6 +177,9 @@ def serve(
         name=name,
         cluster_key=cluster_key(),
         staging_bytes=parse_size(staging_bytes),
+        decode_kv_bytes=parse_size(decode_kv_bytes) if decode_kv_bytes else None,
+        max_sequences=max_sequences,
+        admission_wait=admission_wait,
         handoff_ttl=handoff_ttl,
         model_name=path.name,
         stall_timeout=stall_timeout,
@@ -248,7 +261,7 @@ def status(url: str = typer.Argument(f"http://127.0.0.1:{DEFAULT_PORT}", help="A
         raise typer.Exit(1)
     s = r.json()
     table = Table(show_header=False)
-    b = s["budget"]
+    b, d = s["budget"], s["decode"]
     rows = [
         ("node", f"{s['name']} ({s['node_id'][:8]})"),
         ("engine", s["engine"]),
@@ -257,6 +270,11 @@ def status(url: str = typer.Argument(f"http://127.0.0.1:{DEFAULT_PORT}", help="A
         ("contract", s["contract"]["fingerprint"]),
         ("protocol", str(s["protocol_version"])),
         ("budget", f"{b['reserved']:,} of {b['capacity']:,} bytes reserved, {b['waiting']} waiting"),
+        (
+            "decoding",
+            f"{d['running']} of {d['max_sequences']} running, {d['waiting']} waiting, "
+            f"KV {d['kv_reserved']:,} of {d['kv_capacity']:,} bytes",
+        ),
         ("open handoffs", str(s["open_handoffs"])),
         ("active requests", str(s["active_requests"])),
     ]

@@ -36,6 +36,10 @@ class Metrics:
         self.budget_waiting = Gauge("tandem_budget_waiting_requests", "Requests waiting for budget", registry=r)
         self.open_handoffs = Gauge("tandem_open_handoffs", "Handoffs holding pages", registry=r)
         self.active_requests = Gauge("tandem_engine_active_requests", "Requests holding engine memory", registry=r)
+        self.decode_kv_capacity = Gauge("tandem_decode_kv_capacity_bytes", "Decode KV budget", registry=r)
+        self.decode_kv_reserved = Gauge("tandem_decode_kv_reserved_bytes", "Decode KV held by requests", registry=r)
+        self.decode_running = Gauge("tandem_decode_running_requests", "Requests admitted to decode", registry=r)
+        self.decode_waiting = Gauge("tandem_decode_waiting_requests", "Requests waiting for admission", registry=r)
 
     def bind(
         self,
@@ -45,6 +49,7 @@ class Metrics:
         waiting: Callable[[], float],
         open_handoffs: Callable[[], float],
         active: Callable[[], float],
+        admission,
     ) -> None:
         """Gauges read live values when scraped."""
         self.budget_capacity.set_function(capacity)
@@ -52,6 +57,10 @@ class Metrics:
         self.budget_waiting.set_function(waiting)
         self.open_handoffs.set_function(open_handoffs)
         self.active_requests.set_function(active)
+        self.decode_kv_capacity.set_function(lambda: admission.kv.capacity)
+        self.decode_kv_reserved.set_function(lambda: admission.kv.reserved)
+        self.decode_running.set_function(lambda: admission.running)
+        self.decode_waiting.set_function(lambda: admission.status()["waiting"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,5 +1,5 @@
 """What one agent process holds while it runs: its configuration, its engine slot, the staging
-budget, the open handoffs and the metrics, built once by `create_app` and kept on
+budget, the decoder's admission, the open handoffs and the metrics, built once by `create_app` and kept on
 `app.state.agent`; routes reach it through the dependencies in `deps.py`."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from engine_adapters.base import EngineAdapter
 from tandem_protocol.client import AgentClient
 from tandem_protocol.pages import ENCODINGS, PROTOCOL_VERSION
 
+from .admission import MAX_SEQUENCES, WAIT_SECONDS, Admission
 from .budget import StagingBudget
 from .engine_slot import EngineSlot, Loader
 from .handoffs import HandoffManager
@@ -24,6 +25,9 @@ class AgentConfig:
     name: str
     cluster_key: str
     staging_bytes: int = 512 << 20
+    decode_kv_bytes: int | None = None  # the decoder's KV budget (None: the engine's kv_budget_bytes)
+    max_sequences: int = MAX_SEQUENCES  # requests the engine decodes at once
+    admission_wait: float = WAIT_SECONDS  # how long a request may wait for them before its 429
     handoff_ttl: float = 60.0
     model_name: str = ""
     url: str = ""  # where this agent listens (for logs)
@@ -45,6 +49,9 @@ class AgentState:
         self.metrics = Metrics()
         self.budget = StagingBudget(config.staging_bytes)
         self.slot = EngineSlot(adapter, loader)
+        self.admission = Admission(
+            config.decode_kv_bytes or adapter.kv_budget_bytes(), config.max_sequences, config.admission_wait
+        )
         self.handoffs = HandoffManager(self.slot, self.budget, self.metrics, ttl=config.handoff_ttl)
         self.metrics.bind(
             capacity=lambda: self.budget.capacity,
@@ -52,6 +59,7 @@ class AgentState:
             waiting=lambda: self.budget.waiting,
             open_handoffs=lambda: len(self.handoffs.handoffs),
             active=lambda: self.slot.adapter.active_requests if self.slot.ready else 0,
+            admission=self.admission,
         )
         self.peers: dict[str, AgentClient] = {}  # one pooled HTTP client per prefiller: connections are reused
         self.started = time.time()
@@ -68,6 +76,8 @@ class AgentState:
             and not self.handoffs.waiting
             and self.budget.reserved == 0
             and self.budget.waiting == 0
+            and self.admission.kv.reserved == 0
+            and self.admission.sequences.reserved == 0
             and self.slot.adapter.active_requests == 0
         )
 

@@ -81,6 +81,8 @@ class ConfigBody(BaseModel):
     model_path: str
     context_length: int | None = Field(None, ge=1)
     staging_bytes: int | None = Field(None, ge=1 << 20)
+    decode_kv_bytes: int | None = Field(None, ge=1 << 20, description="the decoder's KV budget")
+    max_sequences: int | None = Field(None, ge=1, le=4096, description="requests the decoder runs at once")
     dry_run: bool = False
 
 

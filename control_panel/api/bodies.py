@@ -19,7 +19,7 @@ class StreamOptions(BaseModel):
 # The sampling parameters an OpenAI request may carry, under SamplingParams' names: OpenAI's own
 # and the extensions vLLM and others accept (top_k, min_p, repetition_penalty). Their bounds are
 # SamplingParams', checked once when the request is mapped onto it.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", *SERVER_FIELDS)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "ignore_eos", *SERVER_FIELDS)
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default (Tandem's own is greedy)
 DEFAULT_MAX_TOKENS = 256
 
@@ -94,6 +94,30 @@ class _Common(BaseModel):
 
 class ChatBody(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
+
+    def check(self) -> None:
+        super().check()
+        self.messages = [text_message(i, m) for i, m in enumerate(self.messages)]
+
+
+def text_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose `content` is an array of parts (OpenAI's format, which vLLM's and OpenAI's
+    own clients send) as the one string a chat template renders: its text parts joined by
+    newlines, as vLLM joins them. Any other part (an image, audio, a file) is refused by name."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise OpenAIError(
+                400,
+                f"messages[{index}].content: a part of type `{kind}` is not supported: Tandem takes text parts only",
+                param="messages",
+            )
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 class CompletionBody(_Common):

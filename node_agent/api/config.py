@@ -84,4 +84,21 @@ async def configure(body: ConfigBody, agent: Agent):
     if body.staging_bytes is not None and body.staging_bytes != agent.budget.capacity:
         agent.budget.resize(body.staging_bytes)
         changed = True
-    return {"ok": True, "changed": changed, **agent.info()}
+    return {"ok": True, "changed": admit(agent, body, engine_changed=changed) or changed, **agent.info()}
+
+
+def admit(agent: AgentState, body: ConfigBody, engine_changed: bool) -> bool:
+    """The decoder's KV budget and sequence cap as the body sets them; a budget never set follows
+    the engine when another is loaded (its kv_budget_bytes). True if either changed."""
+    config, admission = agent.config, agent.admission
+    if body.decode_kv_bytes is not None:
+        config.decode_kv_bytes = body.decode_kv_bytes
+    if body.max_sequences is not None:
+        config.max_sequences = body.max_sequences
+    kv_bytes = config.decode_kv_bytes or (
+        agent.slot.adapter.kv_budget_bytes() if engine_changed else admission.kv.capacity
+    )
+    if (kv_bytes, config.max_sequences) == (admission.kv.capacity, admission.sequences.capacity):
+        return False
+    admission.resize(kv_bytes, config.max_sequences)
+    return True

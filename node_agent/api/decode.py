@@ -12,6 +12,7 @@ from engine_adapters.base import EngineRequest
 from tandem_protocol.api import DecodeBody, GenerateBody
 from tandem_protocol.errors import RequestError
 
+from ..admission import Ticket
 from ..deps import KEYED, Agent, Slot
 from ..handshake import Handshake
 from ..state import AgentState
@@ -25,15 +26,21 @@ async def generate(body: GenerateBody, agent: Agent):
     adapter = agent.slot.adapter
     req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling)
     adapter.validate(req, generates=True)
-    return alone(agent, req)
+    return alone(agent, req, await admit(agent, req))
 
 
-def alone(agent: AgentState, req: EngineRequest) -> NDJSONResponse:
+async def admit(agent: AgentState, req: EngineRequest) -> Ticket:
+    """The request's KV (prompt plus max_tokens) and a sequence slot on this decoder: 400 if it can
+    never fit, a FIFO wait, then 429 (admission.py)."""
+    token_bytes = agent.slot.adapter.geometry.token_bytes
+    return await agent.admission.admit((len(req.token_ids) + req.sampling.max_tokens) * token_bytes)
+
+
+def alone(agent: AgentState, req: EngineRequest, ticket: Ticket) -> NDJSONResponse:
     """This engine's own answer: it computes the prompt itself."""
     adapter = agent.slot.adapter
-    return NDJSONResponse(
-        token_lines(adapter, agent.metrics, req, adapter.generate(req), "generate", time.perf_counter(), {})
-    )
+    lines = token_lines(adapter, agent.metrics, req, adapter.generate(req), "generate", time.perf_counter(), {})
+    return NDJSONResponse(lines, release=ticket.release)
 
 
 @router.post("/v1/decode")
@@ -46,14 +53,24 @@ async def decode(body: DecodeBody, agent: Agent):
         raise RequestError(f"{adapter.name} cannot decode in {mode.value} mode")
     req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling, mode)
     adapter.validate(req, generates=True)  # context length, sampling fields: refused before P computes
+    ticket = await admit(agent, req)  # P is asked only once this decoder has room for the request
     if body.prefill_url is None:
-        return alone(agent, req)
+        return alone(agent, req, ticket)
     t0 = time.perf_counter()
     handshake = Handshake(adapter, agent.peer(body.prefill_url), body.prefill_url, agent.metrics)
-    await handshake.open(req, body.page_encoding)  # a 4xx/429/502 here, before any stream
+    try:
+        await handshake.open(req, body.page_encoding)  # a 4xx/429/502 here, before any stream
+    except BaseException:
+        ticket.release()
+        raise
     tokens = adapter.decode(req, handshake.pages())
     lines = token_lines(adapter, agent.metrics, req, tokens, "decode", t0, handshake.stats, handshake)
-    return NDJSONResponse(lines, release=handshake.release)  # the one place it is released after open
+
+    def release() -> None:  # the one place both are released once the stream opened
+        handshake.release()
+        ticket.release()
+
+    return NDJSONResponse(lines, release=release)
 
 
 @router.delete("/v1/requests/{request_id}")

@@ -81,6 +81,7 @@ async def get_status(agent: Agent):
             "waiting": budget.waiting,
             "waiting_bytes": budget.waiting_bytes,
         },
+        "decode": agent.admission.status(),
         "open_handoffs": len(handoffs.handoffs),
         "handoffs": handoffs.describe(),
         "active_requests": adapter.active_requests,

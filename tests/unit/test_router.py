@@ -272,3 +272,34 @@ def test_d_unreachable_is_503():
     with pytest.raises(RouteError) as e:
         asyncio.run(main())
     assert e.value.status == 503 and "not reachable" in str(e.value)
+
+
+def test_text_content_parts_are_joined_and_ignore_eos_reaches_the_decoder(panel):
+    """What vLLM's load client sends: content as an array of text parts, max_completion_tokens
+    and ignore_eos."""
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    body = chat(messages=[{"role": "user", "content": parts}], ignore_eos=True, max_completion_tokens=3)
+    del body["max_tokens"]
+    r, agents = ask(panel, body)
+    assert r.status_code == 200, r.text
+    assert agents.calls[0][2]["messages"] == [{"role": "user", "content": "first\nsecond"}]
+    assert SamplingParams(**agents.calls[1][2]["sampling"]) == SamplingParams(max_tokens=3, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "part, kind",
+    [({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}, "image_url"), ("plain", "str")],
+)
+def test_a_content_part_that_is_not_text_is_refused_by_name(panel, part, kind):
+    content = [{"type": "text", "text": "look"}, part]
+    r, agents = ask(panel, chat(messages=[{"role": "user", "content": "hi"}, {"role": "user", "content": content}]))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages" and f"messages[1].content: a part of type `{kind}`" in error["message"]
+    assert agents.paths == []
+
+
+def test_a_chat_the_template_cannot_render_is_400_without_the_decoder_s_address(panel):
+    r, agents = ask(panel, chat(), tokenize=lambda body: refusal(400, "RequestError", "cannot tokenize: bad role"))
+    assert r.status_code == 400 and r.json()["error"]["message"] == "cannot tokenize: bad role", r.text
+    assert "d.test" not in r.text
