@@ -82,15 +82,15 @@ def log_rows(home: Path) -> list:
 
 
 def settle(*agents: AgentProcess, timeout: float = 15.0) -> None:
-    """Every agent back to idle: nothing reserved, no open handoff, no active request. Freeing after a
-    disconnect is asynchronous, so this allows a moment."""
+    """Every agent back to idle: nothing reserved (staging, or KV admitted to decode), no open
+    handoff, no active request. Freeing after a disconnect is asynchronous, so this allows a moment."""
     deadline = time.monotonic() + timeout
     while True:
-        busy = [
-            (s["name"], s["budget"]["reserved"], s["open_handoffs"], s["active_requests"])
+        held = [
+            (s["name"], s["budget"]["reserved"], s["decode"]["kv_reserved"], s["open_handoffs"], s["active_requests"])
             for s in (a.status() for a in agents)
-            if s["budget"]["reserved"] or s["open_handoffs"] or s["active_requests"]
         ]
+        busy = [h for h in held if any(h[1:])]
         if not busy:
             return
         assert time.monotonic() < deadline, f"agents still hold resources: {busy}"
