@@ -44,6 +44,7 @@ class Pair(SQLModel, table=True):
     decode_model_path: str
     context_length: int
     staging_bytes: int = 512 << 20
+    decode_kv_bytes: int = 0  # the decode node's KV budget as it reported it (0: not known)
     local_threshold: int = 0  # prompts shorter than this run on the decoder alone
     fallback: str = "decode_alone"  # or "fail"
     page_encoding: str = "raw"  # or "zstd": pages compressed on the wire (lossless), for slow links

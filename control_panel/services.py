@@ -147,21 +147,29 @@ async def configure_node(
     context_length: int | None,
     staging_bytes: int | None,
     dry_run: bool,
+    decode_kv_bytes: int | None = None,
 ) -> dict:
     """Check (dry_run) or apply one node's part of a pair; returns the contract it would have (or
-    has). Errors name the form field at fault (`prefill_model_path`, `decode_engine`, …)."""
+    has). Errors name the form field at fault (`prefill_model_path`, `decode_engine`, …).
+    `decode_kv_bytes` (the decoder's KV budget) is sent only when given, to the decode node."""
     client = AgentClient(url, cluster_key)
     try:
-        current = await client.info()
-        if not engine and not model_path and context_length is None and staging_bytes is None:
+        current = await (client.info() if decode_kv_bytes is None else client.status())
+        if decode_kv_bytes is not None and "decode" not in current:  # an older agent would drop the budget
+            message = f"{role} node: this agent takes no decode KV budget: update Tandem on that machine"
+            raise PanelError(message, ["decode_kv_mib"])
+        if not engine and not model_path and all(v is None for v in (context_length, staging_bytes, decode_kv_bytes)):
             return current["contract"]  # the node keeps what it runs
-        out = await client.configure(
-            engine=engine or current["engine"],
-            model_path=model_path or current["model_path"],
-            context_length=context_length,
-            staging_bytes=staging_bytes,
-            dry_run=dry_run,
-        )
+        body = {
+            "engine": engine or current["engine"],
+            "model_path": model_path or current["model_path"],
+            "context_length": context_length,
+            "staging_bytes": staging_bytes,
+            "dry_run": dry_run,
+        }
+        if decode_kv_bytes is not None:
+            body["decode_kv_bytes"] = decode_kv_bytes
+        out = await client.configure(**body)
         return out["contract"]
     except AgentHTTPError as e:
         field = e.detail.get("field")
@@ -189,9 +197,11 @@ async def create_pair(
     decode_model_path: str | None = None,
     context_length: int | None = None,
     staging_bytes: int | None = None,
+    decode_kv_bytes: int | None = None,
 ) -> Pair:
     """Pair two nodes under a model name: check both nodes' engine and model path, switch them
-    if asked, then check that their contracts agree. Blank engine/path: what the node runs."""
+    if asked, then check that their contracts agree. Blank engine/path: what the node runs.
+    `staging_bytes` goes to the prefill node, `decode_kv_bytes` to the decode node (None: as is)."""
     if not name or "/" in name:
         raise PanelError("a pair needs a name without '/' (it becomes the model name on the API)", ["name"])
     if page_encoding not in ENCODINGS:
@@ -202,13 +212,13 @@ async def create_pair(
         except PanelError as e:
             raise PanelError(f"{role} node: {e}", [role]) from e
     nodes = [
-        ("prefill", prefill_url, prefill_engine, prefill_model_path, staging_bytes),
-        ("decode", decode_url, decode_engine, decode_model_path, None),
+        ("prefill", prefill_url, prefill_engine, prefill_model_path, staging_bytes, None),
+        ("decode", decode_url, decode_engine, decode_model_path, None, decode_kv_bytes),
     ]
     for dry_run in (True, False):  # check both nodes, and their contracts, before either loads anything
         p_contract, d_contract = [
-            await configure_node(url, cluster_key, role, eng, path, context_length, staging, dry_run)
-            for role, url, eng, path, staging in nodes
+            await configure_node(url, cluster_key, role, eng, path, context_length, staging, dry_run, kv)
+            for role, url, eng, path, staging, kv in nodes
         ]
         # names every differing field (weights, tokenizer, config, context_length, geometry)
         ModelContract.from_dict(d_contract).check_same(ModelContract.from_dict(p_contract))
@@ -231,6 +241,7 @@ async def create_pair(
         pair.prefill_model_path, pair.decode_model_path = p_info["model_path"], d_info["model_path"]
         pair.context_length = d_info["context_length"]
         pair.staging_bytes = p_info["budget"]["capacity"]
+        pair.decode_kv_bytes = (d_info.get("decode") or {}).get("kv_capacity", 0)  # 0: an agent without admission
         pair.local_threshold, pair.fallback, pair.page_encoding = local_threshold, fallback, page_encoding
         s.add(pair)
         s.commit()

@@ -199,7 +199,8 @@ def test_browser_flow(cluster, browser):
         with page.expect_response(lambda r: r.url.endswith("/nodes/table") and r.status == 200, timeout=15_000):
             pass
         assert page.evaluate("window.__stillHere") is True  # the table refreshed in place
-        assert page.locator("tr[data-node='torch-torch'] .gauge").count() == 1
+        for column in ("staging", "decoding"):  # the staging budget's gauge, and the decoder's KV
+            assert page.locator(f"tr[data-node='torch-torch'] td.{column} .gauge").count() == 1
 
         # adding a node that does not answer says why, on the form
         with socket.socket() as closed:
@@ -360,12 +361,17 @@ def test_pair_form_checks_engines_model_paths_and_contracts(cluster, tmp_path):
         c.cookies.delete("lang")
         r = c.post("/pairs", data={**form, "context_length": "0"})
         assert r.status_code == 400 and re.search(r'name="context_length"[^>]*aria-invalid="true"', r.text)
+        r = c.post("/pairs", data={**form, "decode_kv_mib": "0"})
+        assert r.status_code == 400 and re.search(r'name="decode_kv_mib"[^>]*aria-invalid="true"', r.text)
         r = c.post("/pairs", data={**form, "threshold": "-3"})
         assert r.status_code == 400 and re.search(r'name="threshold"[^>]*value="-3" aria-invalid="true"', r.text)
-        # a real switch: the mlx node decodes with torch for this pair, with a 64 MiB budget on P
-        r = c.post("/pairs", data={**form, "decode_engine": "torch", "staging_mib": "64"})
+        # a real switch: the mlx node decodes with torch for this pair, with a 64 MiB staging budget
+        # on P and a 256 MiB KV budget on D (P's own KV budget stays as it was)
+        p_kv = t.status()["decode"]["kv_capacity"]
+        r = c.post("/pairs", data={**form, "decode_engine": "torch", "staging_mib": "64", "decode_kv_mib": "256"})
         assert r.status_code == 303, r.text[-2000:]
         assert m.status()["engine"] == "torch" and t.status()["budget"]["capacity"] == 64 << 20
+        assert m.status()["decode"]["kv_capacity"] == 256 << 20 and t.status()["decode"]["kv_capacity"] == p_kv
         r = c.post("/pairs", data={**form, "decode_engine": "mlx", "staging_mib": "512"})  # and back
         assert r.status_code == 303 and m.status()["engine"] == "mlx"
         pair_id = re.search(r'data-pair="checked">.*?/pairs/(\d+)/delete', c.get("/pairs").text, re.S).group(1)

@@ -48,6 +48,26 @@ def note_health(db: Engine, nodes: list[Node], results: list[dict]) -> None:
         s.commit()
 
 
+def percent(part: int, whole: int) -> int:
+    return round(100 * part / whole) if whole else 0
+
+
+def decoding(status: dict) -> dict | None:
+    """The decoder's admission: requests running and waiting, KV reserved of its budget; None
+    from an agent that does not report it (one older than decoder admission)."""
+    decode = status.get("decode")
+    if not decode:
+        return None
+    cap, reserved = decode.get("kv_capacity") or 0, decode.get("kv_reserved") or 0
+    return {
+        "running": decode.get("running", 0),
+        "waiting": decode.get("waiting", 0),
+        "kv_capacity": cap,
+        "kv_reserved": reserved,
+        "percent": percent(reserved, cap),
+    }
+
+
 def table_row(node: Node, probed: dict, pairs: list[str]) -> dict:
     st = probed.get("status") or {}
     budget = st.get("budget") or {}
@@ -65,8 +85,9 @@ def table_row(node: Node, probed: dict, pairs: list[str]) -> dict:
             "capacity": cap,
             "reserved": reserved,
             "waiting": budget.get("waiting", 0),
-            "percent": round(100 * reserved / cap) if cap else 0,
+            "percent": percent(reserved, cap),
         },
+        "decode": decoding(st),
         "open_handoffs": st.get("open_handoffs"),
         "totals": st.get("totals") or {},
         "pairs": pairs,

@@ -56,6 +56,7 @@ def check_form(form: dict, nodes: tuple[Node | None, Node | None], t: Tr) -> tup
     for key, message in (
         ("context_length", _("The context length must be a whole number of tokens, 1 or more.")),
         ("staging_mib", _("The staging budget must be a whole number of MiB, 1 or more.")),
+        ("decode_kv_mib", _("The decode KV budget must be a whole number of MiB, 1 or more.")),
     ):
         if form[key] and whole_number(form[key], 1) is None:
             return message, [key]
@@ -77,7 +78,7 @@ def check_form(form: dict, nodes: tuple[Node | None, Node | None], t: Tr) -> tup
 async def save_pair(panel: Panel, form: dict, p_node: Node, d_node: Node, t: Tr) -> tuple[str | None, list[str]]:
     """Create (or update) the pair on the nodes; (None, []) or why not and the fields at fault."""
     _ = t.gettext
-    staging_mib = whole_number(form["staging_mib"], 1)
+    staging_mib, decode_kv_mib = whole_number(form["staging_mib"], 1), whole_number(form["decode_kv_mib"], 1)
     try:
         await create_pair(
             panel.db,
@@ -94,6 +95,7 @@ async def save_pair(panel: Panel, form: dict, p_node: Node, d_node: Node, t: Tr)
             decode_model_path=form["decode_model_path"] or None,
             context_length=whole_number(form["context_length"], 1),
             staging_bytes=staging_mib << 20 if staging_mib else None,
+            decode_kv_bytes=decode_kv_mib << 20 if decode_kv_mib else None,
         )
     except ContractMismatch as e:
         names = ", ".join(_(CONTRACT_FIELDS.get(f, f)) for f in e.fields)
@@ -121,6 +123,7 @@ async def pairs_create(
     decode_model_path: Annotated[str, Form()] = "",
     context_length: Annotated[str, Form()] = "",
     staging_mib: Annotated[str, Form()] = "",
+    decode_kv_mib: Annotated[str, Form()] = "",
     threshold: Annotated[str, Form()] = "0",
     fallback: Annotated[str, Form()] = "decode_alone",
     page_encoding: Annotated[str, Form()] = "raw",
@@ -135,6 +138,7 @@ async def pairs_create(
         "decode_model_path": decode_model_path.strip(),
         "context_length": context_length.strip(),
         "staging_mib": staging_mib.strip(),
+        "decode_kv_mib": decode_kv_mib.strip(),
         "threshold": threshold,
         "fallback": fallback,
         "page_encoding": page_encoding,

@@ -1,0 +1,239 @@
+"""The pair form's budgets and the nodes table's decoding column, on the real panel in process
+with fake agents behind an httpx transport (as tests/unit/test_router.py drives the router).
+
+The fakes answer what an agent answers to the panel's calls (info, status, config, its
+checkpoints) and record every call; the identity proof is taken as passed. The real exchange
+with real agents is tests/test_panel_ui.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import re
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from alembic import command
+from sqlmodel import Session, select
+
+from control_panel import services
+from control_panel.app import create_app
+from control_panel.db import alembic_config, open_db
+from control_panel.models import Node, Pair
+from control_panel.security import set_admin_password
+from control_panel.state import open_state
+from control_panel.ui import node_status
+from tandem_protocol.client import AgentClient
+from tandem_protocol.contract import ModelContract
+from tandem_protocol.pages import PROTOCOL_VERSION
+
+KEY, PASSWORD = "tdm_unit-cluster-0123456789abcdef", "unit-admin-password"
+P, D = "http://p.test:7001", "http://d.test:7002"
+CONTRACT = ModelContract("w", "t", "c", 2048, layers=2, kv_heads=2, head_dim=64).to_dict()
+MIB = 1 << 20
+
+
+class FakeNodes(httpx.AsyncBaseTransport):
+    """Two agents, P and D, as the panel reaches them; `old`: those without decoder admission."""
+
+    def __init__(self, old: tuple[str, ...] = ()):
+        self.calls: list[tuple[str, str, dict | None]] = []  # (agent, path, body)
+        self.state = {
+            name: {"staging": 512 * MIB, "kv": 1024 * MIB, "kv_reserved": 0, "running": 0, "waiting": 0}
+            for name in ("P", "D")
+        }
+        self.old = old
+
+    def status(self, name: str) -> dict:
+        s = self.state[name]
+        status = {
+            "node_id": name * 32,
+            "name": name.lower(),
+            "protocol_version": PROTOCOL_VERSION,
+            "state": "ready",
+            "engine": "torch",
+            "model": "m",
+            "model_path": "/models/m",
+            "contract": CONTRACT,
+            "accelerator": {"kind": "cpu"},
+            "context_length": 2048,
+            "budget": {"capacity": s["staging"], "reserved": 0, "waiting": 0, "waiting_bytes": 0},
+            "decode": {
+                "kv_capacity": s["kv"],
+                "kv_reserved": s["kv_reserved"],
+                "max_sequences": 64,
+                "running": s["running"],
+                "waiting": s["waiting"],
+            },
+            "open_handoffs": 0,
+            "totals": {},
+        }
+        if name in self.old:
+            del status["decode"]
+        return status
+
+    def configured(self, name: str) -> list[dict]:
+        return [body for agent, path, body in self.calls if agent == name and path == "/v1/config"]
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        name = {"p.test": "P", "d.test": "D"}[request.url.host]
+        self.calls.append((name, request.url.path, body))
+        if request.url.path in ("/v1/info", "/v1/status"):
+            return httpx.Response(200, json=self.status(name))
+        if request.url.path == "/v1/models/local":
+            return httpx.Response(200, json={"roots": [], "models": []})
+        if request.url.path == "/v1/config":
+            if not body["dry_run"]:
+                s = self.state[name]
+                s["staging"] = body["staging_bytes"] or s["staging"]
+                s["kv"] = body.get("decode_kv_bytes") or s["kv"]
+            return httpx.Response(200, json={"ok": True, "changed": not body["dry_run"], **self.status(name)})
+        return httpx.Response(404, json={"error": {"message": "?"}})
+
+
+@pytest.fixture
+def panel(tmp_path, monkeypatch):
+    """The panel app with nodes "p" and "d" paired, every agent call going to `panel.state.agents`."""
+    agents = FakeNodes()
+    client = functools.partial(AgentClient, transport=agents)
+    monkeypatch.setattr(services, "AgentClient", client)
+    monkeypatch.setattr(node_status, "AgentClient", client)
+
+    async def proved(url: str, _key: str, expect_node_id: str | None = None) -> str:
+        return {P: "P", D: "D"}[url.rstrip("/")] * 32
+
+    monkeypatch.setattr(services, "verify_identity", proved)
+    state = open_state(tmp_path, KEY)
+    set_admin_password(state.db, PASSWORD)
+    app = create_app(state)
+    with Session(state.db) as s:
+        for name, url in (("P", P), ("D", D)):
+            s.add(Node(name=name.lower(), url=url, node_id=name * 32, paired=True, engine="torch", model="m"))
+        s.commit()
+    app.state.agents = agents
+    yield app
+    state.db.dispose()
+
+
+def node_ids(app) -> dict[str, str]:
+    with Session(app.state.db) as s:
+        return {n.name: str(n.id) for n in s.exec(select(Node))}
+
+
+def stored_pair_in(db: sa.Engine, name: str) -> Pair:
+    with Session(db) as s:
+        return s.exec(select(Pair).where(Pair.name == name)).one()
+
+
+def stored_pair(app, name: str) -> Pair:
+    return stored_pair_in(app.state.db, name)
+
+
+async def _signed_in_calls(app, calls: list[tuple[str, str, dict]], lang: str) -> list[httpx.Response]:
+    """Sign in, then make each (method, path, form) call; a form gets the session's CSRF token."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://panel") as c:
+        login = await c.get("/login")
+        token = re.search(r'name="csrf" value="([^"]+)"', login.text).group(1)
+        assert (await c.post("/login", data={"password": PASSWORD, "csrf": token})).status_code == 303
+        c.cookies.set("lang", lang)
+        csrf = re.search(r'name="csrf" value="([^"]+)"', (await c.get("/pairs")).text).group(1)
+        answers = []
+        for method, path, form in calls:
+            answers.append(await c.request(method, path, data={**form, "csrf": csrf} if method == "POST" else None))
+        await app.state.router.aclose()
+        return answers
+
+
+def as_admin(app, *calls: tuple[str, str, dict], lang: str = "en") -> list[httpx.Response]:
+    return asyncio.run(_signed_in_calls(app, list(calls), lang))
+
+
+def pair_form(app, **fields) -> dict:
+    ids = node_ids(app)
+    return {"name": "pd", "prefill": ids["p"], "decode": ids["d"], "threshold": "0", "fallback": "fail", **fields}
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-4", "lots"])
+def test_a_decode_kv_budget_that_is_not_whole_mib_is_refused_on_the_form(panel, value):
+    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel, decode_kv_mib=value)))
+    assert r.status_code == 400
+    assert "The decode KV budget must be a whole number of MiB, 1 or more." in r.text
+    assert re.search(r'name="decode_kv_mib"[^>]*aria-invalid="true"', r.text)
+    assert not re.search(r'name="staging_mib"[^>]*aria-invalid="true"', r.text)
+    assert panel.state.agents.configured("P") == panel.state.agents.configured("D") == []  # no node was asked
+    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel, decode_kv_mib=value)), lang="de")
+    assert "Das Decode-KV-Budget muss eine ganze Zahl von MiB sein, 1 oder mehr." in r.text
+
+
+def test_the_decode_kv_budget_goes_to_the_decode_node_alone(panel):
+    agents = panel.state.agents
+    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel, staging_mib="64", decode_kv_mib="256")))
+    assert r.status_code == 303, r.text[-2000:]
+    p_bodies, d_bodies = agents.configured("P"), agents.configured("D")
+    assert [b["dry_run"] for b in p_bodies] == [b["dry_run"] for b in d_bodies] == [True, False]  # checked, then set
+    assert all(b["staging_bytes"] == 64 * MIB and "decode_kv_bytes" not in b for b in p_bodies)
+    assert all(b["decode_kv_bytes"] == 256 * MIB and b["staging_bytes"] is None for b in d_bodies)
+    pair = stored_pair(panel, "pd")
+    assert (pair.staging_bytes, pair.decode_kv_bytes) == (64 * MIB, 256 * MIB)  # as the nodes report them
+
+    agents.calls.clear()  # blank budgets and nothing else to change: neither node is configured
+    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel)))
+    assert r.status_code == 303 and agents.configured("P") == agents.configured("D") == []
+    assert stored_pair(panel, "pd").decode_kv_bytes == 256 * MIB  # the decode node kept it
+
+
+def test_a_decode_node_without_admission_is_refused_a_decode_kv_budget(panel):
+    agents = panel.state.agents
+    agents.old = ("D",)
+    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel, decode_kv_mib="256")))
+    assert r.status_code == 400 and "decode node: this agent takes no decode KV budget: update Tandem" in r.text
+    assert re.search(r'name="decode_kv_mib"[^>]*aria-invalid="true"', r.text)
+    assert agents.configured("D") == []
+    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel)))  # without one, it pairs: its budget is not known
+    assert r.status_code == 303 and stored_pair(panel, "pd").decode_kv_bytes == 0
+
+
+def decoding_cell(html: str, node: str) -> str:
+    row = re.search(rf'<tr data-node="{node}".*?</tr>', html, re.S).group(0)
+    return re.search(r'<td class="decoding">(.*?)</td>', row, re.S).group(1)
+
+
+def test_the_nodes_table_shows_decoding_and_a_dash_for_an_older_agent(panel):
+    agents = panel.state.agents
+    agents.old = ("P",)
+    agents.state["D"].update(kv_reserved=64 * MIB, kv=256 * MIB, running=2, waiting=1)
+    (en,) = as_admin(panel, ("GET", "/nodes/table", {}))
+    assert en.status_code == 200
+    assert "<th>Decoding</th>" in en.text
+    d = decoding_cell(en.text, "d")
+    assert "2 running · 1 waiting" in d and "64.0 MiB of 256.0 MiB KV reserved" in d
+    assert 'aria-valuenow="67108864"' in d and "width: 25%" in d
+    assert decoding_cell(en.text, "p").strip() == "—"
+    (de,) = as_admin(panel, ("GET", "/nodes/table", {}), lang="de")
+    assert "2 laufend · 1 wartend" in decoding_cell(de.text, "d")
+
+
+def test_migration_gives_existing_pairs_an_unknown_decode_kv_budget(tmp_path):
+    db = tmp_path / "panel.db"
+    engine = open_db(db, "0004")
+    with engine.begin() as c:
+        c.execute(sa.text("INSERT INTO node (id, name, url) VALUES (1, 'a', 'http://a:1'), (2, 'b', 'http://b:1')"))
+        c.execute(
+            sa.text(
+                "INSERT INTO pair (name, prefill_node_id, decode_node_id, prefill_engine, decode_engine, "
+                "prefill_model_path, decode_model_path, context_length, staging_bytes) "
+                "VALUES ('old', 1, 2, 'torch', 'mlx', '/m', '/m', 8192, 1024)"
+            )
+        )
+    engine.dispose()
+    engine = open_db(db)
+    assert stored_pair_in(engine, "old").decode_kv_bytes == 0
+    engine.dispose()
+    command.downgrade(alembic_config(f"sqlite:///{db}"), "0004")
+    engine = sa.create_engine(f"sqlite:///{db}")
+    assert "decode_kv_bytes" not in {c["name"] for c in sa.inspect(engine).get_columns("pair")}
+    engine.dispose()
