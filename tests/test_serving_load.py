@@ -78,7 +78,7 @@ def configure(agent: AgentProcess, smol_dir, **body) -> None:
         assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("model", ["torch-to-mlx", "mlx-to-torch"])
+@pytest.mark.parametrize("model", ["torch-to-mlx"])  # admission is the agent's, whatever its engine
 def test_past_a_small_decode_budget_streams_wait_then_complete_or_get_429(desk, smol_dir, model):
     agents, panel, _ = desk
     p, d = (agents[n] for n in PAIRS[model])
