@@ -234,7 +234,7 @@ def report(figures: dict, stem: Path) -> str:
                 "| conc. | tok/s | TTFT p50 |",
                 "|---:|---:|---:|",
             ]
-            for a, b in zip(figures["targets"][ours], figures["targets"][theirs], strict=True):
+            for a, b in zip(figures["targets"][ours], figures["targets"][theirs]):  # up to the levels both ran
                 lines.append(
                     f"| {a['concurrency']} | {a['tokens_per_s'] / b['tokens_per_s']:.2f} | {a['ttft_p50'] / b['ttft_p50']:.2f} |"
                 )
@@ -243,6 +243,8 @@ def report(figures: dict, stem: Path) -> str:
             lines.append(
                 f"\npair at concurrency {r['concurrency']}: TTFT p99 ÷ p50 = {r['ttft_p99'] / r['ttft_p50']:.2f}"
             )
+    for target, why in figures.get("failures", {}).items():
+        lines.append(f"\n{target} failed at {why}")
     text = "\n".join(lines) + "\n"
     stem.with_suffix(".md").write_text(text)
     stem.with_suffix(".json").write_text(json.dumps(figures, indent=2))
@@ -281,6 +283,7 @@ def main() -> None:
     eos = sorted(inspect_model(model).eos_token_ids)
     ignore_eos = {"ignore_eos": True}
     figures = {"model": model.name, "levels": levels, "targets": {}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"serving-{time.strftime('%Y%m%d-%H%M%S')}"
     home = Path(tempfile.mkdtemp(prefix="tandem-bench-serving-"))
     with ExitStack() as stack:
@@ -316,7 +319,12 @@ def main() -> None:
         def measure(target: str, base_url: str, key: str, name: str, extra: dict) -> None:
             rows = []
             for c in levels:
-                rows.append(asyncio.run(level(base_url, key, name, texts, c, extra)))
+                try:
+                    rows.append(asyncio.run(level(base_url, key, name, texts, c, extra)))
+                except Exception as e:  # a server that fails a level: its earlier levels stand
+                    print(f"{target:14s} c={c:<3d} failed: {type(e).__name__}: {e}", flush=True)
+                    figures.setdefault("failures", {})[target] = f"concurrency {c}: {type(e).__name__}: {e}"
+                    break
                 r = rows[-1]
                 print(
                     f"{target:14s} c={c:<3d} {r['tokens_per_s']:7.1f} tok/s ({r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x c1)  "
@@ -324,6 +332,7 @@ def main() -> None:
                     flush=True,
                 )
             figures["targets"][target] = rows
+            report(figures, stem)  # after every target: a run cut short keeps what it measured
 
         for target in targets:
             if target in ("torch", "mlx", "vllm"):
@@ -361,7 +370,6 @@ def main() -> None:
             )
             figures["vllm_bench_serve"] = text
             print(text[-2500:])
-    RESULTS.mkdir(parents=True, exist_ok=True)
     print(report(figures, stem))
     print(f"wrote {stem}.{{json,md,png}}")
 
