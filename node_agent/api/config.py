@@ -77,14 +77,15 @@ async def configure(body: ConfigBody, agent: Agent):
             "max_context": model.max_context,
             "contract": contract.to_dict(),
         }
-    changed = await agent.slot.replace(body.engine, model.path, context_length, agent.idle)
-    if changed:
+    engine_changed = await agent.slot.replace(body.engine, model.path, context_length, agent.idle)
+    if engine_changed:
         agent.config.model_name = model.path.name
         await announce(agent)
+    changed = engine_changed
     if body.staging_bytes is not None and body.staging_bytes != agent.budget.capacity:
         agent.budget.resize(body.staging_bytes)
         changed = True
-    return {"ok": True, "changed": admit(agent, body, engine_changed=changed) or changed, **agent.info()}
+    return {"ok": True, "changed": admit(agent, body, engine_changed) or changed, **agent.info()}
 
 
 def admit(agent: AgentState, body: ConfigBody, engine_changed: bool) -> bool:
