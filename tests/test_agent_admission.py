@@ -60,7 +60,9 @@ def test_a_request_that_can_never_fit_is_refused_before_any_compute(narrow, long
 
 
 def test_past_the_cap_requests_wait_their_turn_and_get_their_own_answers(narrow, long_ids):
-    prompts = [prompt(long_ids, n) for n in (40, 41, 42, 43, 44, 45)]
+    # four at once past a cap of two: the last two wait one round, well inside the 4 s wait (six,
+    # three rounds, waited past it in 2 of 7 runs beside other tests)
+    prompts = [prompt(long_ids, n) for n in (40, 41, 42, 43)]
     alone = [tokens_of(run(generate_request(narrow.url, ids, SHORT))) for ids in prompts]
     assert len({tuple(a) for a in alone}) > 1
 
