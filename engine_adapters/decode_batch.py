@@ -54,9 +54,7 @@ class DecodeBatch:
         self._executor, self._forward_rows = executor, forward_rows
         self.rows: list[Row] = []  # engine thread only
         self._stepping = False  # a step is queued on the engine thread
-        self.steps = 0  # forwards run (figures for tests and status)
-        self.row_steps = 0  # tokens they produced
-        self.widest = 0  # the most rows one forward has stepped
+        self.widest = 0  # the most rows one forward has stepped (tests check that a batch formed)
 
     # ---- engine thread ------------------------------------------------------------------
     def add(self, row: Row) -> None:
@@ -85,8 +83,6 @@ class DecodeBatch:
                 self.rows.remove(row)
                 row.deliver(e)
         else:
-            self.steps += 1
-            self.row_steps += len(rows)
             self.widest = max(self.widest, len(rows))
             for row, token in zip(rows, tokens, strict=True):
                 row.token = token
