@@ -364,7 +364,7 @@ def main() -> None:
                     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
                     start_server(server, cmd, env, f"http://127.0.0.1:{port}/health", home / "vllm.log")
                     measure(target, f"http://127.0.0.1:{port}/v1", "none", "tandem", ignore_eos)
-        if not args.no_vllm_bench and "pair" in targets:
+        if not args.no_vllm_bench:  # against the pair, which the panel always has
             text = vllm_bench_serve(
                 panel_url.removesuffix("/v1"), api_key, "torch-to-mlx", model, stem.with_suffix(".vllm-bench.txt")
             )

@@ -14,6 +14,7 @@ from control_panel.db import open_db
 from control_panel.models import Pair, RequestLog
 
 from .agents import AgentProcess, PanelProcess, log_rows, settle
+from .panel_db import insert_old_pair
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +103,7 @@ def test_first_migration_upgrades_and_data_survive_restart(tmp_path):
     db = tmp_path / "panel.db"
     engine = open_db(db, "0001")
     assert "requestlog" not in sa.inspect(engine).get_table_names()
-    with engine.begin() as c:
-        c.execute(sa.text("INSERT INTO node (name, url) VALUES ('a', 'http://a:1'), ('b', 'http://b:1')"))
-        c.execute(
-            sa.text(
-                "INSERT INTO pair (name, prefill_node_id, decode_node_id, prefill_engine, decode_engine, "
-                "prefill_model_path, decode_model_path, context_length, staging_bytes) "
-                "VALUES ('old', 1, 2, 'torch', 'mlx', '/m', '/m', 8192, 1024)"
-            )
-        )
+    insert_old_pair(engine)
     engine.dispose()
     engine = open_db(db)  # what a newer panel does on start
     with Session(engine) as s:

@@ -30,6 +30,8 @@ from tandem_protocol.client import AgentClient
 from tandem_protocol.contract import ModelContract
 from tandem_protocol.pages import PROTOCOL_VERSION
 
+from ..panel_db import insert_old_pair
+
 KEY, PASSWORD = "tdm_unit-cluster-0123456789abcdef", "unit-admin-password"
 P, D = "http://p.test:7001", "http://d.test:7002"
 CONTRACT = ModelContract("w", "t", "c", 2048, layers=2, kv_heads=2, head_dim=64).to_dict()
@@ -220,15 +222,7 @@ def test_the_nodes_table_shows_decoding_and_a_dash_for_an_older_agent(panel):
 def test_migration_gives_existing_pairs_an_unknown_decode_kv_budget(tmp_path):
     db = tmp_path / "panel.db"
     engine = open_db(db, "0004")
-    with engine.begin() as c:
-        c.execute(sa.text("INSERT INTO node (id, name, url) VALUES (1, 'a', 'http://a:1'), (2, 'b', 'http://b:1')"))
-        c.execute(
-            sa.text(
-                "INSERT INTO pair (name, prefill_node_id, decode_node_id, prefill_engine, decode_engine, "
-                "prefill_model_path, decode_model_path, context_length, staging_bytes) "
-                "VALUES ('old', 1, 2, 'torch', 'mlx', '/m', '/m', 8192, 1024)"
-            )
-        )
+    insert_old_pair(engine)
     engine.dispose()
     engine = open_db(db)
     assert stored_pair_in(engine, "old").decode_kv_bytes == 0
