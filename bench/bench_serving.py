@@ -177,6 +177,21 @@ def start_server(stack: ExitStack, cmd: list[str], env: dict, health: str, log: 
     wait_healthy(health, proc)
 
 
+def start_mlx_lm_server(stack: ExitStack, model: Path, home: Path) -> tuple[str, str]:
+    """mlx_lm.server on a float32 copy of `model` with Debian's OpenBLAS preloaded, as Tandem's
+    MLX adapter computes on a CPU; its base URL and the model name it serves."""
+    port = free_port()
+    copy = float32_copy(model, home / "float32")
+    start_server(
+        stack,
+        [sys.executable, "-m", "mlx_lm.server", "--model", str(copy), "--port", str(port)],
+        {"LD_PRELOAD": ":".join(str(p) for p in SYSTEM_PATHS if p.exists())},
+        f"http://127.0.0.1:{port}/health",
+        home / "mlx_lm.log",
+    )
+    return f"http://127.0.0.1:{port}/v1", str(copy)
+
+
 def vllm_python() -> str:
     return os.environ.get("TANDEM_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
 
@@ -294,7 +309,8 @@ def main() -> None:
             if name == "vllm" and "vllm" not in targets:
                 continue
             proc = ServiceProcess(
-                agent_serve_args(engine, model, "--name", f"bench-{name}"),
+                # caches off: levels reuse prompts, and this measures batching, not reuse
+                agent_serve_args(engine, model, "--name", f"bench-{name}", "--prefix-cache-bytes", "0"),
                 env={"TANDEM_HOME": str(home / name), "TANDEM_CLUSTER_KEY": KEY},
             )
             stack.callback(proc.stop)
@@ -341,17 +357,9 @@ def main() -> None:
                 measure(target, panel_url, api_key, "torch-to-mlx", ignore_eos)
             elif target == "mlx_lm.server":
                 with ExitStack() as server:
-                    port = free_port()
-                    copy = float32_copy(model, home / "float32")
-                    start_server(
-                        server,
-                        [sys.executable, "-m", "mlx_lm.server", "--model", str(copy), "--port", str(port)],
-                        {"LD_PRELOAD": ":".join(str(p) for p in SYSTEM_PATHS if p.exists())},
-                        f"http://127.0.0.1:{port}/health",
-                        home / "mlx_lm.log",
-                    )
+                    url, name = start_mlx_lm_server(server, model, home)
                     no_eos = {"logit_bias": {str(t): -100.0 for t in eos}}  # it has no ignore_eos
-                    measure(target, f"http://127.0.0.1:{port}/v1", "none", str(copy), no_eos)
+                    measure(target, url, "none", name, no_eos)
             elif target == "vllm serve":
                 with ExitStack() as server:
                     port = free_port()

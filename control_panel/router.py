@@ -49,6 +49,7 @@ class RouteStats:
     reason: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens a prefix cache served (D's, or on P/D P's if more)
     ttft_ms: float | None = None
     bytes_moved: int = 0
     finish_reason: str | None = None
@@ -159,6 +160,7 @@ class Router:
                     stats.output_tokens += 1
                 elif event.get("done"):
                     stats.bytes_moved = event.get("wire_bytes", 0)
+                    stats.cached_tokens = max(event.get("cached_tokens", 0), event.get("prefill_cached_tokens", 0))
                     stats.finish_reason = event.get("finish_reason")
                 yield event
         except AgentHTTPError as e:

@@ -56,6 +56,11 @@ class EngineRequest:
     sampling: SamplingParams
     mode: FirstTokenMode = FirstTokenMode.COMMIT_FIRST
     imported_at: float | None = None  # a decode's: wall clock once every page was in the engine's cache
+    cached_tokens: int = 0  # prompt tokens whose KV came from this engine's prefix cache
+    # A delta handoff: the leading pages of the prompt's KV the decoder holds already (set by its
+    # `hold_prefix`); the prefiller sends only the pages after them.
+    have_pages: int = 0
+    held: Any = None  # what the decoder's engine holds for those pages until the decode takes them
 
 
 class EngineAdapter(ABC):
@@ -107,7 +112,9 @@ class EngineAdapter(ABC):
     @abstractmethod
     def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
         """Run the prompt; yield its KV pages in order (index 0, 1, …) as they are produced, then
-        exactly one PrefillDone carrying the first token sampled with `req.sampling`.
+        exactly one PrefillDone carrying the first token sampled with `req.sampling`. Pages before
+        `req.have_pages` (a delta handoff: the decoder holds them) need not be yielded; the
+        agent drops any that are.
 
         The pages cover `kv_tokens(len(prompt), req.mode)` tokens: the whole prompt for a
         commit-first decoder, prompt[:-1] for a recompute-last one. Pages leave as the engine
@@ -202,6 +209,30 @@ class EngineAdapter(ABC):
 
         return psutil.virtual_memory().available // 4
 
+    async def hold_prefix(self, req: EngineRequest) -> None:  # noqa: B027 (optional hook)
+        """Before a P/D decode: find the longest prefix of the KV `req` needs (its first
+        `kv_tokens(len(prompt), req.mode)` tokens, whole pages) that this engine's prefix cache
+        holds, and hold it for the request (eviction cannot take it) — `req.have_pages` pages,
+        in `req.held`. The prefiller then sends only the later pages, and `decode` expects its
+        stream to begin at page `have_pages`. An engine without a prefix cache holds nothing."""
+
+    def prefix_cache_default_bytes(self) -> int:
+        """The default budget of the engine's prefix cache (pages of recent prompts and outputs,
+        in host memory at the canonical size): an eighth of the memory available once the model
+        is loaded, half of what `kv_budget_bytes` gives running requests on a CPU."""
+        import psutil
+
+        return psutil.virtual_memory().available // 8
+
+    def prefix_cache_status(self) -> dict | None:
+        """The prefix cache's figures (capacity, bytes, pages, lookups, lookup_tokens, hit_tokens,
+        evicted_pages), or None for an engine that keeps no prefix cache of Tandem's."""
+        return None
+
+    def set_prefix_cache_bytes(self, capacity: int) -> None:  # noqa: B027 (optional hook, not abstract)
+        """Keep at most `capacity` bytes of prefix pages (0: none), evicting at once what is over.
+        An engine without a prefix cache of Tandem's ignores it."""
+
     async def engine_stats(self) -> dict:
         """Engine-side figures for the agent's status (an engine in another process reports its
         own KV pool here, so tests and users can see it return to baseline)."""
@@ -257,7 +288,7 @@ class EngineAdapter(ABC):
         be running); when resumed, waits for the writes to finish."""
         P = self.geometry.page_tokens
         expected_pages = self.geometry.pages_for(expected_tokens)
-        index, done, pending = 0, None, deque()
+        index, done, pending = req.have_pages, None, deque()  # a delta handoff begins after the held pages
         try:
             async for page in stream:
                 self._check(req, event)

@@ -38,10 +38,12 @@ import numpy as np
 
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone, kv_tokens
 from tandem_protocol.pages import KVPage, make_page
+from tandem_protocol.prefix import page_hashes
 
 from . import failpoints
 from .base import EngineAdapter, EngineRequest
 from .decode_batch import DecodeBatch, Row
+from .prefix_cache import PrefixCache
 from .sampler import Sampler
 
 
@@ -51,6 +53,7 @@ class InProcessEngine(EngineAdapter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batch = DecodeBatch(self._executor, self.forward_rows)
+        self.prefix_cache = PrefixCache(self.prefix_cache_default_bytes(), self.geometry.page_bytes)
 
     # ---- engine primitives (engine thread only) -------------------------------------------
     @abstractmethod
@@ -101,14 +104,15 @@ class InProcessEngine(EngineAdapter):
         return [make_page(self.geometry, (start + a) // P, kv[:, :, a : a + P]) for a in range(0, kv.shape[2], P)]
 
     # ---- the chunk loop -------------------------------------------------------------------
-    def prefill_chunks(self, n: int) -> list[tuple[int, int]]:
-        """The [start, end) spans a prompt of n tokens is computed in: prefill_chunk_tokens each,
-        except that the last page gets a chunk of its own. Pages leave after their chunk is
-        computed, so the pages of the chunk before it travel while the last page computes, and
-        what is left to send after prefill is one page, not a whole chunk (on an 85 MB/s link,
-        ~18 ms instead of ~70). Local generation uses the same spans, so its numbers are P/D's."""
+    def prefill_chunks(self, n: int, start: int = 0) -> list[tuple[int, int]]:
+        """The [start, end) spans a prompt of n tokens is computed in, from `start` (0, or the end
+        of a cached prefix): prefill_chunk_tokens each, except that the last page gets a chunk of
+        its own. Pages leave after their chunk is computed, so the pages of the chunk before it
+        travel while the last page computes, and what is left to send after prefill is one page,
+        not a whole chunk (on an 85 MB/s link, ~18 ms instead of ~70). Local generation uses the
+        same spans, so its numbers are P/D's."""
         last_page = (n - 1) // self.geometry.page_tokens * self.geometry.page_tokens
-        spans, start = [], 0
+        spans = []
         while start < n:
             end = min(start + self.prefill_chunk_tokens, n)
             if end == n and start < last_page:
@@ -126,9 +130,14 @@ class InProcessEngine(EngineAdapter):
             t0 = time.perf_counter()
             ids, n, P = req.token_ids, len(req.token_ids), self.geometry.page_tokens
             session = await self.on_engine(self.new_session, n)
-            sent, logits = 0, None
+            cached = await self.on_engine(self._restore, session, ids)
+            req.cached_tokens = len(cached) * P
+            for index in range(req.have_pages, len(cached)):  # computed before: leaves at once
+                yield make_page(self.geometry, index, cached[index])
+            # computed from the end of the cached prefix; exported past what the decoder holds
+            sent, logits = max(req.cached_tokens, req.have_pages * P), None
             exports: deque = deque()  # export handles not yet collected
-            spans = self.prefill_chunks(n)
+            spans = self.prefill_chunks(n, req.cached_tokens)
             for i, (start, end) in enumerate(spans):
                 self._check(req, event)
                 failpoints.reach("prefill_chunk")
@@ -147,12 +156,14 @@ class InProcessEngine(EngineAdapter):
                     for page in await self.on_engine(self.export_finish, exports.popleft()):
                         yield page
             first = Sampler(req.sampling)(logits)
+            self._remember(session, ids)
             yield PrefillDone(
                 first_token=first,
                 kv_tokens=export,
                 pages=self.geometry.pages_for(export),
                 prefill_seconds=time.perf_counter() - t0,
                 finished_at=time.time(),
+                cached_tokens=req.cached_tokens,
             )
         finally:
             self._cancels.pop(req.request_id, None)
@@ -168,6 +179,8 @@ class InProcessEngine(EngineAdapter):
         try:
             session = await self.on_engine(self.new_session, len(req.token_ids) + req.sampling.max_tokens)
             P = self.geometry.page_tokens
+            held, req.held = req.held or [], None
+            await self.on_engine(self._import_held, session, held)  # the stream brings the rest
 
             def write(page: KVPage) -> None:
                 self.import_kv(session, page.index * P, page.kv)
@@ -188,8 +201,12 @@ class InProcessEngine(EngineAdapter):
             else:
                 self._check(req, event)
                 first = await self.on_engine(self._next_token, session, req.token_ids[-1], sampler)
+            produced = []
             async for token in self._continue(req, event, session, sampler, first, emitted=commit_first):
+                produced.append(token)
                 yield token
+            out = [first, *produced] if commit_first else produced
+            self._remember(session, req.token_ids + out[:-1])
         finally:
             self._cancels.pop(req.request_id, None)
             if session is not None:
@@ -202,13 +219,17 @@ class InProcessEngine(EngineAdapter):
         try:
             ids = req.token_ids
             session = await self.on_engine(self.new_session, len(ids) + req.sampling.max_tokens)
+            req.cached_tokens = len(await self.on_engine(self._restore, session, ids)) * self.geometry.page_tokens
             logits = None
-            for start, end in self.prefill_chunks(len(ids)):
+            for start, end in self.prefill_chunks(len(ids), req.cached_tokens):
                 self._check(req, event)
                 logits = await self._compute(session, ids[start:end], last=end == len(ids))
             sampler = Sampler(req.sampling)
+            produced = []
             async for token in self._continue(req, event, session, sampler, sampler(logits)):
+                produced.append(token)
                 yield token
+            self._remember(session, ids + produced[:-1])
         finally:
             self._cancels.pop(req.request_id, None)
             if session is not None:
@@ -248,6 +269,54 @@ class InProcessEngine(EngineAdapter):
         finally:
             # before the session is released (also on the engine thread, queued after this)
             await asyncio.shield(self.on_engine(self.batch.remove, row))
+
+    # ---- the prefix cache (prefix_cache.py) ------------------------------------------------
+    def prefix_cache_status(self) -> dict:
+        return self.prefix_cache.status()
+
+    def set_prefix_cache_bytes(self, capacity: int) -> None:
+        self._executor.submit(self.prefix_cache.resize, capacity).result()
+
+    async def hold_prefix(self, req: EngineRequest) -> None:
+        req.held = await self.on_engine(self._held_pages, kv_tokens(len(req.token_ids), req.mode), req.token_ids)
+        req.have_pages = len(req.held)
+        req.cached_tokens = req.have_pages * self.geometry.page_tokens
+
+    def _held_pages(self, tokens: int, ids: list[int]) -> list[np.ndarray]:
+        # Held by reference: an eviction meanwhile drops the cache's entry, not the array.
+        if self.prefix_cache.capacity < self.geometry.page_bytes:
+            return []
+        return self.prefix_cache.match(self._hashes(ids[:tokens]), self.geometry.page_tokens)
+
+    def _restore(self, session: Any, ids: list[int]) -> list[np.ndarray]:
+        """Import the longest cached prefix of `ids` into `session` and return its pages. The last
+        prompt token is always computed (its logits sample the first token), so the pages looked
+        up are those of ids[:-1]."""
+        pages = self._held_pages(len(ids) - 1, ids)
+        self._import_held(session, pages)
+        if pages:
+            self.set_length(session, len(pages) * self.geometry.page_tokens)
+        return pages
+
+    def _import_held(self, session: Any, pages: list[np.ndarray]) -> None:
+        for index, kv in enumerate(pages):
+            self.import_kv(session, index * self.geometry.page_tokens, kv)
+
+    def _remember(self, session: Any, tokens: list[int]) -> None:
+        """Queue, on the engine thread ahead of the session's release, the caching of the full
+        pages of `tokens` (whose KV the session holds from position 0) that the cache lacks."""
+        if self.prefix_cache.capacity >= self.geometry.page_bytes:
+            self._executor.submit(self._cache_pages, session, tokens)
+
+    def _cache_pages(self, session: Any, tokens: list[int]) -> None:
+        hashes, P = self._hashes(tokens), self.geometry.page_tokens
+        first = next((i for i, h in enumerate(hashes) if h not in self.prefix_cache), len(hashes))
+        kv = self.export_kv(session, first * P, len(hashes) * P) if first < len(hashes) else None
+        pages = [] if kv is None else [np.ascontiguousarray(kv[:, :, a : a + P]) for a in range(0, kv.shape[2], P)]
+        self.prefix_cache.add(hashes, pages, start=first)
+
+    def _hashes(self, tokens: list[int]) -> list[bytes]:
+        return page_hashes(self.contract.fingerprint_bytes, tokens, self.geometry.page_tokens)
 
     def _next_token(self, session: Any, token: int, sampler: Sampler) -> int:
         return sampler(self.forward(session, [token]))

@@ -97,6 +97,11 @@ def serve(
         "4GiB (default: the engine's share of its memory).",
     ),
     max_sequences: int = typer.Option(MAX_SEQUENCES, min=1, help="Requests the decoder runs at once."),
+    prefix_cache_bytes: str = typer.Option(
+        None,
+        help="KV of recent prompts and answers the engine keeps for the next turn of a conversation, e.g. "
+        "2GiB; 0 keeps none (default: an eighth of the memory free once the model is loaded).",
+    ),
     admission_wait: float = typer.Option(
         WAIT_SECONDS, min=0, help="Seconds a request may wait for the decoder's room before it is answered 429."
     ),
@@ -180,6 +185,7 @@ def serve(
         decode_kv_bytes=parse_size(decode_kv_bytes) if decode_kv_bytes else None,
         max_sequences=max_sequences,
         admission_wait=admission_wait,
+        prefix_cache_bytes=parse_size(prefix_cache_bytes) if prefix_cache_bytes else None,
         handoff_ttl=handoff_ttl,
         model_name=path.name,
         stall_timeout=stall_timeout,
@@ -278,6 +284,9 @@ def status(url: str = typer.Argument(f"http://127.0.0.1:{DEFAULT_PORT}", help="A
         ("open handoffs", str(s["open_handoffs"])),
         ("active requests", str(s["active_requests"])),
     ]
+    if pc := s.get("prefix_cache"):
+        hits = f"{pc['hit_tokens']:,} of {pc['lookup_tokens']:,} prompt tokens reused"
+        rows.append(("prefix cache", f"{pc['bytes']:,} of {pc['capacity']:,} bytes ({pc['pages']} pages), {hits}"))
     rows += [(k.replace("_", " "), f"{v:,.0f}") for k, v in s["totals"].items()]
     for k, v in rows:
         table.add_row(k, v)

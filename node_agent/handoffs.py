@@ -4,7 +4,8 @@ Life of a handoff (one "handoff_id"):
 
 1. `create` checks the request, then reserves `pages × page_bytes` of the staging budget
    *before any compute* (an oversize prompt is refused at once; a busy budget is waited for in
-   FIFO order up to a deadline). It then starts prefill in a task and a lease timer, which the
+   FIFO order up to a deadline). The pages are those the decoder lacks: it names how many
+   leading pages it holds already (`have_pages`, a delta handoff), and only later ones are sent. It then starts prefill in a task and a lease timer, which the
    decoder's arrival cancels (a lease bounds how long pages wait for a reader, not a prefill).
 2. The task frames each page as prefill produces it and queues it; the decoder's `stream`
    call sends the queue as it fills (a heartbeat each second it stays empty), then the final
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from engine_adapters import failpoints
 from engine_adapters.base import EngineAdapter, EngineRequest
 from tandem_protocol.contract import token_digest
-from tandem_protocol.errors import Cancelled, TandemError
+from tandem_protocol.errors import Cancelled, RequestError, TandemError
 from tandem_protocol.handoff import FirstTokenMode, kv_tokens
 from tandem_protocol.pages import RAW, KVPage, encode_frame
 from tandem_protocol.sampling import SamplingParams
@@ -59,6 +60,7 @@ class Handoff:
     pages_sent: int = 0
     bytes_sent: int = 0
     encoding: int = RAW  # how the pages travel (engine_adapters/pages.py)
+    pages: int = 0  # pages it sends: those after the decoder's `have_pages`
 
 
 class HandoffManager:
@@ -75,9 +77,18 @@ class HandoffManager:
     def adapter(self) -> EngineAdapter:
         return self.slot.adapter  # the engine cannot change while a handoff is open (EngineSlot)
 
-    def page_bytes_for(self, prompt_tokens: int, mode: FirstTokenMode) -> tuple[int, int]:
-        pages = self.adapter.geometry.pages_for(kv_tokens(prompt_tokens, mode))
-        return pages, pages * self.adapter.geometry.page_bytes
+    def page_bytes_for(self, prompt_tokens: int, mode: FirstTokenMode, have_pages: int = 0) -> tuple[int, int]:
+        """The pages a handoff sends and their staging bytes; RequestError if the decoder claims
+        to hold more than the whole pages of the KV it needs."""
+        g = self.adapter.geometry
+        tokens = kv_tokens(prompt_tokens, mode)
+        if have_pages > tokens // g.page_tokens:
+            raise RequestError(
+                f"have_pages {have_pages} exceeds the {tokens // g.page_tokens} whole pages of this "
+                f"prompt's {tokens}-token KV (a partly filled page is always sent)"
+            )
+        pages = g.pages_for(tokens) - have_pages
+        return pages, pages * g.page_bytes
 
     async def create(
         self,
@@ -87,12 +98,13 @@ class HandoffManager:
         mode: FirstTokenMode,
         wait_timeout: float,
         encoding: int = RAW,
+        have_pages: int = 0,
     ) -> Handoff:
         if handoff_id in self.handoffs:
             raise HandoffError(f"handoff {handoff_id} already exists on this node", 409)
-        request = EngineRequest(f"handoff-{handoff_id}", list(token_ids), sampling, mode)
+        request = EngineRequest(f"handoff-{handoff_id}", list(token_ids), sampling, mode, have_pages=have_pages)
         self.adapter.validate(request, generates=False)
-        _, nbytes = self.page_bytes_for(len(token_ids), mode)
+        pages, nbytes = self.page_bytes_for(len(token_ids), mode, have_pages)
         if handoff_id in self.waiting:
             raise HandoffError(f"handoff {handoff_id} is already waiting for budget on this node", 409)
         self.budget.check_fits(nbytes)  # an oversize prompt is refused before any wait or compute
@@ -106,7 +118,7 @@ class HandoffManager:
             raise
         finally:
             self.waiting.pop(handoff_id, None)
-        handoff = Handoff(handoff_id, request, reservation, encoding=encoding)
+        handoff = Handoff(handoff_id, request, reservation, encoding=encoding, pages=pages)
         self.handoffs[handoff_id] = handoff
         handoff.task = asyncio.create_task(self._produce(handoff), name=f"prefill-{handoff_id}")
         handoff.lease = asyncio.get_running_loop().call_later(self.ttl, self._expire, handoff_id)
@@ -121,6 +133,8 @@ class HandoffManager:
         try:
             async with aclosing(self.adapter.prefill(h.request)) as items:
                 async for item in items:
+                    if isinstance(item, KVPage) and item.index < h.request.have_pages:
+                        continue  # the decoder holds it (an engine that cannot skip computing it yields it)
                     if perturb and isinstance(item, KVPage):
                         item = failpoints.perturb_k(item)
                     if isinstance(item, KVPage) and h.encoding == RAW:  # header + a view of the page's buffer

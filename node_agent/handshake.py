@@ -63,6 +63,8 @@ class Handshake:
             "first_page_at": None,
             "last_page_at": None,
             "prefill_finished_at": None,
+            "have_pages": 0,  # pages this decoder held already: not sent (a delta handoff)
+            "prefill_cached_tokens": 0,  # prompt tokens the prefiller took from its cache
         }
 
     async def open(self, req: EngineRequest, page_encoding: str) -> None:
@@ -70,6 +72,7 @@ class Handshake:
         attach as its reader at once: the prefiller's lease (pages nobody reads) ends there, and
         the first pages come in while this engine gets ready. A refusal (4xx) or a failure is
         raised before any token stream starts."""
+        self.stats["have_pages"] = req.have_pages
         try:
             # One attempt: the contract sent is this engine's live one, so a 409 (another model
             # contract, or the prefiller switching engines) would be the same on a second try.
@@ -80,6 +83,7 @@ class Handshake:
                 mode=req.mode.value,
                 contract=self.adapter.contract.fingerprint,
                 page_encoding=page_encoding,
+                have_pages=req.have_pages,
             )
         except AgentHTTPError as e:
             if e.status < 500:
@@ -119,6 +123,7 @@ class Handshake:
                             kv_tokens=item.kv_tokens,
                             prefill_seconds=item.prefill_seconds,
                             prefill_finished_at=item.finished_at,
+                            prefill_cached_tokens=item.cached_tokens,
                         )
                     yield item
         except TransportError as e:

@@ -26,7 +26,8 @@ _QUEUE_PAGES = 64
 
 @dataclass
 class PairStats:
-    pages: int = 0
+    pages: int = 0  # pages sent
+    have_pages: int = 0  # pages the decoder held already, not sent (a delta handoff)
     wire_bytes: int = 0
     kv_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -56,11 +57,15 @@ async def run_pair(
     d_req = EngineRequest(f"{request_id}-d", list(token_ids), sampling, mode)
     wire: asyncio.Queue = asyncio.Queue(_QUEUE_PAGES)
     t0 = time.perf_counter()
+    await decoder.hold_prefix(d_req)  # a delta handoff: P sends only the pages D lacks
+    p_req.have_pages = stats.have_pages = d_req.have_pages
 
     async def produce() -> None:
         try:
             async with aclosing(prefiller.prefill(p_req)) as items:
                 async for item in items:
+                    if isinstance(item, KVPage) and item.index < p_req.have_pages:
+                        continue  # as the agent does: D holds it
                     if isinstance(item, KVPage):
                         frame = frame_bytes(
                             item, contract=prefiller.contract.fingerprint_bytes, handoff_id=handoff_id, tokens=digest

@@ -40,6 +40,16 @@ class Metrics:
         self.decode_kv_reserved = Gauge("tandem_decode_kv_reserved_bytes", "Decode KV held by requests", registry=r)
         self.decode_running = Gauge("tandem_decode_running_requests", "Requests admitted to decode", registry=r)
         self.decode_waiting = Gauge("tandem_decode_waiting_requests", "Requests waiting for admission", registry=r)
+        self.prefix_cache = {
+            key: Gauge(f"tandem_prefix_cache_{key}", doc, registry=r)
+            for key, doc in (
+                ("capacity", "Prefix cache budget, bytes"),
+                ("bytes", "Prefix cache pages held, bytes"),
+                ("pages", "Prefix cache pages held"),
+                ("lookup_tokens", "Prompt tokens looked up in the prefix cache since the engine loaded"),
+                ("hit_tokens", "Prompt tokens served from the prefix cache since the engine loaded"),
+            )
+        }
 
     def bind(
         self,
@@ -50,6 +60,7 @@ class Metrics:
         open_handoffs: Callable[[], float],
         active: Callable[[], float],
         admission,
+        prefix_cache: Callable[[], dict],
     ) -> None:
         """Gauges read live values when scraped."""
         self.budget_capacity.set_function(capacity)
@@ -61,6 +72,8 @@ class Metrics:
         self.decode_kv_reserved.set_function(lambda: admission.kv.reserved)
         self.decode_running.set_function(lambda: admission.running)
         self.decode_waiting.set_function(lambda: admission.status()["waiting"])
+        for key, gauge in self.prefix_cache.items():
+            gauge.set_function(lambda key=key: prefix_cache().get(key, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -28,6 +28,7 @@ class AgentConfig:
     decode_kv_bytes: int | None = None  # the decoder's KV budget (None: the engine's kv_budget_bytes)
     max_sequences: int = MAX_SEQUENCES  # requests the engine decodes at once
     admission_wait: float = WAIT_SECONDS  # how long a request may wait for them before its 429
+    prefix_cache_bytes: int | None = None  # the engine's prefix cache budget (None: the engine's default)
     handoff_ttl: float = 60.0
     model_name: str = ""
     url: str = ""  # where this agent listens (for logs)
@@ -49,6 +50,8 @@ class AgentState:
         self.metrics = Metrics()
         self.budget = StagingBudget(config.staging_bytes)
         self.slot = EngineSlot(adapter, loader)
+        if config.prefix_cache_bytes is not None:
+            adapter.set_prefix_cache_bytes(config.prefix_cache_bytes)
         self.admission = Admission(
             config.decode_kv_bytes or adapter.kv_budget_bytes(), config.max_sequences, config.admission_wait
         )
@@ -60,6 +63,7 @@ class AgentState:
             open_handoffs=lambda: len(self.handoffs.handoffs),
             active=lambda: self.slot.adapter.active_requests if self.slot.ready else 0,
             admission=self.admission,
+            prefix_cache=lambda: (self.slot.adapter.prefix_cache_status() if self.slot.ready else None) or {},
         )
         self.peers: dict[str, AgentClient] = {}  # one pooled HTTP client per prefiller: connections are reused
         self.started = time.time()

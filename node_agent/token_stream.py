@@ -95,6 +95,7 @@ async def token_lines(
                 "finish_reason": finish,
                 "prompt_tokens": len(req.token_ids),
                 "completion_tokens": count,
+                "cached_tokens": req.cached_tokens,
                 "ttft_seconds": ttft,
                 "first_token_at": first_at,  # wall clock, as the page times (stage breakdowns)
                 **extra,

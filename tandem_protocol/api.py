@@ -59,6 +59,9 @@ class HandoffBody(_Body):
     page_encoding: PageEncoding = Field(
         "raw", description="how pages travel: raw FP16, or byte planes + zstd (lossless; see /v1/info page_encodings)"
     )
+    have_pages: int = Field(
+        0, ge=0, description="leading pages of the prompt's KV the decoder holds already: only later pages are sent"
+    )
 
 
 class HandoffCreated(BaseModel):
@@ -83,6 +86,7 @@ class ConfigBody(BaseModel):
     staging_bytes: int | None = Field(None, ge=1 << 20)
     decode_kv_bytes: int | None = Field(None, ge=1 << 20, description="the decoder's KV budget")
     max_sequences: int | None = Field(None, ge=1, le=4096, description="requests the decoder runs at once")
+    prefix_cache_bytes: int | None = Field(None, ge=0, description="the engine's prefix cache budget (0: none)")
     dry_run: bool = False
 
 

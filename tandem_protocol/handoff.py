@@ -32,3 +32,4 @@ class PrefillDone:
     pages: int
     prefill_seconds: float
     finished_at: float = 0.0  # wall-clock time.time() when prefill finished (for overlap timelines)
+    cached_tokens: int = 0  # prompt tokens the prefiller took from its prefix cache instead of computing

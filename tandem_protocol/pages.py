@@ -46,7 +46,7 @@ import xxhash
 from .errors import ContractMismatch, FrameError
 
 PAGE_TOKENS = 64
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: delta handoffs (HandoffBody.have_pages)
 MAGIC = b"TKVP"
 KV_DTYPE = np.dtype("<f2")
 

@@ -67,6 +67,7 @@ def done_frame(done: PrefillDone) -> bytes:
             "pages": done.pages,
             "prefill_seconds": done.prefill_seconds,
             "finished_at": done.finished_at,
+            "cached_tokens": done.cached_tokens,
         },
     )
 
@@ -181,6 +182,7 @@ class FrameReader:
                 pages=int(obj["pages"]),
                 prefill_seconds=float(obj["prefill_seconds"]),
                 finished_at=float(obj.get("finished_at", 0.0)),
+                cached_tokens=int(obj.get("cached_tokens", 0)),
             )
         ]
 

@@ -18,7 +18,11 @@ TEST_KEY = "tdm_test-cluster-key-0123456789abcdef"
 
 
 class AgentProcess(ServiceProcess):
-    """One agent in its own process and data dir, on a free port. Use as a context manager."""
+    """One agent in its own process and data dir, on a free port. Use as a context manager.
+
+    Its engine's prefix cache is off unless `prefix_cache` says otherwise ("default": the agent's
+    own default): tests that repeat a prompt to check its pages, transfer or faults need every
+    request's pages computed and on the wire (tests/test_prefix_cache.py turns it on)."""
 
     def __init__(
         self,
@@ -31,8 +35,11 @@ class AgentProcess(ServiceProcess):
         key: str = TEST_KEY,
         env: dict[str, str] | None = None,
         port: int = 0,
+        prefix_cache: str = "0",
     ):
         home.mkdir(parents=True, exist_ok=True)
+        if prefix_cache != "default" and "--prefix-cache-bytes" not in args:
+            args = (*args, "--prefix-cache-bytes", prefix_cache)
         self.engine, self.host, self.key = engine, host, key
         ca = (env or {}).get("TANDEM_CA_FILE")
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca) if ca else True

@@ -110,7 +110,12 @@ class Answer:
 
     def usage(self) -> dict:
         done = self.stats.output_tokens
-        return {"prompt_tokens": len(self.ids), "completion_tokens": done, "total_tokens": len(self.ids) + done}
+        return {
+            "prompt_tokens": len(self.ids),
+            "completion_tokens": done,
+            "total_tokens": len(self.ids) + done,
+            "prompt_tokens_details": {"cached_tokens": self.stats.cached_tokens},
+        }
 
     def head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.body.model}

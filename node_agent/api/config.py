@@ -85,7 +85,22 @@ async def configure(body: ConfigBody, agent: Agent):
     if body.staging_bytes is not None and body.staging_bytes != agent.budget.capacity:
         agent.budget.resize(body.staging_bytes)
         changed = True
-    return {"ok": True, "changed": admit(agent, body, engine_changed) or changed, **agent.info()}
+    changed = admit(agent, body, engine_changed) or changed
+    changed = await keep_prefixes(agent, body, engine_changed) or changed
+    return {"ok": True, "changed": changed, **agent.info()}
+
+
+async def keep_prefixes(agent: AgentState, body: ConfigBody, engine_changed: bool) -> bool:
+    """The prefix cache budget as the body sets it; a budget once set also holds for an engine
+    loaded later (one never set follows the engine's default). True if it changed."""
+    adapter, config = agent.slot.adapter, agent.config
+    before = (adapter.prefix_cache_status() or {}).get("capacity")
+    if body.prefix_cache_bytes is not None:
+        config.prefix_cache_bytes = body.prefix_cache_bytes
+    if config.prefix_cache_bytes is not None and (engine_changed or config.prefix_cache_bytes != before):
+        # on the engine thread, which may be in a prefill chunk: the event loop does not wait for it
+        await asyncio.to_thread(adapter.set_prefix_cache_bytes, config.prefix_cache_bytes)
+    return (adapter.prefix_cache_status() or {}).get("capacity") != before
 
 
 def admit(agent: AgentState, body: ConfigBody, engine_changed: bool) -> bool:

@@ -35,9 +35,9 @@ async def create_handoff(body: HandoffBody, slot: Slot, handoffs: Handoffs) -> H
         body.mode,
         body.wait_timeout,
         encoding=ENCODINGS[body.page_encoding],
+        have_pages=body.have_pages,
     )
-    pages, nbytes = handoffs.page_bytes_for(len(body.token_ids), body.mode)
-    return HandoffCreated(handoff_id=h.handoff_id, pages=pages, reserved_bytes=nbytes)
+    return HandoffCreated(handoff_id=h.handoff_id, pages=h.pages, reserved_bytes=h.reservation.nbytes)
 
 
 @router.get("/v1/handoffs/{handoff_id}/pages")

@@ -82,6 +82,7 @@ async def get_status(agent: Agent):
             "waiting_bytes": budget.waiting_bytes,
         },
         "decode": agent.admission.status(),
+        "prefix_cache": adapter.prefix_cache_status(),
         "open_handoffs": len(handoffs.handoffs),
         "handoffs": handoffs.describe(),
         "active_requests": adapter.active_requests,

@@ -58,7 +58,8 @@ def cluster(
             first = (i * cores_each) % cores
             cpus = (str(first) if cores_each == 1 else f"{first}-{min(first + cores_each, cores) - 1}") if pin else None
             proc = ServiceProcess(
-                agent_serve_args(engine, model, "--name", name, host=place.host),
+                # caches off: every sample computes and moves its whole prompt (cold TTFT)
+                agent_serve_args(engine, model, "--name", name, "--prefix-cache-bytes", "0", host=place.host),
                 env={"TANDEM_HOME": str(home / name), "TANDEM_CLUSTER_KEY": key, **envs[i]},
                 netns=place.netns,
                 cpus=cpus,

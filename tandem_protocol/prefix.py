@@ -1,0 +1,28 @@
+"""Content addresses of a prompt's KV pages: a hash chain over token ids.
+
+Page i's hash covers its 64 token ids and page i-1's hash, and page 0's covers the model
+contract's fingerprint, so a hash names the KV of one whole prefix of one model and nothing else:
+equal hashes mean equal tokens from position 0 on the same weights, tokenizer and geometry (as
+vLLM's block hashes). Only full pages have a hash: a partly filled page is recomputed, never
+reused half-valid. Engines key their prefix caches with it; the router will index nodes by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+
+def page_hashes(
+    fingerprint: bytes, token_ids: Sequence[int], page_tokens: int, pages: int | None = None
+) -> list[bytes]:
+    """The 16-byte hashes of the full pages of `token_ids` (at most `pages` of them)."""
+    full = len(token_ids) // page_tokens if pages is None else min(pages, len(token_ids) // page_tokens)
+    ids = np.asarray(token_ids[: full * page_tokens], dtype="<i8")
+    hashes, previous = [], xxhash.xxh3_128_digest(fingerprint)
+    for i in range(full):
+        previous = xxhash.xxh3_128_digest(previous + ids[i * page_tokens : (i + 1) * page_tokens].tobytes())
+        hashes.append(previous)
+    return hashes

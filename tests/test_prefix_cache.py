@@ -1,0 +1,197 @@
+"""Prefix caches on the in-process engines (engine_adapters/prefix_cache.py): a conversation's
+next turn imports the pages the engine kept of the last one (its prompt and its answer) and
+computes only what is new, and answers token for token as it would with no cache; a prefiller
+sends the same pages from its cache as it computed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine_adapters.base import EngineRequest
+from node_agent.inprocess import PairStats, run_pair
+from tandem_protocol.pages import KVPage
+from tandem_protocol.sampling import SamplingParams
+
+from .conftest import collect, run
+
+SYSTEM = " ".join(
+    f"Rule {i}: answer briefly and say the number {i * 7} only when asked about rule {i}." for i in range(30)
+)
+# Questions with long answers: every answer crosses a page boundary, so a later turn can only
+# reach the figures asserted below through the pages of what the engine decoded.
+TURNS = [
+    "Describe Paris in detail for a visitor.",
+    "Now describe Berlin in the same way.",
+    "Compare the two cities at length.",
+    "Explain rule 3 and rule 4 in detail.",
+]
+ANSWER = SamplingParams(max_tokens=64)
+GiB = 1 << 30
+
+
+@pytest.fixture
+def cache_bytes(engines):
+    """Set an engine's prefix cache budget for one test; the budget it had comes back after."""
+    before = {name: adapter.prefix_cache.capacity for name, adapter in engines.items()}
+    yield lambda adapter, capacity: adapter.set_prefix_cache_bytes(capacity)
+    for name, adapter in engines.items():
+        adapter.set_prefix_cache_bytes(before[name])
+
+
+def common_pages(a: list[int], b: list[int], page_tokens: int) -> int:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return n // page_tokens * page_tokens
+
+
+def conversation(adapter, tag: str) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Each turn's prompt, answer and cached prompt tokens; every answer goes back into the chat."""
+    messages, prompts, answers, cached = [{"role": "system", "content": SYSTEM}], [], [], []
+    for i, turn in enumerate(TURNS):
+        messages.append({"role": "user", "content": turn})
+        ids = adapter.chat_token_ids(messages)
+        req = EngineRequest(f"{tag}-{i}", ids, ANSWER)
+        answer = run(collect(adapter.generate(req)))
+        prompts.append(ids)
+        answers.append(answer)
+        cached.append(req.cached_tokens)
+        messages.append({"role": "assistant", "content": adapter.detokenize(answer)})
+    return prompts, answers, cached
+
+
+@pytest.mark.parametrize("engine", ["torch", "mlx"])
+def test_a_later_turn_computes_only_what_is_new_and_answers_as_without_cache(engines, cache_bytes, engine):
+    adapter = engines[engine]
+    P = adapter.geometry.page_tokens
+    cache_bytes(adapter, 0)
+    prompts, uncached, none = conversation(adapter, f"off-{engine}")
+    assert none == [0] * len(TURNS) and adapter.prefix_cache.bytes == 0
+    assert len(prompts[0]) > 10 * P, len(prompts[0])
+
+    cache_bytes(adapter, GiB)
+    before = adapter.prefix_cache_status()
+    prompts_again, answers, cached = conversation(adapter, f"on-{engine}")
+    assert prompts_again == prompts and answers == uncached  # token for token, every turn
+    # Turn k reuses every full page of what earlier turns left in the engine: their prompts and
+    # their answers but the last token (whose KV was never computed), within prompt k but its
+    # last token (computed for its logits). A prompt's pages alone would not reach these figures.
+    held = [prompts[k] + answers[k][:-1] for k in range(len(TURNS))]
+    expected = [0] + [max(common_pages(h, prompts[k][:-1], P) for h in held[:k]) for k in range(1, len(TURNS))]
+    assert cached == expected
+    prompts_only = [max(common_pages(p, prompts[k][:-1], P) for p in prompts[:k]) for k in range(1, len(TURNS))]
+    assert any(c > p for c, p in zip(cached[1:], prompts_only, strict=True)), (cached, prompts_only)
+    after = adapter.prefix_cache_status()
+    assert after["hit_tokens"] - before["hit_tokens"] == sum(cached)
+    assert after["lookup_tokens"] - before["lookup_tokens"] == sum((len(p) - 1) // P * P for p in prompts)
+
+
+def test_a_prefiller_sends_from_its_cache_the_pages_it_computed(engines, cache_bytes, long_ids):
+    torch_engine, mlx_engine = engines["torch"], engines["mlx"]
+    cache_bytes(torch_engine, GiB)
+    ids = [7, 8, 9] + long_ids  # a prompt no other test has cached
+    P = torch_engine.geometry.page_tokens
+
+    async def prefill(tag: str) -> tuple[list[KVPage], int]:
+        req = EngineRequest(tag, ids, ANSWER)
+        items = await collect(torch_engine.prefill(req))
+        return [p for p in items if isinstance(p, KVPage)], req.cached_tokens
+
+    computed, none = run(prefill("first"))
+    cached_pages, cached = run(prefill("second"))
+    assert none == 0 and cached == (len(ids) - 1) // P * P
+    assert len(cached_pages) == len(computed)
+    for a, b in zip(computed, cached_pages, strict=True):
+        assert a.index == b.index and a.valid_tokens == b.valid_tokens
+        assert np.array_equal(a.kv.view(np.uint16), b.kv.view(np.uint16))  # bit for bit
+    local = run(collect(mlx_engine.generate(EngineRequest("alone", ids, ANSWER))))
+    assert run(collect(run_pair(torch_engine, mlx_engine, ids, ANSWER))) == local
+
+
+def test_a_cache_of_no_bytes_keeps_nothing(engines, cache_bytes, long_ids):
+    adapter = engines["torch"]
+    cache_bytes(adapter, GiB)
+    run(collect(adapter.generate(EngineRequest("fill", long_ids, ANSWER))))
+    assert adapter.prefix_cache.bytes > 0
+    cache_bytes(adapter, 0)
+    assert adapter.prefix_cache_status()["bytes"] == 0
+    again = EngineRequest("again", long_ids, ANSWER)
+    asyncio.run(collect(adapter.generate(again)))
+    assert again.cached_tokens == 0 and adapter.prefix_cache.bytes == 0
+
+
+def pair_conversation(prefiller, decoder, tag: str) -> tuple[list[list[int]], list[list[int]], list[PairStats]]:
+    """Each turn of the conversation through the pair: its prompt, its answer, its page figures."""
+    messages, prompts, answers, stats = [{"role": "system", "content": SYSTEM}], [], [], []
+    for turn in TURNS:
+        messages.append({"role": "user", "content": turn})
+        ids = decoder.chat_token_ids(messages)
+        stats.append(PairStats())
+        answers.append(run(collect(run_pair(prefiller, decoder, ids, ANSWER, stats=stats[-1]))))
+        prompts.append(ids)
+        messages.append({"role": "assistant", "content": decoder.detokenize(answers[-1])})
+    return prompts, answers, stats
+
+
+@pytest.mark.parametrize("decoder", ["torch", "mlx"])
+def test_a_later_turn_of_a_pair_sends_only_the_pages_the_decoder_lacks(engines, cache_bytes, decoder):
+    P, D = engines["torch"], engines[decoder]
+    page = D.geometry.page_tokens
+    for adapter in (P, D):
+        cache_bytes(adapter, 0)
+    prompts, uncached, full = pair_conversation(P, D, f"pd-off-{decoder}")
+    assert [s.have_pages for s in full] == [0] * len(TURNS)
+    assert [s.pages for s in full] == [D.geometry.pages_for(len(ids)) for ids in prompts]  # commit-first: all
+
+    for adapter in (P, D):
+        cache_bytes(adapter, GiB)
+    again, answers, delta = pair_conversation(P, D, f"pd-on-{decoder}")
+    assert again == prompts and answers == uncached  # token for token, every turn
+    # D holds what it decoded before: each earlier turn's prompt and answer but the last token.
+    held = [prompts[k] + answers[k][:-1] for k in range(len(TURNS))]
+    have = [0] + [max(common_pages(h, prompts[k], page) for h in held[:k]) // page for k in range(1, len(TURNS))]
+    assert [s.have_pages for s in delta] == have
+    assert all(h > 0 for h in have[1:])
+    assert [s.pages for s in delta] == [D.geometry.pages_for(len(ids)) - h for ids, h in zip(prompts, have)]
+
+
+def test_through_the_panel_a_second_turn_moves_only_the_delta(smol_dir, tmp_path):
+    """torch P, MLX D, default budgets: turn 2 reports its cached prompt tokens in `usage`, P sends
+    only the pages D lacks, and a budget of 0 set by /v1/config empties the cache."""
+    import openai
+
+    from .agents import AgentProcess, PanelProcess, settle
+
+    with (
+        AgentProcess("torch", smol_dir, tmp_path / "p", prefix_cache="default") as p,
+        AgentProcess("mlx", smol_dir, tmp_path / "d", prefix_cache="default") as d,
+        PanelProcess(tmp_path / "panel", "--pair", f"pd={p.url},{d.url}") as panel,
+    ):
+        client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)
+        messages = [{"role": "system", "content": SYSTEM}]
+        turns = []
+        for question in TURNS[:2]:
+            messages.append({"role": "user", "content": question})
+            sent = p.status()["totals"]["bytes_sent"]
+            answer = client.chat.completions.create(model="pd", messages=messages, max_tokens=24, temperature=0)
+            turns.append((answer.usage, p.status()["totals"]["bytes_sent"] - sent))
+            messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+        settle(p, d)
+        (first, first_bytes), (second, second_bytes) = turns
+        page_frame = first_bytes // -(-first.prompt_tokens // 64)  # every page of turn 1 went
+        assert first.prompt_tokens_details.cached_tokens == 0
+        cached = second.prompt_tokens_details.cached_tokens
+        assert cached >= first.prompt_tokens // 64 * 64  # at least turn 1's whole pages
+        assert second_bytes == page_frame * (-(-second.prompt_tokens // 64) - cached // 64)
+        for agent in (p, d):
+            status = agent.status()["prefix_cache"]
+            assert status["bytes"] > 0 and status["hit_tokens"] > 0, status
+            with agent.client() as c:
+                metrics = dict(line.split(" ", 1) for line in c.get("/metrics").text.splitlines() if line[0] != "#")
+                assert float(metrics["tandem_prefix_cache_bytes"]) == status["bytes"]
+                assert float(metrics["tandem_prefix_cache_hit_tokens"]) == status["hit_tokens"]
+                info = agent.info()
+                body = {"engine": info["engine"], "model_path": info["model_path"], "prefix_cache_bytes": 0}
+                assert c.post("/v1/config", json=body, timeout=60).json()["changed"] is True
+            assert agent.status()["prefix_cache"]["bytes"] == 0
