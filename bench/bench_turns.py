@@ -145,7 +145,7 @@ def main() -> None:
 
     model, _ = fetch(data_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
-    system = system_prompt(tokenizer, args.system_tokens)
+    text = system_prompt(tokenizer, args.system_tokens)
     geometry = inspect_model(model).geometry
     figures = {
         "model": model.name,
@@ -190,6 +190,9 @@ def main() -> None:
             return asyncio.run(status(agents["torch"].url))["totals"]["bytes_sent"]
 
         for target in targets:
+            # each target its own conversation: the MLX node is the pair's decoder, whose cache
+            # would otherwise hold the pair's turns already
+            system = f"Conversation with {target}. {text}"
             if target == "pair":
                 rows = chat(client, "torch-to-mlx", system, args.turns, p_bytes_sent)
             elif target == "mlx":
