@@ -199,7 +199,7 @@ def test_browser_flow(cluster, browser):
         with page.expect_response(lambda r: r.url.endswith("/nodes/table") and r.status == 200, timeout=15_000):
             pass
         assert page.evaluate("window.__stillHere") is True  # the table refreshed in place
-        for column in ("staging", "decoding"):  # the staging budget's gauge, and the decoder's KV
+        for column in ("staging", "decoding", "prefix-cache"):  # the staging budget's, the decoder's KV, the cache's
             assert page.locator(f"tr[data-node='torch-torch'] td.{column} .gauge").count() == 1
 
         # adding a node that does not answer says why, on the form

@@ -68,6 +68,25 @@ def decoding(status: dict) -> dict | None:
     }
 
 
+def prefix_caching(status: dict) -> dict | None:
+    """The engine's prefix cache: bytes held of its capacity, and the share of the prompt tokens
+    looked up in it that it served (None before any lookup); None from an engine that keeps no
+    prefix cache, or from an agent that does not report one (one older than prefix caches)."""
+    cache = status.get("prefix_cache")
+    if not cache:
+        return None
+    cap, held = cache.get("capacity") or 0, cache.get("bytes") or 0
+    looked_up, hit = cache.get("lookup_tokens") or 0, cache.get("hit_tokens") or 0
+    return {
+        "capacity": cap,
+        "bytes": held,
+        "percent": percent(held, cap),
+        "lookup_tokens": looked_up,
+        "hit_tokens": hit,
+        "reused": percent(hit, looked_up) if looked_up else None,
+    }
+
+
 def table_row(node: Node, probed: dict, pairs: list[str]) -> dict:
     st = probed.get("status") or {}
     budget = st.get("budget") or {}
@@ -88,6 +107,7 @@ def table_row(node: Node, probed: dict, pairs: list[str]) -> dict:
             "percent": percent(reserved, cap),
         },
         "decode": decoding(st),
+        "prefix_cache": prefix_caching(st),
         "open_handoffs": st.get("open_handoffs"),
         "totals": st.get("totals") or {},
         "pairs": pairs,

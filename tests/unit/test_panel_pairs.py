@@ -1,5 +1,6 @@
-"""The pair form's budgets and the nodes table's decoding column, on the real panel in process
-with fake agents behind an httpx transport (as tests/unit/test_router.py drives the router).
+"""The pair form's budgets and the nodes table's decoding and prefix cache columns, on the real
+panel in process with fake agents behind an httpx transport (as tests/unit/test_router.py drives
+the router).
 
 The fakes answer what an agent answers to the panel's calls (info, status, config, its
 checkpoints) and record every call; the identity proof is taken as passed. The real exchange
@@ -39,12 +40,20 @@ MIB = 1 << 20
 
 
 class FakeNodes(httpx.AsyncBaseTransport):
-    """Two agents, P and D, as the panel reaches them; `old`: those without decoder admission."""
+    """Two agents, P and D, as the panel reaches them; `old`: those without decoder admission (nor a
+    prefix cache). A state's "prefix_cache" is what its status reports (None: an engine without one)."""
 
     def __init__(self, old: tuple[str, ...] = ()):
         self.calls: list[tuple[str, str, dict | None]] = []  # (agent, path, body)
         self.state = {
-            name: {"staging": 512 * MIB, "kv": 1024 * MIB, "kv_reserved": 0, "running": 0, "waiting": 0}
+            name: {
+                "staging": 512 * MIB,
+                "kv": 1024 * MIB,
+                "kv_reserved": 0,
+                "running": 0,
+                "waiting": 0,
+                "prefix_cache": None,
+            }
             for name in ("P", "D")
         }
         self.old = old
@@ -70,11 +79,12 @@ class FakeNodes(httpx.AsyncBaseTransport):
                 "running": s["running"],
                 "waiting": s["waiting"],
             },
+            "prefix_cache": s["prefix_cache"],
             "open_handoffs": 0,
             "totals": {},
         }
         if name in self.old:
-            del status["decode"]
+            del status["decode"], status["prefix_cache"]
         return status
 
     def configured(self, name: str) -> list[dict]:
@@ -217,6 +227,49 @@ def test_the_nodes_table_shows_decoding_and_a_dash_for_an_older_agent(panel):
     assert decoding_cell(en.text, "p").strip() == "—"
     (de,) = as_admin(panel, ("GET", "/nodes/table", {}), lang="de")
     assert "2 laufend · 1 wartend" in decoding_cell(de.text, "d")
+
+
+def prefix_cache_cell(html: str, node: str) -> str:
+    row = re.search(rf'<tr data-node="{node}".*?</tr>', html, re.S).group(0)
+    return re.search(r'<td class="prefix-cache">(.*?)</td>', row, re.S).group(1)
+
+
+def prefix_cache(capacity: int, held: int, lookup_tokens: int, hit_tokens: int) -> dict:
+    """A prefix cache as an agent's status reports it."""
+    return {
+        "capacity": capacity,
+        "bytes": held,
+        "pages": held // MIB,
+        "lookups": lookup_tokens // 100,
+        "lookup_tokens": lookup_tokens,
+        "hit_tokens": hit_tokens,
+        "evicted_pages": 0,
+    }
+
+
+def test_the_nodes_table_shows_the_prefix_cache_and_a_dash_without_one(panel):
+    agents = panel.state.agents
+    agents.state["D"]["prefix_cache"] = prefix_cache(256 * MIB, 64 * MIB, lookup_tokens=1000, hit_tokens=250)
+    (en,) = as_admin(panel, ("GET", "/nodes/table", {}))  # P's engine keeps none: its prefix_cache is null
+    assert en.status_code == 200
+    assert "<th>Decoding</th><th>Prefix cache</th>" in en.text
+    d = prefix_cache_cell(en.text, "d")
+    assert re.search(r"<small>(.*?)</small>", d, re.S).group(1) == (
+        "64.0 MiB of 256.0 MiB held · 25% of prompt tokens reused"
+    )
+    assert 'aria-valuemax="268435456"' in d and 'aria-valuenow="67108864"' in d and "width: 25%" in d
+    assert prefix_cache_cell(en.text, "p").strip() == "—"
+    (de,) = as_admin(panel, ("GET", "/nodes/table", {}), lang="de")
+    assert re.search(r"<small>(.*?)</small>", prefix_cache_cell(de.text, "d"), re.S).group(1) == (
+        "64.0 MiB von 256.0 MiB belegt · 25 % der Prompt-Tokens wiederverwendet"
+    )
+    assert "<th>Präfix-Cache</th>" in de.text
+    # a cache asked nothing yet says so; an agent older than prefix caches has no key at all
+    agents.state["D"]["prefix_cache"] = prefix_cache(256 * MIB, 0, lookup_tokens=0, hit_tokens=0)
+    agents.old = ("P",)
+    (en,) = as_admin(panel, ("GET", "/nodes/table", {}))
+    assert "0 B of 256.0 MiB held · no lookups yet" in prefix_cache_cell(en.text, "d")
+    assert prefix_cache_cell(en.text, "p").strip() == "—"
 
 
 def test_migration_gives_existing_pairs_an_unknown_decode_kv_budget(tmp_path):
