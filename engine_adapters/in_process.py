@@ -38,7 +38,7 @@ import numpy as np
 
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone, kv_tokens
 from tandem_protocol.pages import KVPage, make_page
-from tandem_protocol.prefix import page_hashes
+from tandem_protocol.prefix import chain_seed, page_hashes
 
 from . import failpoints
 from .base import EngineAdapter, EngineRequest
@@ -130,12 +130,12 @@ class InProcessEngine(EngineAdapter):
             t0 = time.perf_counter()
             ids, n, P = req.token_ids, len(req.token_ids), self.geometry.page_tokens
             session = await self.on_engine(self.new_session, n)
-            cached = await self.on_engine(self._restore, session, ids)
-            req.cached_tokens = len(cached) * P
+            cached, req.cached_tokens = await self.on_engine(self._restore, session, ids)
             for index in range(req.have_pages, len(cached)):  # computed before: leaves at once
                 yield make_page(self.geometry, index, cached[index])
-            # computed from the end of the cached prefix; exported past what the decoder holds
-            sent, logits = max(req.cached_tokens, req.have_pages * P), None
+            # computed from the end of the cached prefix; exported from the first page neither
+            # the cache's whole pages nor the decoder hold
+            sent, logits = max(len(cached), req.have_pages) * P, None
             exports: deque = deque()  # export handles not yet collected
             spans = self.prefill_chunks(n, req.cached_tokens)
             for i, (start, end) in enumerate(spans):
@@ -219,7 +219,7 @@ class InProcessEngine(EngineAdapter):
         try:
             ids = req.token_ids
             session = await self.on_engine(self.new_session, len(ids) + req.sampling.max_tokens)
-            req.cached_tokens = len(await self.on_engine(self._restore, session, ids)) * self.geometry.page_tokens
+            _, req.cached_tokens = await self.on_engine(self._restore, session, ids)
             logits = None
             for start, end in self.prefill_chunks(len(ids), req.cached_tokens):
                 self._check(req, event)
@@ -278,25 +278,42 @@ class InProcessEngine(EngineAdapter):
         self._executor.submit(self.prefix_cache.resize, capacity).result()
 
     async def hold_prefix(self, req: EngineRequest) -> None:
-        req.held = await self.on_engine(self._held_pages, kv_tokens(len(req.token_ids), req.mode), req.token_ids)
+        req.held = await self.on_engine(self._held_pages, req.token_ids[: kv_tokens(len(req.token_ids), req.mode)])
         req.have_pages = len(req.held)
         req.cached_tokens = req.have_pages * self.geometry.page_tokens
 
-    def _held_pages(self, tokens: int, ids: list[int]) -> list[np.ndarray]:
-        # Held by reference: an eviction meanwhile drops the cache's entry, not the array.
+    def _held_pages(self, tokens: list[int]) -> list[np.ndarray]:
+        """The cached pages of the longest prefix of `tokens`, counted as one lookup. Held by
+        reference: an eviction meanwhile drops the cache's entry, not the array."""
         if self.prefix_cache.capacity < self.geometry.page_bytes:
             return []
-        return self.prefix_cache.match(self._hashes(ids[:tokens]), self.geometry.page_tokens)
-
-    def _restore(self, session: Any, ids: list[int]) -> list[np.ndarray]:
-        """Import the longest cached prefix of `ids` into `session` and return its pages. The last
-        prompt token is always computed (its logits sample the first token), so the pages looked
-        up are those of ids[:-1]."""
-        pages = self._held_pages(len(ids) - 1, ids)
-        self._import_held(session, pages)
-        if pages:
-            self.set_length(session, len(pages) * self.geometry.page_tokens)
+        pages = self.prefix_cache.match(self._hashes(tokens))
+        self.prefix_cache.count(
+            len(tokens) // self.geometry.page_tokens * self.geometry.page_tokens, len(pages) * self.geometry.page_tokens
+        )
         return pages
+
+    def _restore(self, session: Any, ids: list[int]) -> tuple[list[np.ndarray], int]:
+        """Import the longest cached prefix of `ids` into `session`: its whole pages (returned)
+        and, after them, as many tokens as a cached tail shares; returns the pages and the tokens
+        imported. The last prompt token is always computed (its logits sample the first token),
+        so what is looked up is ids[:-1]."""
+        if self.prefix_cache.capacity < self.geometry.page_bytes:
+            return [], 0
+        P, tokens = self.geometry.page_tokens, ids[:-1]
+        hashes = self._hashes(tokens)
+        pages = self.prefix_cache.match(hashes)
+        after = hashes[len(pages) - 1] if pages else chain_seed(self.contract.fingerprint_bytes)
+        length = len(pages) * P
+        shared, tail = self.prefix_cache.match_tail(after, tokens[length : length + P - 1])
+        self.prefix_cache.count(len(tokens), length + shared)
+        self._import_held(session, pages)
+        if shared:
+            self.import_kv(session, length, tail[:, :, :shared])
+            length += shared
+        if length:
+            self.set_length(session, length)
+        return pages, length
 
     def _import_held(self, session: Any, pages: list[np.ndarray]) -> None:
         for index, kv in enumerate(pages):
@@ -310,8 +327,12 @@ class InProcessEngine(EngineAdapter):
 
     def _cache_pages(self, session: Any, tokens: list[int]) -> None:
         hashes, P = self._hashes(tokens), self.geometry.page_tokens
+        full = len(hashes) * P
+        if full < len(tokens):  # the tail first: the oldest entry of its chain
+            after = hashes[-1] if hashes else chain_seed(self.contract.fingerprint_bytes)
+            self.prefix_cache.add_tail(after, tokens[full:], self.export_kv(session, full, len(tokens)))
         first = next((i for i, h in enumerate(hashes) if h not in self.prefix_cache), len(hashes))
-        kv = self.export_kv(session, first * P, len(hashes) * P) if first < len(hashes) else None
+        kv = self.export_kv(session, first * P, full) if first < len(hashes) else None
         pages = [] if kv is None else [np.ascontiguousarray(kv[:, :, a : a + P]) for a in range(0, kv.shape[2], P)]
         self.prefix_cache.add(hashes, pages, start=first)
 

@@ -5,6 +5,12 @@ least recently used within a byte budget.
 A request that starts with a cached prefix imports those pages into its session (a copy: ~23 kB
 a token for the embedded model, against a forward per token) and computes only the rest.
 
+Beside whole pages it keeps *tails*: the partly filled last page of what a request left (its
+prompt and answer), keyed by the chain it follows and its own tokens. The next turn of a
+conversation on the same engine takes as many of those tokens as its prompt shares, so it computes
+only what is new, not up to 63 tokens more. Tails stay on their engine: a handoff moves whole
+pages only (a page is recomputed, never sent half-valid).
+
 Eviction removes the ends of chains first: a lookup or an insert marks a chain's pages used from
 its last page to its first, so page 0 of a conversation is its most recently used page and a
 chain shortens from its tail instead of losing its head (which would strand every page after it).
@@ -18,12 +24,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+import xxhash
 
 
 class PrefixCache:
     def __init__(self, capacity_bytes: int, page_bytes: int):
         self.capacity, self.page_bytes = capacity_bytes, page_bytes
         self._pages: OrderedDict[bytes, np.ndarray] = OrderedDict()  # least recently used first
+        self._tails: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # chain end -> tail key -> its tokens
+        self._tail_of: dict[bytes, bytes] = {}  # tail key -> the chain end it follows
         self.lookups = self.lookup_tokens = self.hit_tokens = self.evicted = 0
 
     @property
@@ -33,7 +42,7 @@ class PrefixCache:
     def __contains__(self, page_hash: bytes) -> bool:
         return page_hash in self._pages
 
-    def match(self, hashes: Sequence[bytes], page_tokens: int) -> list[np.ndarray]:
+    def match(self, hashes: Sequence[bytes]) -> list[np.ndarray]:
         """The pages of the longest cached prefix of `hashes` (the chain of the tokens looked up)."""
         found = []
         for h in hashes:
@@ -42,9 +51,6 @@ class PrefixCache:
                 break
             found.append(page)
         self._touch(hashes[: len(found)])
-        self.lookups += 1
-        self.lookup_tokens += len(hashes) * page_tokens
-        self.hit_tokens += len(found) * page_tokens
         return found
 
     def add(self, hashes: Sequence[bytes], pages: Sequence[np.ndarray], start: int = 0) -> None:
@@ -55,12 +61,41 @@ class PrefixCache:
         self._touch(hashes)
         self._evict()
 
+    def add_tail(self, after: bytes, tokens: Sequence[int], kv: np.ndarray) -> None:
+        """Keep `kv` ([layers][2][len(tokens)][heads][dim]) of `tokens`, which follow the chain
+        ending in `after` (its last page's hash, or its seed). Stored as the oldest entry of its
+        chain: a tail goes before any page it follows."""
+        key = after + xxhash.xxh3_128_digest(np.asarray(tokens, dtype="<i8").tobytes())
+        if key not in self._pages:
+            self._pages[key] = kv
+            self._pages.move_to_end(key, last=False)
+            self._tails.setdefault(after, {})[key] = tuple(tokens)
+            self._tail_of[key] = after
+        self._evict()
+
+    def match_tail(self, after: bytes, tokens: Sequence[int]) -> tuple[int, np.ndarray | None]:
+        """The most tokens of `tokens` a tail after `after` holds from its start, and its KV."""
+        best, kv = 0, None
+        for key, held in self._tails.get(after, {}).items():
+            n = next((i for i, (a, b) in enumerate(zip(held, tokens)) if a != b), min(len(held), len(tokens)))
+            if n > best:
+                best, kv = n, self._pages[key]
+        return best, kv
+
+    def count(self, looked_up: int, found: int) -> None:
+        """One request's lookup: the prompt tokens it looked up and how many the cache served."""
+        self.lookups += 1
+        self.lookup_tokens += looked_up
+        self.hit_tokens += found
+
     def resize(self, capacity_bytes: int) -> None:
         self.capacity = capacity_bytes
         self._evict()
 
     def clear(self) -> None:
         self._pages.clear()
+        self._tails.clear()
+        self._tail_of.clear()
 
     def status(self) -> dict:
         return {
@@ -80,5 +115,9 @@ class PrefixCache:
 
     def _evict(self) -> None:
         while self._pages and self.bytes > self.capacity:
-            self._pages.popitem(last=False)
+            key, _ = self._pages.popitem(last=False)
+            if (after := self._tail_of.pop(key, None)) is not None:
+                del self._tails[after][key]
+                if not self._tails[after]:
+                    del self._tails[after]
             self.evicted += 1

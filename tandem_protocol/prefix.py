@@ -15,13 +15,18 @@ import numpy as np
 import xxhash
 
 
+def chain_seed(fingerprint: bytes) -> bytes:
+    """What page 0's hash chains from: the contract's own hash."""
+    return xxhash.xxh3_128_digest(fingerprint)
+
+
 def page_hashes(
     fingerprint: bytes, token_ids: Sequence[int], page_tokens: int, pages: int | None = None
 ) -> list[bytes]:
     """The 16-byte hashes of the full pages of `token_ids` (at most `pages` of them)."""
     full = len(token_ids) // page_tokens if pages is None else min(pages, len(token_ids) // page_tokens)
     ids = np.asarray(token_ids[: full * page_tokens], dtype="<i8")
-    hashes, previous = [], xxhash.xxh3_128_digest(fingerprint)
+    hashes, previous = [], chain_seed(fingerprint)
     for i in range(full):
         previous = xxhash.xxh3_128_digest(previous + ids[i * page_tokens : (i + 1) * page_tokens].tobytes())
         hashes.append(previous)
