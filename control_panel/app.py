@@ -22,11 +22,11 @@ from .deps import LoginRequired, login_required
 from .login_limit import LoginLimiter
 from .router import RouteError
 from .state import PanelState, open_state
-from .ui import discovered, help, login, nodes, pairs, playground, requests, settings
+from .ui import discovered, help, login, nodes, playground, pools, requests, settings
 from .ui.render import STATIC_DIR
 
 API_ROUTERS = (models, chat, completions)
-UI_ROUTERS = (login, nodes, discovered, pairs, playground, requests, settings, help)
+UI_ROUTERS = (login, nodes, discovered, pools, playground, requests, settings, help)
 
 
 def create_panel_app(

@@ -35,7 +35,10 @@ def panel(
     cluster_key: str = typer.Option(None, help="The cluster key of your agents (default: $TANDEM_CLUSTER_KEY)."),
     node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
     pair: list[str] = typer.Option(
-        None, help="NAME=PREFILL_URL,DECODE_URL[,zstd]: expose a P/D pair (repeatable; zstd: pages travel compressed)."
+        None,
+        help="NAME=PREFILL_URL,DECODE_URL[,zstd][,threshold=N]: serve a model by P/D (repeatable). Several "
+        "nodes of a role join with '+' (NAME=P1,D1+D2: a pool); zstd: pages travel compressed; threshold: "
+        "prompts with fewer new tokens than N (past what the decoder holds) run on the decoder alone.",
     ),
     api_key: str = typer.Option(None, help="Create an API key with this name and print it once."),
     reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once."),
@@ -53,7 +56,7 @@ def panel(
 
     from .app import create_panel_app
     from .security import create_api_key, ensure_admin_password, set_admin_password
-    from .services import add_node, create_pair
+    from .services import MemberSpec, add_node, create_pool
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     data_dir = data_dir or settings().data_dir / "panel"
@@ -78,11 +81,13 @@ def panel(
             console.print(f"node {n.name} at {n.url}: {n.engine}, {n.model}")
         for spec in pair or []:
             name, _, urls = spec.partition("=")
-            p_url, d_url, *encoding = urls.split(",")
-            created = await create_pair(engine, key, name, p_url, d_url, page_encoding=(encoding or ["raw"])[0])
-            console.print(
-                f"pair [bold]{created.name}[/]: {created.prefill_engine} prefill -> {created.decode_engine} decode"
-            )
+            p_urls, d_urls, *options = urls.split(",")
+            members = [MemberSpec(u, "prefill") for u in p_urls.split("+")]
+            members += [MemberSpec(u, "decode") for u in d_urls.split("+")]
+            threshold = next((int(o.split("=", 1)[1]) for o in options if o.startswith("threshold=")), 0)
+            encoding = "zstd" if "zstd" in options else "raw"
+            pool = await create_pool(engine, key, name, members, threshold, page_encoding=encoding)
+            console.print(f"model [bold]{pool.name}[/]: prefill on {p_urls}, decode on {d_urls}")
 
     asyncio.run(bootstrap())
     if api_key:

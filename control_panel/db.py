@@ -13,7 +13,7 @@ from alembic.config import Config
 from sqlalchemy import Engine, event
 from sqlmodel import Session, create_engine, select
 
-from .models import ApiKey, Node, Pair, Setting
+from .models import ApiKey, Node, Pool, PoolMember, Setting
 
 T = TypeVar("T")
 
@@ -69,9 +69,9 @@ def all_settings(engine: Engine) -> dict[str, str]:
 # ---- what the API reads on every request, kept in memory --------------------------------------
 # Checking the API key and resolving the model name were two SQLite sessions per request (~3 ms
 # of a 51-token request's time to first token on this machine). They are cached until a row they
-# depend on changes: every commit that adds, changes or deletes an ApiKey, Node or Pair (all
+# depend on changes: every commit that adds, changes or deletes an ApiKey, Node or pool (all
 # writes happen in the panel's own process) moves `_state_version`, which empties the caches.
-_WATCHED = (ApiKey, Node, Pair)
+_WATCHED = (ApiKey, Node, Pool, PoolMember)
 _state_version = 0
 
 
@@ -94,7 +94,7 @@ def _forget_change(session) -> None:
 
 
 def cached_until_state_changes(fn: Callable[..., T | None]) -> Callable[..., T | None]:
-    """Memoize `fn(engine, *args)` while no ApiKey, Node or Pair changes. Only found results
+    """Memoize `fn(engine, *args)` while no ApiKey, Node or pool changes. Only found results
     (not None) are kept, so unknown keys or names cannot grow the cache."""
     cache: dict = {}
     seen = [-1]

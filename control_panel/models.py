@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import Index, text
+from sqlalchemy import Index, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 
@@ -31,23 +31,32 @@ class Node(SQLModel, table=True):
     last_error: str = ""
 
 
-class Pair(SQLModel, table=True):
-    """A model name on the API: prefill on one node, decode on another."""
+class Pool(SQLModel, table=True):
+    """A model name on the API, served by any number of nodes with one contract (its members):
+    prefill nodes run prompts for the decode nodes, which write the answers. A pair is the
+    smallest pool: one prefill node and one decode node."""
 
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(unique=True, index=True)
-    prefill_node_id: int = Field(foreign_key="node.id")
-    decode_node_id: int = Field(foreign_key="node.id")
-    prefill_engine: str
-    decode_engine: str
-    prefill_model_path: str
-    decode_model_path: str
     context_length: int
-    staging_bytes: int = 512 << 20
-    decode_kv_bytes: int = 0  # the decode node's KV budget as it reported it (0: not known)
-    local_threshold: int = 0  # prompts shorter than this run on the decoder alone
+    local_threshold: int = 0  # prompts (less what the decoder holds) shorter than this run on D alone
     fallback: str = "decode_alone"  # or "fail"
     page_encoding: str = "raw"  # or "zstd": pages compressed on the wire (lossless), for slow links
+
+
+class PoolMember(SQLModel, table=True):
+    """One node of a pool in one role, with the engine, model path and budget it was set to."""
+
+    __table_args__ = (UniqueConstraint("pool_id", "node_id", "role"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    pool_id: int = Field(foreign_key="pool.id", index=True)
+    node_id: int = Field(foreign_key="node.id", index=True)
+    role: str  # "prefill" or "decode"
+    engine: str
+    model_path: str
+    # prefill: the node's staging budget; decode: its decode KV budget as it reported it (0: not known)
+    budget_bytes: int = 0
 
 
 class ApiKey(SQLModel, table=True):
@@ -62,12 +71,16 @@ class RequestLog(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     created: float = Field(default_factory=time.time, index=True)
     model: str
+    request_id: str = ""  # the `id` of the API's answer (chatcmpl-…, cmpl-…)
     route: str  # "pd", "decode_alone", "node"
     reason: str = ""
     prompt_tokens: int = 0
     ttft_ms: float | None = None
     output_tokens: int = 0
     bytes_moved: int = 0
+    cached_tokens: int = 0  # prompt tokens a prefix cache served (D's, or P's if more)
+    decode_node: str = ""  # the nodes that served it, by name
+    prefill_node: str = ""
     outcome: str = "ok"  # ok, error, cancelled
     error: str = ""
 

@@ -1,8 +1,11 @@
-"""Routing one request: on a pair's decoder, which prefills on its prefiller, or on one node alone.
+"""Routing one request: on a decoder of its pool, which prefills on a prefiller of the pool, or
+on one node alone.
 
-The panel chooses the route (prompts under a pair's threshold run on D alone), sends D one
-request, and keeps the fallback and the cancellation; D owns the handshake with P. The exchange
-is drawn in ARCHITECTURE.md ("One request"). Each event says the route taken and why.
+The planner chooses the nodes (planner.py); the router sends the decoder one request and keeps
+the retries, the fallback and the cancellation; D owns the handshake with P. Before the first
+token reaches the client, a decoder that cannot be reached, fails or is full is replaced by
+another of the pool, and a prefiller that fails by another prefiller (then by the decoder alone,
+as the pool's fallback says). The exchange is drawn in ARCHITECTURE.md ("One request").
 """
 
 from __future__ import annotations
@@ -10,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 
 from tandem_protocol.api import PREFILLER_FAILED, DecodeBody, GenerateBody
 from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.sampling import SamplingParams
+
+from .planner import Plan, Planner
+from .prefix_index import hashes_of
 
 
 class RouteError(Exception):
@@ -31,16 +37,29 @@ class _PrefillerFailed(Exception):
     """D reported that P's side failed before the first token (D holds nothing for it)."""
 
 
+class _DecoderFailed(Exception):
+    """The decoder could not serve, before the first token: another may."""
+
+    def __init__(self, error: RouteError):
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass(frozen=True)
 class Target:
-    """Where a model name runs: a pair (prefill + decode) or one node."""
+    """Where a model name runs: a pool (its decode nodes and prefill nodes) or one node."""
 
     name: str
-    decode_url: str
-    prefill_url: str | None = None
+    decode_urls: tuple[str, ...]
+    prefill_urls: tuple[str, ...] = ()
     local_threshold: int = 0
     fallback: str = "decode_alone"
     page_encoding: str = "raw"
+    is_node: bool = False  # `node/<name>`: that node alone, whatever it holds
+    node_names: tuple[tuple[str, str], ...] = ()  # (url, name) of every node, for the request log
+
+    def name_of(self, url: str) -> str:
+        return dict(self.node_names).get(url, url)
 
 
 @dataclass
@@ -49,6 +68,8 @@ class RouteStats:
     reason: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    decode_node: str = ""  # the nodes that served it, by name
+    prefill_node: str = ""
     cached_tokens: int = 0  # prompt tokens a prefix cache served (D's, or on P/D P's if more)
     ttft_ms: float | None = None
     bytes_moved: int = 0
@@ -69,11 +90,13 @@ class Router:
         self.cluster_key = cluster_key
         self._transport = transport
         self._clients: dict[str, AgentClient] = {}
+        self.planner = Planner()
 
     def forget(self, *urls: str) -> None:
-        """Drop the pooled connections to these agents (a node removed, or one whose engine was
-        just switched); the next request connects afresh."""
+        """Drop the pooled connections to these agents and what the planner knew of them (a node
+        removed, or one whose engine was just switched); the next request connects afresh."""
         for url in urls:
+            self.planner.forget(url)
             client = self._clients.pop(url, None)
             if client is not None:
                 task = asyncio.get_running_loop().create_task(client.aclose())
@@ -96,15 +119,21 @@ class Router:
         self._clients.clear()
 
     async def tokenize(self, target: Target, messages: list[dict] | None, prompt: str | None) -> list[int]:
-        try:
-            return await self.client(target.decode_url).tokenize(messages=messages, prompt=prompt)
-        except AgentHTTPError as e:
-            if e.status == 400:  # e.g. messages the chat template cannot render: its own words,
-                # not the decoder's address
-                raise RouteError(e.detail.get("message") or str(e), 400, kind="invalid_request_error") from e
-            raise RouteError(str(e), 503) from e
-        except TransportError as e:
-            raise RouteError(f"the decoder of {target.name} is not reachable: {e}", 503) from e
+        """Token ids from a decoder of the pool (they share one tokenizer), the next one if it
+        cannot be reached."""
+        for n, url in enumerate(target.decode_urls):
+            try:
+                return await self.client(url).tokenize(messages=messages, prompt=prompt)
+            except AgentHTTPError as e:
+                if e.status == 400:  # e.g. messages the chat template cannot render: its own words,
+                    # not the decoder's address
+                    raise RouteError(e.detail.get("message") or str(e), 400, kind="invalid_request_error") from e
+                if n == len(target.decode_urls) - 1:
+                    raise RouteError(str(e), 503) from e
+            except TransportError as e:
+                if n == len(target.decode_urls) - 1:
+                    raise RouteError(f"no decoder of {target.name} is reachable: {e}", 503) from e
+        raise RouteError(f"{target.name} has no decode node", 503)
 
     async def run(
         self, target: Target, token_ids: list[int], sampling: SamplingParams, stats: RouteStats
@@ -112,39 +141,62 @@ class Router:
         """NDJSON-style events from D: {"token", "text"} …, then {"done": true, ...}. Leaving the
         iterator early (the client went away) closes D's stream: D stops and cancels P's handoff."""
         stats.prompt_tokens = len(token_ids)
-        if target.prefill_url is None:
-            stats.route = "node"
-            async for event in self._alone(target, token_ids, sampling, stats):
-                yield event
+        hashes = hashes_of(token_ids)
+        decoders, prefillers = list(target.decode_urls), list(target.prefill_urls)
+        last_error: RouteError | None = None
+        while decoders:
+            plan = self.planner.plan(
+                tuple(decoders), tuple(prefillers), hashes, len(token_ids), target.local_threshold, target.is_node
+            )
+            if target.prefill_urls and not prefillers:  # every prefiller failed before the first token
+                if target.fallback != "decode_alone":
+                    raise RouteError(f"{target.name}: {stats.reason} (fallback disabled)", 503)
+                plan = replace(plan, reason=stats.reason)
+            stats.route, stats.reason = plan.route, plan.reason
+            stats.decode_node = target.name_of(plan.decode_url)
+            stats.prefill_node = target.name_of(plan.prefill_url) if plan.prefill_url else ""
+            output: list[int] = []
+            work = self.planner.started(plan, len(token_ids))
+            try:
+                async for event in self._serve(target, plan, token_ids, sampling, stats):
+                    if "token" in event:
+                        self.planner.first_token(work)
+                        output.append(event["token"])
+                    yield event
+            except _PrefillerFailed as e:
+                self.planner.failed(plan.prefill_url)
+                prefillers.remove(plan.prefill_url)
+                stats.reason = str(e)  # nothing has reached the client and D released what it imported
+                continue
+            except _DecoderFailed as e:
+                last_error = e.error
+                if e.error.status != 429:  # a full decoder is busy, not broken
+                    self.planner.failed(plan.decode_url)
+                decoders.remove(plan.decode_url)
+                continue
+            finally:
+                self.planner.ended(work)
+            self._learn(plan, token_ids, output)
             return
-        if len(token_ids) < target.local_threshold:
-            stats.route = "decode_alone"
-            stats.reason = f"prompt of {len(token_ids)} tokens is under the pair's threshold"
-            async for event in self._alone(target, token_ids, sampling, stats):
-                yield event
-            return
-        stats.route = "pd"
-        body = DecodeBody(
-            token_ids=token_ids,
-            sampling=sampling,
-            prefill_url=target.prefill_url,
-            page_encoding=target.page_encoding,
-        )
-        try:
-            async for event in self._stream(target.decode_url, "/v1/decode", body, stats):
-                yield event
-        except _PrefillerFailed as e:
-            if target.fallback != "decode_alone":
-                raise RouteError(f"{target.name}: {e} (fallback disabled)", 503) from None
-            # nothing has reached the client yet and D has released whatever it imported
-            stats.route, stats.reason = "decode_alone", str(e)
-            async for event in self._alone(target, token_ids, sampling, stats):
-                yield event
+        raise last_error or RouteError(f"{target.name} has no decode node", 503)
 
-    async def _alone(self, target, token_ids, sampling, stats) -> AsyncIterator[dict]:
-        body = GenerateBody(token_ids=token_ids, sampling=sampling)
-        async for event in self._stream(target.decode_url, "/v1/generate", body, stats):
-            yield event
+    def _learn(self, plan: Plan, token_ids: list[int], output: list[int]) -> None:
+        """The nodes served the request: D now holds the prompt and the answer but its last token
+        (whose KV was never computed), P the prompt."""
+        self.planner.served(plan.decode_url)
+        self.planner.index.add(plan.decode_url, hashes_of(token_ids + output[:-1]))
+        if plan.prefill_url:
+            self.planner.served(plan.prefill_url)
+            self.planner.index.add(plan.prefill_url, hashes_of(token_ids))
+
+    def _serve(self, target: Target, plan: Plan, token_ids, sampling, stats) -> AsyncIterator[dict]:
+        if plan.prefill_url is None:
+            body = GenerateBody(token_ids=token_ids, sampling=sampling)
+            return self._stream(plan.decode_url, "/v1/generate", body, stats)
+        body = DecodeBody(
+            token_ids=token_ids, sampling=sampling, prefill_url=plan.prefill_url, page_encoding=target.page_encoding
+        )
+        return self._stream(plan.decode_url, "/v1/decode", body, stats)
 
     async def _stream(self, url: str, path: str, body: GenerateBody, stats: RouteStats) -> AsyncIterator[dict]:
         first = True
@@ -166,15 +218,20 @@ class Router:
         except AgentHTTPError as e:
             if e.detail.get(PREFILLER_FAILED):  # D could not start the handoff on P
                 raise _PrefillerFailed(e.detail.get("message", str(e))) from None
+            if e.status in (400, 409, 413):  # the request (or this pool) cannot be served as asked
+                raise RouteError(str(e), 400, kind="invalid_request_error") from e
             if e.status == 429:
-                raise RouteError(
-                    f"the prefiller is busy: {e}",
+                error = RouteError(
+                    f"busy: {e}",
                     429,
                     retry_after=e.retry_after or DEFAULT_RETRY_AFTER,
                     kind="rate_limit_exceeded",
-                ) from e
-            if e.status in (400, 409, 413):  # the request (or this pair) cannot be served as asked
-                raise RouteError(str(e), 400, kind="invalid_request_error") from e
-            raise RouteError(str(e), 503) from e
+                )
+            else:
+                error = RouteError(str(e), 503)
+            raise _DecoderFailed(error) from e  # an HTTP error comes before any line
         except TransportError as e:
-            raise RouteError(f"{url} is not reachable: {e}", 503) from e
+            error = RouteError(f"{url} is not reachable: {e}", 503)
+            if first:
+                raise _DecoderFailed(error) from e
+            raise error from e

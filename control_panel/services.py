@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -25,7 +26,7 @@ from tandem_protocol.contract import ModelContract
 from tandem_protocol.discovery import Peer
 from tandem_protocol.pages import ENCODINGS
 
-from .models import Node, Pair
+from .models import Node, Pool, PoolMember
 
 log = logging.getLogger("tandem.panel")
 IDENTITY_TIMEOUT = 10.0
@@ -181,6 +182,136 @@ async def configure_node(
         await client.aclose()
 
 
+@dataclass
+class MemberSpec:
+    """One node's part in a pool: its role and, blank for "as the node runs now", the engine,
+    model path and budget (the staging budget of a prefill node, the KV budget of a decode node)
+    to set on it."""
+
+    url: str
+    role: str  # "prefill" or "decode"
+    engine: str | None = None
+    model_path: str | None = None
+    budget_bytes: int | None = None
+
+
+async def create_pool(
+    engine: Engine,
+    cluster_key: str,
+    name: str,
+    members: list[MemberSpec],
+    local_threshold: int = 0,
+    fallback: str = "decode_alone",
+    page_encoding: str = "raw",
+    context_length: int | None = None,
+) -> Pool:
+    """Serve a model name from these nodes (replacing the pool of that name): check every node's
+    engine and model path, switch them if asked, then check that their contracts agree, before
+    any node loads anything. Errors name the form field at fault (`decode_model_path`, …)."""
+    if not name or "/" in name:
+        raise PanelError("a model needs a name without '/' (it is the model name on the API)", ["name"])
+    if page_encoding not in ENCODINGS:
+        raise PanelError(f"unknown page encoding {page_encoding!r} ({' or '.join(ENCODINGS)})", ["page_encoding"])
+    if not any(m.role == "decode" for m in members):
+        raise PanelError("a model needs a decode node", ["decode"])
+    for m in members:  # before any is sent the key
+        try:
+            await verify_identity(m.url.rstrip("/"), cluster_key)
+        except PanelError as e:
+            raise PanelError(f"{m.role} node: {e}", [m.role]) from e
+    for dry_run in (True, False):  # check every node, and their contracts, before any loads anything
+        contracts = [await _configure_member(m, cluster_key, context_length, dry_run) for m in members]
+        first = ModelContract.from_dict(contracts[0])
+        for other in contracts[1:]:  # names every differing field (weights, tokenizer, geometry, …)
+            first.check_same(ModelContract.from_dict(other))
+    infos = [await agent_status(m.url, cluster_key) for m in members]
+    nodes = [await add_node(engine, m.url, cluster_key) for m in members]
+    with Session(engine) as s:
+        pool = s.exec(select(Pool).where(Pool.name == name)).first() or Pool(name=name, context_length=0)
+        pool.context_length = infos[0]["context_length"]
+        pool.local_threshold, pool.fallback, pool.page_encoding = local_threshold, fallback, page_encoding
+        s.add(pool)
+        s.flush()
+        for old in s.exec(select(PoolMember).where(PoolMember.pool_id == pool.id)):
+            s.delete(old)
+        s.flush()
+        for m, info, node in zip(members, infos, nodes, strict=True):
+            s.add(PoolMember(pool_id=pool.id, node_id=node.id, role=m.role, **_as_set(m.role, info)))
+        s.commit()
+        s.refresh(pool)
+        return pool
+
+
+async def add_member(engine: Engine, cluster_key: str, pool_id: int, m: MemberSpec) -> PoolMember:
+    """Add a node to a pool in a role, once its contract (after any switch) agrees with the pool's."""
+    with Session(engine) as s:
+        pool = s.get(Pool, pool_id)
+        if pool is None:
+            raise PanelError("no such model")
+        peer = s.exec(select(Node).join(PoolMember).where(PoolMember.pool_id == pool_id)).first()
+        if any(x.role == m.role for x in _members_at(s, pool_id, m.url)):
+            raise PanelError(f"this node is already a {m.role} node of {pool.name}", ["node"])
+    try:
+        await verify_identity(m.url.rstrip("/"), cluster_key)
+    except PanelError as e:
+        raise PanelError(str(e), ["node"]) from e
+    for dry_run in (True, False):
+        contract = ModelContract.from_dict(await _configure_member(m, cluster_key, pool.context_length, dry_run))
+        if peer is not None:
+            ModelContract.from_dict((await agent_status(peer.url, cluster_key))["contract"]).check_same(contract)
+    info = await agent_status(m.url, cluster_key)
+    node = await add_node(engine, m.url, cluster_key)
+    with Session(engine) as s:
+        member = PoolMember(pool_id=pool_id, node_id=node.id, role=m.role, **_as_set(m.role, info))
+        s.add(member)
+        s.commit()
+        s.refresh(member)
+        return member
+
+
+def remove_member(engine: Engine, member_id: int) -> None:
+    """Take a node out of a pool; a pool keeps at least one decode node (delete the model instead)."""
+    with Session(engine) as s:
+        member = s.get(PoolMember, member_id)
+        if member is None:
+            return
+        decoders = s.exec(select(PoolMember).where(PoolMember.pool_id == member.pool_id, PoolMember.role == "decode"))
+        if member.role == "decode" and len(list(decoders)) == 1:
+            raise PanelError("a model needs a decode node: delete the model instead")
+        s.delete(member)
+        s.commit()
+
+
+def delete_pool(engine: Engine, pool_id: int) -> None:
+    with Session(engine) as s:
+        for member in s.exec(select(PoolMember).where(PoolMember.pool_id == pool_id)):
+            s.delete(member)
+        s.flush()
+        pool = s.get(Pool, pool_id)
+        if pool is not None:
+            s.delete(pool)
+        s.commit()
+
+
+def _members_at(s: Session, pool_id: int, url: str) -> list[PoolMember]:
+    query = select(PoolMember).join(Node).where(PoolMember.pool_id == pool_id, Node.url == url)
+    return list(s.exec(query))
+
+
+def _as_set(role: str, info: dict) -> dict:
+    """A member's engine, model path and budget as the node reports them after configuring."""
+    budget = info["budget"]["capacity"] if role == "prefill" else (info.get("decode") or {}).get("kv_capacity", 0)
+    return {"engine": info["engine"], "model_path": info["model_path"], "budget_bytes": budget}
+
+
+async def _configure_member(m: MemberSpec, cluster_key: str, context_length: int | None, dry_run: bool) -> dict:
+    staging = m.budget_bytes if m.role == "prefill" else None
+    kv = m.budget_bytes if m.role == "decode" else None
+    return await configure_node(
+        m.url, cluster_key, m.role, m.engine, m.model_path, context_length, staging, dry_run, kv
+    )
+
+
 async def create_pair(
     engine: Engine,
     cluster_key: str,
@@ -198,55 +329,15 @@ async def create_pair(
     context_length: int | None = None,
     staging_bytes: int | None = None,
     decode_kv_bytes: int | None = None,
-) -> Pair:
-    """Pair two nodes under a model name: check both nodes' engine and model path, switch them
-    if asked, then check that their contracts agree. Blank engine/path: what the node runs.
-    `staging_bytes` goes to the prefill node, `decode_kv_bytes` to the decode node (None: as is)."""
-    if not name or "/" in name:
-        raise PanelError("a pair needs a name without '/' (it becomes the model name on the API)", ["name"])
-    if page_encoding not in ENCODINGS:
-        raise PanelError(f"unknown page encoding {page_encoding!r} ({' or '.join(ENCODINGS)})", ["page_encoding"])
-    for role, url in (("prefill", prefill_url), ("decode", decode_url)):  # before either is sent the key
-        try:
-            await verify_identity(url.rstrip("/"), cluster_key)
-        except PanelError as e:
-            raise PanelError(f"{role} node: {e}", [role]) from e
-    nodes = [
-        ("prefill", prefill_url, prefill_engine, prefill_model_path, staging_bytes, None),
-        ("decode", decode_url, decode_engine, decode_model_path, None, decode_kv_bytes),
+) -> Pool:
+    """The smallest pool: prefill on one node, decode on another."""
+    members = [
+        MemberSpec(prefill_url, "prefill", prefill_engine, prefill_model_path, staging_bytes),
+        MemberSpec(decode_url, "decode", decode_engine, decode_model_path, decode_kv_bytes),
     ]
-    for dry_run in (True, False):  # check both nodes, and their contracts, before either loads anything
-        p_contract, d_contract = [
-            await configure_node(url, cluster_key, role, eng, path, context_length, staging, dry_run, kv)
-            for role, url, eng, path, staging, kv in nodes
-        ]
-        # names every differing field (weights, tokenizer, config, context_length, geometry)
-        ModelContract.from_dict(d_contract).check_same(ModelContract.from_dict(p_contract))
-    p_info, d_info = await agent_status(prefill_url, cluster_key), await agent_status(decode_url, cluster_key)
-    p_node = await add_node(engine, prefill_url, cluster_key)
-    d_node = await add_node(engine, decode_url, cluster_key)
-    with Session(engine) as s:
-        pair = s.exec(select(Pair).where(Pair.name == name)).first() or Pair(
-            name=name,
-            prefill_node_id=p_node.id,
-            decode_node_id=d_node.id,
-            prefill_engine="",
-            decode_engine="",
-            prefill_model_path="",
-            decode_model_path="",
-            context_length=0,
-        )
-        pair.prefill_node_id, pair.decode_node_id = p_node.id, d_node.id
-        pair.prefill_engine, pair.decode_engine = p_info["engine"], d_info["engine"]
-        pair.prefill_model_path, pair.decode_model_path = p_info["model_path"], d_info["model_path"]
-        pair.context_length = d_info["context_length"]
-        pair.staging_bytes = p_info["budget"]["capacity"]
-        pair.decode_kv_bytes = (d_info.get("decode") or {}).get("kv_capacity", 0)  # 0: an agent without admission
-        pair.local_threshold, pair.fallback, pair.page_encoding = local_threshold, fallback, page_encoding
-        s.add(pair)
-        s.commit()
-        s.refresh(pair)
-        return pair
+    return await create_pool(
+        engine, cluster_key, name, members, local_threshold, fallback, page_encoding, context_length
+    )
 
 
 async def note_discovered(engine: Engine, peer: Peer, present: bool, cluster_key: str) -> None:
@@ -281,23 +372,31 @@ async def note_discovered(engine: Engine, peer: Peer, present: bool, cluster_key
 
 
 def remove_node(engine: Engine, node_id: int) -> tuple[str, list[str]] | None:
-    """Forget a node, and every pair that uses it (a pair without one of its nodes cannot serve):
-    returns the node's URL and the names of the pairs removed with it; None if there is no such
-    node. The agent itself is not told: it keeps running, and can be added or paired again."""
+    """Forget a node: it leaves every pool it is in, and a pool left without a decode node is
+    removed (it cannot serve). Returns the node's URL and the names of the models removed with
+    it; None if there is no such node. The agent itself is not told: it keeps running, and can
+    be added or paired again."""
     with Session(engine) as s:
         node = s.get(Node, node_id)
         if node is None:
             return None
         url = node.url
-        uses = (Pair.prefill_node_id == node_id) | (Pair.decode_node_id == node_id)
-        pairs = list(s.exec(select(Pair).where(uses).order_by(Pair.name)))
-        names = [p.name for p in pairs]
-        for pair in pairs:
-            s.delete(pair)
-        s.flush()  # the pairs' foreign keys go before the node they point at
+        pool_ids = {m.pool_id for m in s.exec(select(PoolMember).where(PoolMember.node_id == node_id))}
+        for member in s.exec(select(PoolMember).where(PoolMember.node_id == node_id)):
+            s.delete(member)
+        s.flush()
+        removed = []
+        for pool in s.exec(select(Pool).where(Pool.id.in_(pool_ids)).order_by(Pool.name)):
+            if not s.exec(select(PoolMember).where(PoolMember.pool_id == pool.id, PoolMember.role == "decode")).first():
+                for member in s.exec(select(PoolMember).where(PoolMember.pool_id == pool.id)):
+                    s.delete(member)
+                s.flush()
+                s.delete(pool)
+                removed.append(pool.name)
+        s.flush()  # the members' foreign keys go before the node they point at
         s.delete(node)
         s.commit()
-    return url, names
+    return url, removed
 
 
 def _note(engine: Engine, row_id: int, last_error: str) -> None:
@@ -322,13 +421,12 @@ def node_by_model_name(s: Session, model: str) -> Node | None:
 
 
 def model_names(engine: Engine) -> list[str]:
-    """The model names the API serves, each once: every pair whose nodes have an address, and
-    every paired node with one (see `_served_nodes`)."""
+    """The model names the API serves, each once: every pool with a decode node that has an
+    address, and every paired node with one (see `_served_nodes`)."""
     with Session(engine) as s:
-        addressed = {n.id for n in s.exec(select(Node).where(Node.url != ""))}
-        pairs = s.exec(select(Pair).order_by(Pair.name))
-        names = [p.name for p in pairs if {p.prefill_node_id, p.decode_node_id} <= addressed]
-        return names + list(_served_nodes(s))
+        serving = select(Pool.name).join(PoolMember).join(Node)
+        serving = serving.where(PoolMember.role == "decode", Node.url != "").distinct().order_by(Pool.name)
+        return list(s.exec(serving)) + list(_served_nodes(s))
 
 
 def delete_row(engine: Engine, table: type, row_id: int) -> None:

@@ -1,4 +1,4 @@
-"""The `model` of a request to the pair or node that serves it."""
+"""The `model` of a request to the pool or node that serves it."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from sqlmodel import Session, select
 
 from .api.errors import OpenAIError
 from .db import cached_until_state_changes
-from .models import Node, Pair
+from .models import Node, Pool, PoolMember
 from .router import Target
 from .services import node_by_model_name
 
 
 def resolve_target(engine: Engine, model: str) -> Target:
-    """A pair by its name, or a single node as `node/<name>`."""
+    """A pool by its name, or a single node as `node/<name>`."""
     target = _find_target(engine, model)
     if target is None:
         raise OpenAIError(
@@ -25,12 +25,29 @@ def resolve_target(engine: Engine, model: str) -> Target:
 @cached_until_state_changes
 def _find_target(engine: Engine, model: str) -> Target | None:
     with Session(engine) as s:
-        pair = s.exec(select(Pair).where(Pair.name == model)).first()
-        if pair is not None:
-            p, d = s.get(Node, pair.prefill_node_id), s.get(Node, pair.decode_node_id)
-            return Target(pair.name, d.url, p.url, pair.local_threshold, pair.fallback, pair.page_encoding)
+        pool = s.exec(select(Pool).where(Pool.name == model)).first()
+        if pool is not None:
+            rows = s.exec(
+                select(PoolMember, Node)
+                .join(Node)
+                .where(PoolMember.pool_id == pool.id, Node.url != "")
+                .order_by(PoolMember.id)
+            ).all()
+            urls = {role: tuple(n.url for m, n in rows if m.role == role) for role in ("prefill", "decode")}
+            if not urls["decode"]:
+                return None
+            names = tuple((n.url, n.name) for _, n in rows)
+            return Target(
+                pool.name,
+                urls["decode"],
+                urls["prefill"],
+                pool.local_threshold,
+                pool.fallback,
+                pool.page_encoding,
+                node_names=names,
+            )
         if model.startswith("node/"):
             node = node_by_model_name(s, model)
             if node is not None:
-                return Target(model, node.url)
+                return Target(model, (node.url,), is_node=True, node_names=((node.url, node.name),))
     return None

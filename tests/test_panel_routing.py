@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlmodel import Session, select
 
 from control_panel.db import open_db
-from control_panel.models import Pair, RequestLog
+from control_panel.models import Pool, RequestLog
 
 from .agents import AgentProcess, PanelProcess, log_rows, settle
 from .panel_db import insert_old_pair
@@ -107,14 +107,14 @@ def test_first_migration_upgrades_and_data_survive_restart(tmp_path):
     engine.dispose()
     engine = open_db(db)  # what a newer panel does on start
     with Session(engine) as s:
-        pair = s.exec(select(Pair)).one()
-        assert (pair.name, pair.fallback, pair.local_threshold, pair.page_encoding) == ("old", "decode_alone", 0, "raw")
+        pool = s.exec(select(Pool)).one()
+        assert (pool.name, pool.fallback, pool.local_threshold, pool.page_encoding) == ("old", "decode_alone", 0, "raw")
         s.add(RequestLog(model="old", route="pd"))
         s.commit()
     engine.dispose()
     with Session(open_db(db)) as s:  # a restart keeps everything
         assert s.exec(select(RequestLog)).one().model == "old"
-        assert s.exec(select(Pair)).one().name == "old"
+        assert s.exec(select(Pool)).one().name == "old"
 
 
 def test_reset_admin_password(tmp_path):

@@ -53,9 +53,10 @@ def cluster(smol_dir, tmp_path_factory):
         with (
             AgentProcess("torch", smol_dir, home / "torch", *roots, *mdns, host=host.addr, netns=host.ns) as t,
             AgentProcess("mlx", smol_dir, home / "mlx", *roots, *mdns, host=host.addr, netns=host.ns) as m,
+            AgentProcess("mlx", smol_dir, home / "mlx2", *mdns, host=host.addr, netns=host.ns) as m2,
         ):
             with PanelProcess(home / "panel", "--host", host.addr, *mdns, netns=host.ns) as panel:
-                yield {"panel": panel, "torch": t, "mlx": m}
+                yield {"panel": panel, "torch": t, "mlx": m, "mlx2": m2}
 
 
 def pair_discovered(panel) -> None:
@@ -88,7 +89,7 @@ def _csrf(html: str) -> str:
 def test_every_page_needs_a_session(cluster):
     url = cluster["panel"].url
     with httpx.Client(base_url=url, timeout=30) as c:
-        for path in ("/", "/nodes", "/pairs", "/playground", "/requests", "/help", "/settings"):
+        for path in ("/", "/nodes", "/models", "/playground", "/requests", "/help", "/settings"):
             r = c.get(path, headers={"Accept": "text/html"})
             assert r.status_code == 303 and r.headers["location"].startswith("/login"), path
         r = c.get("/nodes/table", headers={"HX-Request": "true"})
@@ -180,10 +181,11 @@ def test_browser_flow(cluster, browser):
         assert page.locator("#discovered tr[data-node='torch-torch']").count() == 0
         assert page.locator("#discovered tr[data-node='mlx-mlx']").count() == 1
         page.screenshot(path=SCREENSHOT, full_page=True)
-        page.click("a[data-pair-node='mlx-mlx']")
-        page.fill("input[name=key]", TEST_KEY)
-        page.click("#pair-node-form button[type=submit]")
-        page.wait_for_url(re.compile(r"/nodes$"))
+        for name in ("mlx-mlx", "mlx-mlx2"):
+            page.click(f"a[data-pair-node='{name}']")
+            page.fill("input[name=key]", TEST_KEY)
+            page.click("#pair-node-form button[type=submit]")
+            page.wait_for_url(re.compile(r"/nodes$"))
         assert page.locator("#discovered-none").is_visible()  # no agent left to pair: it says so
 
         # both agents are listed with their live status, refreshed by htmx without a reload
@@ -210,16 +212,17 @@ def test_browser_flow(cluster, browser):
         page.click("form[action='/nodes'] button[type=submit]")
         assert "unreachable" in page.locator("p.error").inner_text()
 
-        # create a pair through the form: a bad name is refused on the form, a good one is listed
-        page.goto(panel.url + "/pairs")
+        # create a model from a pair through the form: a bad name is refused on the form, a good
+        # one is listed
+        page.goto(panel.url + "/models")
         page.fill("input[name=name]", "ui-pair")
         page.select_option("select[name=prefill]", label="torch-torch (torch)")
         page.select_option("select[name=decode]", label="mlx-mlx (mlx)")
         page.fill("input[name=threshold]", "0")
         page.select_option("select[name=fallback]", "decode_alone")
         page.click("#pair-form button[type=submit]")
-        page.wait_for_url(re.compile(r"/pairs$"))
-        row = page.locator("tr[data-pair='ui-pair']")
+        page.wait_for_url(re.compile(r"/models$"))
+        row = page.locator("tr[data-model='ui-pair']")
         assert "torch-torch" in row.inner_text() and "mlx-mlx" in row.inner_text()
         page.fill("input[name=name]", "same-node")
         page.select_option("select[name=prefill]", label="torch-torch (torch)")
@@ -227,6 +230,21 @@ def test_browser_flow(cluster, browser):
         page.click("#pair-form button[type=submit]")
         assert "must be different" in page.locator("#pair-error").inner_text()
         assert page.locator("select[name=prefill][aria-invalid=true]").count() == 1
+
+        # a third node joins the model as a second decoder: a three-node pool
+        page.goto(panel.url + "/models")
+        row = page.locator("tr[data-model='ui-pair']")
+        row.locator("details summary").click()
+        form = row.locator("form.member-form")
+        form.locator("select[name=node]").select_option(label="mlx-mlx2 (mlx)")
+        form.locator("select[name=role]").select_option("decode")
+        form.locator("button[type=submit]").click()
+        page.wait_for_url(re.compile(r"/models$"))
+        members = page.locator("tr[data-model='ui-pair'] tr[data-member]")
+        roles = sorted(members.nth(i).get_attribute("data-member") for i in range(members.count()))
+        assert roles == ["mlx-mlx2:decode", "mlx-mlx:decode", "torch-torch:prefill"], roles
+        if MORE_SCREENSHOTS:
+            page.screenshot(path="/tmp/ui_models.png", full_page=True)
 
         # chat in the playground: the answer streams in, with TTFT, tokens/s and bytes moved
         page.goto(panel.url + "/playground")
@@ -264,7 +282,7 @@ def test_browser_flow(cluster, browser):
         page.wait_for_function("document.documentElement.lang === 'ja'")
         assert "/requests" in page.url
         nav = page.locator("header nav").inner_text()
-        for word in ("ノード", "ペア", "プレイグラウンド", "リクエスト", "ヘルプ", "設定"):
+        for word in ("ノード", "モデル", "プレイグラウンド", "リクエスト", "ヘルプ", "設定"):
             assert word in nav, nav
         assert "プリフィル → デコード" in page.locator("#requests-table tbody tr").first.inner_text()
         page.click("header nav a[href='/help']")
@@ -335,7 +353,7 @@ def test_pair_form_checks_engines_model_paths_and_contracts(cluster, tmp_path):
     t, m = cluster["torch"], cluster["mlx"]
     pair_discovered(cluster["panel"])  # nothing to do when the browser test paired them already
     with logged_in(cluster["panel"]) as c:
-        page = c.get("/pairs")
+        page = c.get("/models")
         assert str(t.status()["model_path"]) in page.text  # the model-path suggestions come from the nodes
         ids = dict((name, i) for i, name in re.findall(r'<option value="(\d+)" [^>]*>([\w-]+) \(', page.text))
         form = {
@@ -346,36 +364,36 @@ def test_pair_form_checks_engines_model_paths_and_contracts(cluster, tmp_path):
             "fallback": "fail",
             "csrf": _csrf(page.text),
         }
-        r = c.post("/pairs", data={**form, "decode_model_path": str(tmp_path)})
+        r = c.post("/models", data={**form, "decode_model_path": str(tmp_path)})
         assert r.status_code == 400 and "decode node:" in r.text and "outside this node&#39;s model roots" in r.text
         assert re.search(r'name="decode_model_path"[^>]*aria-invalid="true"', r.text)
         tiny = str(Path(m.status()["model_roots"][-1]) / "tiny-qwen3")
-        r = c.post("/pairs", data={**form, "decode_model_path": tiny})
+        r = c.post("/models", data={**form, "decode_model_path": tiny})
         assert r.status_code == 400
         assert "their contracts differ in weights, model config, context length" in r.text
         assert 'name="prefill" aria-invalid="true"' in r.text
         assert m.status()["model"] != "tiny-qwen3"  # refused before anything loaded
         c.cookies.set("lang", "de")
-        r = c.post("/pairs", data={**form, "decode_model_path": tiny})
+        r = c.post("/models", data={**form, "decode_model_path": tiny})
         assert "Ihre Verträge unterscheiden sich in Gewichte, Modellkonfiguration, Kontextlänge" in r.text
         c.cookies.delete("lang")
-        r = c.post("/pairs", data={**form, "context_length": "0"})
+        r = c.post("/models", data={**form, "context_length": "0"})
         assert r.status_code == 400 and re.search(r'name="context_length"[^>]*aria-invalid="true"', r.text)
-        r = c.post("/pairs", data={**form, "decode_kv_mib": "0"})
+        r = c.post("/models", data={**form, "decode_kv_mib": "0"})
         assert r.status_code == 400 and re.search(r'name="decode_kv_mib"[^>]*aria-invalid="true"', r.text)
-        r = c.post("/pairs", data={**form, "threshold": "-3"})
+        r = c.post("/models", data={**form, "threshold": "-3"})
         assert r.status_code == 400 and re.search(r'name="threshold"[^>]*value="-3" aria-invalid="true"', r.text)
         # a real switch: the mlx node decodes with torch for this pair, with a 64 MiB staging budget
         # on P and a 256 MiB KV budget on D (P's own KV budget stays as it was)
         p_kv = t.status()["decode"]["kv_capacity"]
-        r = c.post("/pairs", data={**form, "decode_engine": "torch", "staging_mib": "64", "decode_kv_mib": "256"})
+        r = c.post("/models", data={**form, "decode_engine": "torch", "staging_mib": "64", "decode_kv_mib": "256"})
         assert r.status_code == 303, r.text[-2000:]
         assert m.status()["engine"] == "torch" and t.status()["budget"]["capacity"] == 64 << 20
         assert m.status()["decode"]["kv_capacity"] == 256 << 20 and t.status()["decode"]["kv_capacity"] == p_kv
-        r = c.post("/pairs", data={**form, "decode_engine": "mlx", "staging_mib": "512"})  # and back
+        r = c.post("/models", data={**form, "decode_engine": "mlx", "staging_mib": "512"})  # and back
         assert r.status_code == 303 and m.status()["engine"] == "mlx"
-        pair_id = re.search(r'data-pair="checked">.*?/pairs/(\d+)/delete', c.get("/pairs").text, re.S).group(1)
-        assert c.post(f"/pairs/{pair_id}/delete", data={"csrf": form["csrf"]}).status_code == 303
+        pair_id = re.search(r'data-model="checked">.*?/models/(\d+)/delete', c.get("/models").text, re.S).group(1)
+        assert c.post(f"/models/{pair_id}/delete", data={"csrf": form["csrf"]}).status_code == 303
 
 
 def test_language_comes_from_cookie_then_accept_language(local_panel):
@@ -419,7 +437,7 @@ def seed_old_nodes(db) -> None:
     `old-pair`, and an agent it found on the network and nobody paired."""
     from sqlmodel import Session
 
-    from control_panel.models import Node, Pair
+    from control_panel.models import Node, Pool, PoolMember
 
     with Session(db) as s:
         gpu = Node(name="old-gpu", url="http://127.0.0.1:11", engine="torch", paired=True)
@@ -427,25 +445,19 @@ def seed_old_nodes(db) -> None:
         found = Node(name="found-agent", url="http://127.0.0.1:13", engine="mlx", source="mdns", paired=False)
         s.add_all([gpu, mac, found])
         s.commit()
-        s.add(
-            Pair(
-                name="old-pair",
-                prefill_node_id=gpu.id,
-                decode_node_id=mac.id,
-                prefill_engine="torch",
-                decode_engine="mlx",
-                prefill_model_path="m",
-                decode_model_path="m",
-                context_length=64,
-            )
-        )
+        pool = Pool(name="old-pair", context_length=64)
+        s.add(pool)
+        s.flush()
+        for node, role, engine in ((gpu, "prefill", "torch"), (mac, "decode", "mlx")):
+            s.add(PoolMember(pool_id=pool.id, node_id=node.id, role=role, engine=engine, model_path="m"))
         s.commit()
 
 
-def test_browser_removes_a_node_and_the_pairs_that_use_it(browser, tmp_path):
-    """A node whose agent is gone is removed from the Nodes page: the confirmation names the pair
-    that goes with it, dismissing it keeps everything, confirming removes the node and its pair
-    (from the Pairs page and the API's model list); an unpaired node found on the network too."""
+def test_browser_removes_a_node_from_the_panel_and_its_models(browser, tmp_path):
+    """A node whose agent is gone is removed from the Nodes page: the confirmation names the model
+    it serves in, dismissing it keeps everything, confirming removes the node; a model that keeps
+    its decode node stays (it serves on the decoder alone), one that loses it goes (from the
+    Models page and the API's model list); an unpaired node found on the network is removed too."""
     from control_panel.db import open_db
 
     db = open_db(tmp_path / "panel" / "panel.db")
@@ -470,7 +482,7 @@ def test_browser_removes_a_node_and_the_pairs_that_use_it(browser, tmp_path):
             page.click("button[data-remove-node='old-gpu']")
             assert dialogs[-1] == (
                 "Remove old-gpu from the panel? The agent itself keeps running. "
-                "These pairs use it and are removed with it: old-pair"
+                "It leaves these models, and a model left without a decode node is removed: old-pair"
             )
             page.goto(panel.url + "/nodes")  # dismissed: nothing was removed
             page.wait_for_selector("#nodes-table tr[data-node='old-gpu']")
@@ -487,10 +499,18 @@ def test_browser_removes_a_node_and_the_pairs_that_use_it(browser, tmp_path):
             if MORE_SCREENSHOTS:
                 page.screenshot(path="/tmp/ui_nodes_removed.png", full_page=True)
 
-            page.goto(panel.url + "/pairs")
-            assert page.locator("tr[data-pair='old-pair']").count() == 0
+            page.goto(panel.url + "/models")  # the model kept its decode node
+            assert page.locator("tr[data-model='old-pair'] tr[data-member]").count() == 1
             r = httpx.get(panel.url + "/v1/models", headers={"Authorization": f"Bearer {panel.api_key}"}, timeout=30)
-            assert sorted(m["id"] for m in r.json()["data"]) == ["node/old-mac"]
+            assert sorted(m["id"] for m in r.json()["data"]) == ["node/old-mac", "old-pair"]
+            page.goto(panel.url + "/nodes")
+            page.once("dialog", lambda d: (dialogs.append(d.message), d.accept()))
+            page.click("button[data-remove-node='old-mac']")  # its last decode node: the model goes
+            page.wait_for_selector("tr[data-node='old-mac']", state="detached")
+            page.goto(panel.url + "/models")
+            assert page.locator("tr[data-model='old-pair']").count() == 0
+            r = httpx.get(panel.url + "/v1/models", headers={"Authorization": f"Bearer {panel.api_key}"}, timeout=30)
+            assert r.json()["data"] == []
         finally:
             context.close()
 
@@ -501,12 +521,14 @@ def test_removing_a_node_needs_the_csrf_token_and_is_idempotent(local_panel):
     db = local_panel.app.state.db
     seed_old_nodes(db)
     page = local_panel.get("/nodes").text
-    node_id = re.search(r'action="/nodes/(\d+)/delete"[^>]*\n[^\n]*old-pair', page).group(1)
+    # old-mac is old-pair's only decode node: removing it removes the model
+    node_id = re.search(r'action="/nodes/(\d+)/delete"[^>]*\n[^\n]*old-pair(?:(?!</form>).)*"old-mac"', page, re.S)
+    node_id = node_id.group(1)
     assert local_panel.post(f"/nodes/{node_id}/delete", data={"csrf": "forged"}).status_code == 403
     assert "old-pair" in model_names(db)
     r = local_panel.post(f"/nodes/{node_id}/delete", data={"csrf": _csrf(page)})
     assert r.status_code == 200 and str(r.url).endswith("/nodes")
-    assert "old-pair" not in model_names(db) and "node/old-gpu" not in model_names(db)
-    assert "node/old-mac" in model_names(db)
+    assert "old-pair" not in model_names(db) and "node/old-mac" not in model_names(db)
+    assert "node/old-gpu" in model_names(db)
     r = local_panel.post(f"/nodes/{node_id}/delete", data={"csrf": _csrf(page)})  # a second click
     assert r.status_code == 200 and str(r.url).endswith("/nodes")

@@ -167,9 +167,9 @@ def test_a_deleted_key_is_refused_from_the_next_request(tmp_path):
 
     from control_panel.api.errors import OpenAIError
     from control_panel.db import open_db
-    from control_panel.models import ApiKey, Node, Pair
+    from control_panel.models import ApiKey, Node, Pool, PoolMember
     from control_panel.security import api_key_valid
-    from control_panel.services import delete_row
+    from control_panel.services import delete_pool, delete_row
     from control_panel.targets import resolve_target
 
     engine = open_db(tmp_path / "panel.db")
@@ -180,30 +180,24 @@ def test_a_deleted_key_is_refused_from_the_next_request(tmp_path):
         a, b = Node(name="a", url="http://a:1", paired=True), Node(name="b", url="http://b:1", paired=True)
         s.add(a), s.add(b)
         s.commit()
-        pair = Pair(
-            name="p",
-            prefill_node_id=a.id,
-            decode_node_id=b.id,
-            prefill_engine="torch",
-            decode_engine="mlx",
-            prefill_model_path="m",
-            decode_model_path="m",
-            context_length=64,
-        )
-        s.add(pair)
+        pool = Pool(name="p", context_length=64)
+        s.add(pool)
+        s.flush()
+        for node, role in ((a, "prefill"), (b, "decode")):
+            s.add(PoolMember(pool_id=pool.id, node_id=node.id, role=role, engine="torch", model_path="m"))
         s.commit()
-        pair_id, key_id = pair.id, s.exec(select(ApiKey.id)).first()
-    assert resolve_target(engine, "p").prefill_url == "http://a:1"
+        pool_id, key_id = pool.id, s.exec(select(ApiKey.id)).first()
+    assert resolve_target(engine, "p").prefill_urls == ("http://a:1",)
     assert resolve_target(engine, "p") is resolve_target(engine, "p")  # served from memory
     with Session(engine) as s:
-        row = s.get(Pair, pair_id)
-        row.prefill_node_id, row.decode_node_id = row.decode_node_id, row.prefill_node_id
-        s.add(row)
+        for member in s.exec(select(PoolMember)):
+            member.role = "decode" if member.role == "prefill" else "prefill"
+            s.add(member)
         s.commit()
-    assert resolve_target(engine, "p").prefill_url == "http://b:1"
+    assert resolve_target(engine, "p").prefill_urls == ("http://b:1",)
     delete_row(engine, ApiKey, key_id)
     assert not api_key_valid(engine, key)
-    delete_row(engine, Pair, pair_id)
+    delete_pool(engine, pool_id)
     with pytest.raises(OpenAIError):
         resolve_target(engine, "p")
 
@@ -385,7 +379,16 @@ def traffic(cluster):
     cluster["old_password"], cluster["password"] = cluster["password"], new_password
     csrf = csrf_of(answers["password"].text)  # the session was signed anew, with a new token
     answers["pair wrong key"] = ui.post("/nodes/1/pair", data={"key": wrong["cluster_key"], "csrf": csrf})
-    for page in ("/nodes", "/nodes/table", "/nodes/1/pair", "/pairs", "/playground", "/requests", "/help", "/settings"):
+    for page in (
+        "/nodes",
+        "/nodes/table",
+        "/nodes/1/pair",
+        "/models",
+        "/playground",
+        "/requests",
+        "/help",
+        "/settings",
+    ):
         answers[page] = ui.get(page)
     api.close()
     yield {"answers": answers, "wrong": wrong, "ui": ui}
@@ -468,7 +471,7 @@ def test_model_paths_stay_in_the_roots(cluster, traffic):
         listed = c.get("/v1/models/local").json()["models"]
     assert listed and not [m for m in listed if "escape" in m["path"] or "elsewhere" in m["path"]], listed
     ui = traffic["ui"]
-    page = ui.get("/pairs")
+    page = ui.get("/models")
     assert "escape" not in page.text and str(outside) not in page.text  # not among the path suggestions
     node_ids = re.findall(r'<option value="(\d+)" [^>]*>torch-agent(?:-2)? \(', page.text)[:2]
     form = {
@@ -481,7 +484,7 @@ def test_model_paths_stay_in_the_roots(cluster, traffic):
     }
     for path in paths:
         for role in ("prefill", "decode"):
-            r = ui.post("/pairs", data={**form, f"{role}_model_path": path})
+            r = ui.post("/models", data={**form, f"{role}_model_path": path})
             assert r.status_code == 400 and f"{role} node:" in r.text, r.text[-1500:]
             assert "outside this node&#39;s model roots" in r.text
             assert re.search(rf'name="{role}_model_path"[^>]*aria-invalid="true"', r.text)

@@ -72,7 +72,9 @@ class Answer:
         self.stats = RouteStats()
         self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.logged = request_log.start(RequestLog(model=body.model, route="", prompt_tokens=len(ids)))
+        self.logged = request_log.start(
+            RequestLog(model=body.model, request_id=self.rid, route="", prompt_tokens=len(ids))
+        )
         self.events = agents.run(target, ids, sampling, self.stats)
         self.scanner = StopScanner(body.stops)
 
@@ -85,6 +87,9 @@ class Answer:
             ttft_ms=stats.ttft_ms,
             output_tokens=stats.output_tokens,
             bytes_moved=stats.bytes_moved,
+            cached_tokens=stats.cached_tokens,
+            decode_node=stats.decode_node,
+            prefill_node=stats.prefill_node,
             outcome=outcome,
             error=error,
         )

@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 from sqlmodel import Session, select
 
 from ..deps import SIGNED_IN, AgentRouter, CsrfForm, Db, Panel, Render, Tr
-from ..models import Node, Pair
+from ..models import Node, Pool, PoolMember
 from ..services import PanelError, add_node, remove_node
 from . import node_status
 from .discovered import discovered_rows
@@ -24,13 +24,14 @@ from .render import HEALTH
 router = APIRouter(include_in_schema=False, dependencies=SIGNED_IN)
 
 
-def pairs_by_node(db: Engine) -> dict[int, list[str]]:
-    """Node id -> the names of the pairs that use it (removing the node removes them)."""
+def models_by_node(db: Engine) -> dict[int, list[str]]:
+    """Node id -> the names of the models (pools) it serves in."""
     uses: dict[int, list[str]] = {}
     with Session(db) as s:
-        for pair in s.exec(select(Pair).order_by(Pair.name)):
-            for node_id in {pair.prefill_node_id, pair.decode_node_id}:
-                uses.setdefault(node_id, []).append(pair.name)
+        for member, pool in s.exec(select(PoolMember, Pool).join(Pool).order_by(Pool.name)):
+            names = uses.setdefault(member.node_id, [])
+            if pool.name not in names:
+                names.append(pool.name)
     return uses
 
 
@@ -87,7 +88,7 @@ def prefix_caching(status: dict) -> dict | None:
     }
 
 
-def table_row(node: Node, probed: dict, pairs: list[str]) -> dict:
+def table_row(node: Node, probed: dict, models: list[str]) -> dict:
     st = probed.get("status") or {}
     budget = st.get("budget") or {}
     cap, reserved = budget.get("capacity") or 0, budget.get("reserved") or 0
@@ -110,7 +111,7 @@ def table_row(node: Node, probed: dict, pairs: list[str]) -> dict:
         "prefix_cache": prefix_caching(st),
         "open_handoffs": st.get("open_handoffs"),
         "totals": st.get("totals") or {},
-        "pairs": pairs,
+        "models": models,
     }
 
 
@@ -120,7 +121,7 @@ async def node_rows(db: Engine, cluster_key: str) -> list[dict]:
         nodes = list(s.exec(select(Node).where(Node.paired == True).order_by(Node.name)))  # noqa: E712
     results = await asyncio.gather(*(node_status.probe(n.url, cluster_key) for n in nodes))
     note_health(db, nodes, results)
-    uses = pairs_by_node(db)
+    uses = models_by_node(db)
     return [table_row(n, r, uses.get(n.id, [])) for n, r in zip(nodes, results)]
 
 
@@ -169,7 +170,7 @@ async def nodes_add(_csrf: CsrfForm, panel: Panel, render: Render, t: Tr, url: A
 
 @router.post("/nodes/{node_id}/delete")
 async def nodes_remove(_csrf: CsrfForm, node_id: int, db: Db, agents: AgentRouter):
-    """Remove a node and the pairs that use it (the confirmation named them). Removing one that is
+    """Remove a node from the panel and its models (the confirmation named them). Removing one that is
     gone already (a second click) is not an error."""
     removed = remove_node(db, node_id)
     if removed is not None:

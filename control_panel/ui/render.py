@@ -26,6 +26,7 @@ def N_(message: str) -> str:
 
 FALLBACKS = {"decode_alone": N_("Decode alone (run on the decoder)"), "fail": N_("Fail the request")}
 PAGE_ENCODINGS = {"raw": N_("Raw FP16"), "zstd": N_("Compressed (zstd, lossless)")}
+ROLES = {"prefill": N_("prefill"), "decode": N_("decode")}
 ROUTES = {"pd": N_("prefill → decode"), "decode_alone": N_("decoder alone"), "node": N_("single node")}
 OUTCOMES = {
     "ok": N_("ok"),
@@ -53,6 +54,7 @@ HEALTH = {
 LABELS = {
     "fallbacks": FALLBACKS,
     "encodings": PAGE_ENCODINGS,
+    "roles": ROLES,
     "routes": ROUTES,
     "outcomes": OUTCOMES,
     "fields": CONTRACT_FIELDS,

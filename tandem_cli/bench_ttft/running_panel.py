@@ -24,7 +24,7 @@ def bench_running_panel(
 ) -> None:
     from sqlmodel import Session, create_engine, select
 
-    from control_panel.models import Node, Pair
+    from control_panel.models import Node, Pool, PoolMember
     from node_agent.identity import cluster_key
 
     db = panel_dir / "panel.db"
@@ -32,14 +32,24 @@ def bench_running_panel(
         raise typer.BadParameter(f"no panel database at {db}: run this on the panel's machine or give --panel-dir")
     with Session(create_engine(f"sqlite:///{db}")) as s:
         nodes = {n.id: n for n in s.exec(select(Node))}
-        pairs = list(s.exec(select(Pair).order_by(Pair.name)))
+        members = list(s.exec(select(PoolMember, Pool).join(Pool).order_by(Pool.name, PoolMember.id)))
+    # Each pool's P/D routes: the pool's name, or "name P->D" for each route of a larger pool.
+    pools: dict[str, dict] = {}
+    for m, pool in members:
+        pools.setdefault(pool.name, {"pool": pool, "prefill": [], "decode": []})[m.role].append(m.node_id)
+    routes = [
+        (name, x["pool"].page_encoding, p, d) for name, x in pools.items() for p in x["prefill"] for d in x["decode"]
+    ]
     key = cluster_key()
     agents: dict[int, Agent] = {}
     for node in nodes.values():
-        if node.paired or any(node.id in (p.prefill_node_id, p.decode_node_id) for p in pairs):
+        if node.paired or any(node.id in (p, d) for *_, p, d in routes):
             agents[node.id] = ready_agent(node.name, node.engine, node.url.rstrip("/"), key)
     columns = [Column(f"node/{n.name}", None, agents[n.id]) for n in nodes.values() if n.paired]
-    columns += [Column(p.name, agents[p.prefill_node_id], agents[p.decode_node_id], p.page_encoding) for p in pairs]
+    for name, encoding, p, d in routes:
+        several = sum(r[0] == name for r in routes) > 1
+        label = f"{name} {nodes[p].name}->{nodes[d].name}" if several else name
+        columns.append(Column(label, agents[p], agents[d], encoding))
     if models:
         wanted = [m.strip() for m in models.split(",") if m.strip()]
         unknown = sorted(set(wanted) - {c.name for c in columns})

@@ -32,7 +32,7 @@ def test_extraction_finds_the_ui(used):
     assert len(used) > 100
     for msg in (
         "Nodes",
-        "Pairs",
+        "Models",
         "Playground",
         "Requests",
         "Help",

@@ -9,7 +9,7 @@ import pytest
 from sqlmodel import Session, select
 
 from control_panel.db import open_db
-from control_panel.models import Node, Pair
+from control_panel.models import Node, PoolMember
 from control_panel.services import model_names
 from node_agent.identity import NodeIdInUse, claim_node_id, node_id_path
 from tandem_protocol.auth import identity_answer, new_nonce, proof_matches
@@ -60,6 +60,6 @@ def test_migration_merges_an_agents_dead_twins(tmp_path):
     engine = open_db(db)
     with Session(engine) as s:
         assert [(n.id, n.url) for n in s.exec(select(Node))] == [(2, "http://127.0.0.1:4002")]  # seen last
-        pair = s.exec(select(Pair)).one()
-        assert (pair.prefill_node_id, pair.decode_node_id) == (2, 2)
+        members = s.exec(select(PoolMember).order_by(PoolMember.role)).all()
+        assert [(m.node_id, m.role) for m in members] == [(2, "decode"), (2, "prefill")]
     assert model_names(engine) == ["p", "node/decode-mlx"]

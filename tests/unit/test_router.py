@@ -18,7 +18,7 @@ from sqlmodel import Session
 from control_panel.api.bodies import ChatBody
 from control_panel.api.errors import OpenAIError
 from control_panel.app import create_app
-from control_panel.models import Node, Pair
+from control_panel.models import Node, Pool, PoolMember
 from control_panel.router import RouteError, Router, RouteStats, Target
 from control_panel.security import create_api_key
 from control_panel.state import open_state
@@ -99,21 +99,11 @@ def panel(tmp_path_factory):
         s.add_all([p, d])
         s.flush()
         for name, fallback in (("pd", "decode_alone"), ("pd-strict", "fail")):
-            s.add(
-                Pair(
-                    name=name,
-                    prefill_node_id=p.id,
-                    decode_node_id=d.id,
-                    prefill_engine="torch",
-                    decode_engine="torch",
-                    prefill_model_path="/m",
-                    decode_model_path="/m",
-                    context_length=2048,
-                    local_threshold=8,
-                    fallback=fallback,
-                    page_encoding="zstd",
-                )
-            )
+            pool = Pool(name=name, context_length=2048, local_threshold=8, fallback=fallback, page_encoding="zstd")
+            s.add(pool)
+            s.flush()
+            for node, role in ((p, "prefill"), (d, "decode")):
+                s.add(PoolMember(pool_id=pool.id, node_id=node.id, role=role, engine="torch", model_path="/m"))
         s.commit()
     app.state.api_key = create_api_key(app.state.db, "unit")
     app.state.agents = agents
@@ -244,7 +234,7 @@ def test_a_client_that_goes_away_closes_d_s_stream_and_nothing_else_is_called():
     held = Lines(TOKENS, hold=True)
     agents = FakeAgents(decode=lambda body: httpx.Response(200, stream=held))
     router = Router("key", agents)
-    target = Target("pd", D, P)
+    target = Target("pd", (D,), (P,))
 
     async def main():
         events = router.run(target, PROMPT, SamplingParams(max_tokens=100), RouteStats())
@@ -265,7 +255,7 @@ def test_d_unreachable_is_503():
     async def main():
         router = Router("key", httpx.MockTransport(down))
         try:
-            return [e async for e in router.run(Target("pd", D, P), PROMPT, SamplingParams(), RouteStats())]
+            return [e async for e in router.run(Target("pd", (D,), (P,)), PROMPT, SamplingParams(), RouteStats())]
         finally:
             await router.aclose()
 

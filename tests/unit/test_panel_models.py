@@ -13,6 +13,7 @@ import asyncio
 import functools
 import json
 import re
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from sqlmodel import Session, select
 from control_panel import services
 from control_panel.app import create_app
 from control_panel.db import alembic_config, open_db
-from control_panel.models import Node, Pair
+from control_panel.models import Node, Pool, PoolMember
 from control_panel.security import set_admin_password
 from control_panel.state import open_state
 from control_panel.ui import node_status
@@ -34,7 +35,7 @@ from tandem_protocol.pages import PROTOCOL_VERSION
 from ..panel_db import insert_old_pair
 
 KEY, PASSWORD = "tdm_unit-cluster-0123456789abcdef", "unit-admin-password"
-P, D = "http://p.test:7001", "http://d.test:7002"
+P, D, E = "http://p.test:7001", "http://d.test:7002", "http://e.test:7003"
 CONTRACT = ModelContract("w", "t", "c", 2048, layers=2, kv_heads=2, head_dim=64).to_dict()
 MIB = 1 << 20
 
@@ -54,9 +55,10 @@ class FakeNodes(httpx.AsyncBaseTransport):
                 "waiting": 0,
                 "prefix_cache": None,
             }
-            for name in ("P", "D")
+            for name in ("P", "D", "E")
         }
         self.old = old
+        self.contracts = {name: CONTRACT for name in ("P", "D", "E")}
 
     def status(self, name: str) -> dict:
         s = self.state[name]
@@ -68,7 +70,7 @@ class FakeNodes(httpx.AsyncBaseTransport):
             "engine": "torch",
             "model": "m",
             "model_path": "/models/m",
-            "contract": CONTRACT,
+            "contract": self.contracts[name],
             "accelerator": {"kind": "cpu"},
             "context_length": 2048,
             "budget": {"capacity": s["staging"], "reserved": 0, "waiting": 0, "waiting_bytes": 0},
@@ -92,7 +94,7 @@ class FakeNodes(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
-        name = {"p.test": "P", "d.test": "D"}[request.url.host]
+        name = {"p.test": "P", "d.test": "D", "e.test": "E"}[request.url.host]
         self.calls.append((name, request.url.path, body))
         if request.url.path in ("/v1/info", "/v1/status"):
             return httpx.Response(200, json=self.status(name))
@@ -109,21 +111,21 @@ class FakeNodes(httpx.AsyncBaseTransport):
 
 @pytest.fixture
 def panel(tmp_path, monkeypatch):
-    """The panel app with nodes "p" and "d" paired, every agent call going to `panel.state.agents`."""
+    """The panel app with nodes "p", "d" and "e" paired, every agent call going to `panel.state.agents`."""
     agents = FakeNodes()
     client = functools.partial(AgentClient, transport=agents)
     monkeypatch.setattr(services, "AgentClient", client)
     monkeypatch.setattr(node_status, "AgentClient", client)
 
     async def proved(url: str, _key: str, expect_node_id: str | None = None) -> str:
-        return {P: "P", D: "D"}[url.rstrip("/")] * 32
+        return {P: "P", D: "D", E: "E"}[url.rstrip("/")] * 32
 
     monkeypatch.setattr(services, "verify_identity", proved)
     state = open_state(tmp_path, KEY)
     set_admin_password(state.db, PASSWORD)
     app = create_app(state)
     with Session(state.db) as s:
-        for name, url in (("P", P), ("D", D)):
+        for name, url in (("P", P), ("D", D), ("E", E)):
             s.add(Node(name=name.lower(), url=url, node_id=name * 32, paired=True, engine="torch", model="m"))
         s.commit()
     app.state.agents = agents
@@ -136,12 +138,21 @@ def node_ids(app) -> dict[str, str]:
         return {n.name: str(n.id) for n in s.exec(select(Node))}
 
 
-def stored_pair_in(db: sa.Engine, name: str) -> Pair:
+@dataclass
+class StoredPair:
+    staging_bytes: int
+    decode_kv_bytes: int
+
+
+def stored_pair_in(db: sa.Engine, name: str) -> StoredPair:
+    """The budgets a model of two nodes keeps for its prefill and its decode node."""
     with Session(db) as s:
-        return s.exec(select(Pair).where(Pair.name == name)).one()
+        members = s.exec(select(PoolMember).join(Pool).where(Pool.name == name)).all()
+        budgets = {m.role: m.budget_bytes for m in members}
+        return StoredPair(budgets["prefill"], budgets["decode"])
 
 
-def stored_pair(app, name: str) -> Pair:
+def stored_pair(app, name: str) -> StoredPair:
     return stored_pair_in(app.state.db, name)
 
 
@@ -152,7 +163,7 @@ async def _signed_in_calls(app, calls: list[tuple[str, str, dict]], lang: str) -
         token = re.search(r'name="csrf" value="([^"]+)"', login.text).group(1)
         assert (await c.post("/login", data={"password": PASSWORD, "csrf": token})).status_code == 303
         c.cookies.set("lang", lang)
-        csrf = re.search(r'name="csrf" value="([^"]+)"', (await c.get("/pairs")).text).group(1)
+        csrf = re.search(r'name="csrf" value="([^"]+)"', (await c.get("/models")).text).group(1)
         answers = []
         for method, path, form in calls:
             answers.append(await c.request(method, path, data={**form, "csrf": csrf} if method == "POST" else None))
@@ -171,19 +182,19 @@ def pair_form(app, **fields) -> dict:
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-4", "lots"])
 def test_a_decode_kv_budget_that_is_not_whole_mib_is_refused_on_the_form(panel, value):
-    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel, decode_kv_mib=value)))
+    (r,) = as_admin(panel, ("POST", "/models", pair_form(panel, decode_kv_mib=value)))
     assert r.status_code == 400
     assert "The decode KV budget must be a whole number of MiB, 1 or more." in r.text
     assert re.search(r'name="decode_kv_mib"[^>]*aria-invalid="true"', r.text)
     assert not re.search(r'name="staging_mib"[^>]*aria-invalid="true"', r.text)
     assert panel.state.agents.configured("P") == panel.state.agents.configured("D") == []  # no node was asked
-    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel, decode_kv_mib=value)), lang="de")
+    (r,) = as_admin(panel, ("POST", "/models", pair_form(panel, decode_kv_mib=value)), lang="de")
     assert "Das Decode-KV-Budget muss eine ganze Zahl von MiB sein, 1 oder mehr." in r.text
 
 
 def test_the_decode_kv_budget_goes_to_the_decode_node_alone(panel):
     agents = panel.state.agents
-    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel, staging_mib="64", decode_kv_mib="256")))
+    (r,) = as_admin(panel, ("POST", "/models", pair_form(panel, staging_mib="64", decode_kv_mib="256")))
     assert r.status_code == 303, r.text[-2000:]
     p_bodies, d_bodies = agents.configured("P"), agents.configured("D")
     assert [b["dry_run"] for b in p_bodies] == [b["dry_run"] for b in d_bodies] == [True, False]  # checked, then set
@@ -193,7 +204,7 @@ def test_the_decode_kv_budget_goes_to_the_decode_node_alone(panel):
     assert (pair.staging_bytes, pair.decode_kv_bytes) == (64 * MIB, 256 * MIB)  # as the nodes report them
 
     agents.calls.clear()  # blank budgets and nothing else to change: neither node is configured
-    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel)))
+    (r,) = as_admin(panel, ("POST", "/models", pair_form(panel)))
     assert r.status_code == 303 and agents.configured("P") == agents.configured("D") == []
     assert stored_pair(panel, "pd").decode_kv_bytes == 256 * MIB  # the decode node kept it
 
@@ -201,11 +212,11 @@ def test_the_decode_kv_budget_goes_to_the_decode_node_alone(panel):
 def test_a_decode_node_without_admission_is_refused_a_decode_kv_budget(panel):
     agents = panel.state.agents
     agents.old = ("D",)
-    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel, decode_kv_mib="256")))
+    (r,) = as_admin(panel, ("POST", "/models", pair_form(panel, decode_kv_mib="256")))
     assert r.status_code == 400 and "decode node: this agent takes no decode KV budget: update Tandem" in r.text
     assert re.search(r'name="decode_kv_mib"[^>]*aria-invalid="true"', r.text)
     assert agents.configured("D") == []
-    (r,) = as_admin(panel, ("POST", "/pairs", pair_form(panel)))  # without one, it pairs: its budget is not known
+    (r,) = as_admin(panel, ("POST", "/models", pair_form(panel)))  # without one, it pairs: its budget is not known
     assert r.status_code == 303 and stored_pair(panel, "pd").decode_kv_bytes == 0
 
 
@@ -284,3 +295,64 @@ def test_migration_gives_existing_pairs_an_unknown_decode_kv_budget(tmp_path):
     engine = sa.create_engine(f"sqlite:///{db}")
     assert "decode_kv_bytes" not in {c["name"] for c in sa.inspect(engine).get_columns("pair")}
     engine.dispose()
+
+
+def members_of(app, name: str) -> list[tuple[str, str, int]]:
+    with Session(app.state.db) as s:
+        rows = s.exec(select(PoolMember, Node).join(Pool).join(Node).where(Pool.name == name).order_by(PoolMember.id))
+        return [(n.name, m.role, m.budget_bytes) for m, n in rows]
+
+
+def pool_id(app, name: str) -> int:
+    with Session(app.state.db) as s:
+        return s.exec(select(Pool.id).where(Pool.name == name)).one()
+
+
+def test_a_node_joins_a_model_as_a_second_decoder_and_leaves_it(panel):
+    agents = panel.state.agents
+    (r,) = as_admin(panel, ("POST", "/models", pair_form(panel)))
+    assert r.status_code == 303 and members_of(panel, "pd") == [
+        ("p", "prefill", 512 * MIB),
+        ("d", "decode", 1024 * MIB),
+    ]
+    pid, ids = pool_id(panel, "pd"), node_ids(panel)
+    join = {"node": ids["e"], "role": "decode", "budget_mib": "256"}
+    (r, page) = as_admin(panel, ("POST", f"/models/{pid}/members", join), ("GET", "/models", {}))
+    assert r.status_code == 303, r.text[-2000:]
+    assert [b["dry_run"] for b in agents.configured("E")] == [True, False]  # checked, then set
+    assert all(b["decode_kv_bytes"] == 256 * MIB for b in agents.configured("E"))
+    assert members_of(panel, "pd")[-1] == ("e", "decode", 256 * MIB)
+    assert 'data-member="e:decode"' in page.text
+    (r,) = as_admin(panel, ("POST", f"/models/{pid}/members", join))  # twice in one role: refused
+    assert r.status_code == 400 and "already a decode node of pd" in r.text
+
+    with Session(panel.state.db) as s:
+        members = {n.name: m.id for m, n in s.exec(select(PoolMember, Node).join(Node))}
+    (r,) = as_admin(panel, ("POST", f"/models/{pid}/members/{members['e']}/delete", {}))
+    assert r.status_code == 303 and [m[0] for m in members_of(panel, "pd")] == ["p", "d"]
+    (r,) = as_admin(panel, ("POST", f"/models/{pid}/members/{members['d']}/delete", {}))  # its last decoder
+    assert r.status_code == 400 and "a model needs a decode node: delete the model instead" in r.text
+    assert [m[0] for m in members_of(panel, "pd")] == ["p", "d"]
+    (r,) = as_admin(panel, ("POST", f"/models/{pid}/delete", {}))
+    assert r.status_code == 303 and members_of(panel, "pd") == []
+
+
+def test_a_node_of_another_model_cannot_join_and_its_field_says_so(panel):
+    agents = panel.state.agents
+    assert as_admin(panel, ("POST", "/models", pair_form(panel)))[0].status_code == 303
+    agents.contracts["E"] = {**CONTRACT, "weights": "other"}
+    agents.calls.clear()
+    join = {"node": node_ids(panel)["e"], "role": "prefill"}
+    (r,) = as_admin(panel, ("POST", f"/models/{pool_id(panel, 'pd')}/members", join), lang="de")
+    assert r.status_code == 400
+    assert "Dieser Knoten führt ein anderes Modell aus: Die Verträge unterscheiden sich in Gewichte." in r.text
+    assert re.search(r'<select name="node"[^>]*aria-invalid="true"', r.text)
+    assert [b["dry_run"] for b in agents.configured("E")] == [
+        True
+    ]  # set to the model's context length: checked, never set
+    assert [m[0] for m in members_of(panel, "pd")] == ["p", "d"]
+
+
+def test_the_pairs_page_moved_to_models(panel):
+    (r,) = as_admin(panel, ("GET", "/pairs", {}))
+    assert r.status_code == 301 and r.headers["location"] == "/models"
