@@ -8,10 +8,12 @@ tokens a cache served (`usage.prompt_tokens_details.cached_tokens`; mlx_lm.serve
 them), and for the pair the page bytes P sent (its agent's `bytes_sent` before and after), beside
 the KV bytes of the tokens new to the turn. Ratios: turns 2-6 ÷ turn 1 (goal ≤ 0.25 on the pair),
 bytes sent ÷ (new tokens' KV + 2 pages) (goal ≤ 1), Tandem's MLX node ÷ mlx_lm.server on turns
-2-6 (goal ≤ 1.1) and the pair's turn 1 ÷ mlx_lm.server's. Loopback only: the shaped link of the
-goal is not measured here. Results go to bench/results/turns-<time>.{json,md}.
+2-6 (goal ≤ 1.1) and the pair's turn 1 ÷ mlx_lm.server's. `--link shaped` puts the two agents
+in network namespaces joined by a veth shaped to `--rate` MB/s (root; tandem_cli/netns.py), as
+`tandem bench ttft` does; mlx_lm.server and the panel stay in the root namespace. Results go to
+bench/results/turns-<time>.{json,md}.
 
-    .venv/bin/python bench/bench_turns.py [--turns 6] [--system-tokens 2000]
+    .venv/bin/python bench/bench_turns.py [--turns 6] [--system-tokens 2000] [--link shaped --rate 85]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_serving import start_mlx_lm_server  # noqa: E402
 
 from engine_adapters.embedded_model import fetch  # noqa: E402
+from tandem_cli.bench_ttft.link import loopback_link, random_block, shaped_link  # noqa: E402
 from tandem_cli.processes import ServiceProcess, agent_serve_args  # noqa: E402
 from tandem_protocol.client import AgentClient  # noqa: E402
 from tandem_protocol.model_dir import inspect_model  # noqa: E402
@@ -100,7 +103,7 @@ def report(figures: dict, stem: Path) -> str:
         f"# Conversations, {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         f"{figures['system_tokens']}-token system prompt, {figures['turns']} turns, 32-token answers fed back; "
-        "loopback; command: `.venv/bin/python bench/bench_turns.py`",
+        f"{figures['link']}; command: `.venv/bin/python {' '.join(['bench/bench_turns.py', *sys.argv[1:]])}`",
         "",
         "| target | turn | prompt tok | new tok | cached tok | TTFT s | ÷ turn 1 | bytes sent | ÷ (new KV + 2 pages) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -140,6 +143,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--targets", default="pair,mlx,mlx_lm.server")
+    parser.add_argument("--link", choices=("loopback", "shaped"), default="loopback")
+    parser.add_argument("--rate", type=float, default=85.0, help="MB/s of the shaped link")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -152,6 +157,7 @@ def main() -> None:
         "turns": args.turns,
         "system_tokens": args.system_tokens,
         "kv_bytes_per_token": geometry.token_bytes,
+        "link": args.link if args.link == "loopback" else f"shaped {args.rate:g} MB/s",
         "targets": {},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -159,19 +165,23 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="tandem-bench-turns-"))
     targets = args.targets.split(",")
     with ExitStack() as stack:
-        agents = {}
-        for engine in ("torch", "mlx"):
+        link = stack.enter_context(
+            shaped_link(args.rate, block=random_block()) if args.link == "shaped" else loopback_link()
+        )
+        agents, procs = {}, {}
+        for engine, place in zip(("torch", "mlx"), link.places):
             proc = ServiceProcess(
-                agent_serve_args(engine, model, "--name", f"turns-{engine}"),
+                agent_serve_args(engine, model, "--name", f"turns-{engine}", host=place.host),
                 env={"TANDEM_HOME": str(home / engine), "TANDEM_CLUSTER_KEY": KEY},
+                netns=place.netns,
             )
             stack.callback(proc.stop)
-            agents[engine] = proc
-        for proc in agents.values():
-            proc.wait_ready(900)
+            procs[engine] = (proc, place)
+        for engine, (proc, place) in procs.items():
+            agents[engine] = f"http://{place.addr}:{proc.wait_ready(900).rsplit(':', 1)[1]}"
         panel = ServiceProcess(
             ["panel", "--port", "0", "--no-mdns", "--api-key", "bench"]
-            + ["--pair", f"torch-to-mlx={agents['torch'].url},{agents['mlx'].url}"],
+            + ["--pair", f"torch-to-mlx={agents['torch']},{agents['mlx']}"],
             env={"TANDEM_HOME": str(home / "panel"), "TANDEM_CLUSTER_KEY": KEY, "COLUMNS": "300"},
         )
         stack.callback(panel.stop)
@@ -187,7 +197,7 @@ def main() -> None:
                 await agent.aclose()
 
         def p_bytes_sent() -> int:
-            return asyncio.run(status(agents["torch"].url))["totals"]["bytes_sent"]
+            return asyncio.run(status(agents["torch"]))["totals"]["bytes_sent"]
 
         for target in targets:
             # each target its own conversation: the MLX node is the pair's decoder, whose cache
