@@ -220,15 +220,15 @@ def test_browser_flow(cluster, browser):
         page.select_option("select[name=decode]", label="mlx-mlx (mlx)")
         page.fill("input[name=threshold]", "0")
         page.select_option("select[name=fallback]", "decode_alone")
-        page.click("#pair-form button[type=submit]")
+        page.click("#model-form button[type=submit]")
         page.wait_for_url(re.compile(r"/models$"))
         row = page.locator("tr[data-model='ui-pair']")
         assert "torch-torch" in row.inner_text() and "mlx-mlx" in row.inner_text()
         page.fill("input[name=name]", "same-node")
         page.select_option("select[name=prefill]", label="torch-torch (torch)")
         page.select_option("select[name=decode]", label="torch-torch (torch)")
-        page.click("#pair-form button[type=submit]")
-        assert "must be different" in page.locator("#pair-error").inner_text()
+        page.click("#model-form button[type=submit]")
+        assert "must be different" in page.locator("#model-error").inner_text()
         assert page.locator("select[name=prefill][aria-invalid=true]").count() == 1
 
         # a third node joins the model as a second decoder: a three-node pool
@@ -239,12 +239,19 @@ def test_browser_flow(cluster, browser):
         form.locator("select[name=node]").select_option(label="mlx-mlx2 (mlx)")
         form.locator("select[name=role]").select_option("decode")
         form.locator("button[type=submit]").click()
-        page.wait_for_url(re.compile(r"/models$"))
+        page.wait_for_selector("tr[data-model='ui-pair'] tr[data-member='mlx-mlx2:decode']")  # back on /models
         members = page.locator("tr[data-model='ui-pair'] tr[data-member]")
         roles = sorted(members.nth(i).get_attribute("data-member") for i in range(members.count()))
         assert roles == ["mlx-mlx2:decode", "mlx-mlx:decode", "torch-torch:prefill"], roles
+        assert "mlx · " in members.filter(has_text="mlx-mlx2").inner_text()
         if MORE_SCREENSHOTS:
             page.screenshot(path="/tmp/ui_models.png", full_page=True)
+        # and leaves it: the pair is left, serving as before
+        page.locator("tr[data-member='mlx-mlx2:decode'] button[type=submit]").click()
+        page.wait_for_selector("tr[data-member='mlx-mlx2:decode']", state="detached")
+        members = page.locator("tr[data-model='ui-pair'] tr[data-member]")
+        roles = sorted(members.nth(i).get_attribute("data-member") for i in range(members.count()))
+        assert roles == ["mlx-mlx:decode", "torch-torch:prefill"], roles
 
         # chat in the playground: the answer streams in, with TTFT, tokens/s and bytes moved
         page.goto(panel.url + "/playground")

@@ -322,7 +322,8 @@ def test_a_node_joins_a_model_as_a_second_decoder_and_leaves_it(panel):
     assert [b["dry_run"] for b in agents.configured("E")] == [True, False]  # checked, then set
     assert all(b["decode_kv_bytes"] == 256 * MIB for b in agents.configured("E"))
     assert members_of(panel, "pd")[-1] == ("e", "decode", 256 * MIB)
-    assert 'data-member="e:decode"' in page.text
+    member_row = re.search(r'<tr data-member="e:decode">.*?</tr>', page.text, re.S).group(0)
+    assert "torch · /models/m · 256 MiB" in member_row  # budgets in MiB, as the forms take them
     (r,) = as_admin(panel, ("POST", f"/models/{pid}/members", join))  # twice in one role: refused
     assert r.status_code == 400 and "already a decode node of pd" in r.text
 
@@ -331,7 +332,9 @@ def test_a_node_joins_a_model_as_a_second_decoder_and_leaves_it(panel):
     (r,) = as_admin(panel, ("POST", f"/models/{pid}/members/{members['e']}/delete", {}))
     assert r.status_code == 303 and [m[0] for m in members_of(panel, "pd")] == ["p", "d"]
     (r,) = as_admin(panel, ("POST", f"/models/{pid}/members/{members['d']}/delete", {}))  # its last decoder
-    assert r.status_code == 400 and "a model needs a decode node: delete the model instead" in r.text
+    assert r.status_code == 400
+    error = re.search(r'<p class="error" role="alert" id="models-error">(.*?)</p>', r.text).group(1)
+    assert error == "Could not remove the node: a model needs a decode node: delete the model instead"
     assert [m[0] for m in members_of(panel, "pd")] == ["p", "d"]
     (r,) = as_admin(panel, ("POST", f"/models/{pid}/delete", {}))
     assert r.status_code == 303 and members_of(panel, "pd") == []
