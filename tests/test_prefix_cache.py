@@ -132,6 +132,30 @@ def test_a_prefiller_sends_from_its_cache_the_pages_it_computed(engines, cache_b
     assert run(collect(run_pair(torch_engine, mlx_engine, ids, ANSWER))) == local
 
 
+@pytest.mark.parametrize("decoder", ["torch", "mlx"])
+def test_an_eviction_during_a_handoff_leaves_the_request_whole(engines, cache_bytes, long_ids, monkeypatch, decoder):
+    """D holds its cached pages, then its whole cache is evicted while P prefills and sends the
+    rest: the request still imports what it held (held by reference) and answers as uncached."""
+    P, D = engines["torch"], engines[decoder]
+    ids = [21, 22, 23, 24] + long_ids  # a prompt no other test has cached
+    for adapter in (P, D):
+        cache_bytes(adapter, 0)
+    uncached = run(collect(run_pair(P, D, ids, ANSWER)))
+    for adapter in (P, D):
+        cache_bytes(adapter, GiB)
+    run(collect(D.generate(EngineRequest(f"warm-{decoder}", ids, ANSWER))))  # D caches the prompt
+    hold = D.hold_prefix
+
+    async def hold_then_evict(req: EngineRequest) -> None:
+        await hold(req)
+        D.set_prefix_cache_bytes(0)  # everything evicted while the handoff runs
+
+    monkeypatch.setattr(D, "hold_prefix", hold_then_evict)
+    stats = PairStats()
+    assert run(collect(run_pair(P, D, ids, ANSWER, stats=stats))) == uncached
+    assert stats.have_pages == len(ids) // D.geometry.page_tokens and D.prefix_cache.bytes == 0
+
+
 def test_a_cache_of_no_bytes_keeps_nothing(engines, cache_bytes, long_ids):
     adapter = engines["torch"]
     cache_bytes(adapter, GiB)
