@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem_protocol.pages import PAGE_TOKENS
@@ -67,9 +68,10 @@ class Planner:
         prompt_tokens: int,
         local_threshold: int = 0,
         is_node: bool = False,
+        name_of: Callable[[str], str] = str,
     ) -> Plan | None:
         """The route for a prompt of `prompt_tokens` tokens whose full pages hash to `hashes`;
-        None when no decoder is left to try."""
+        None when no decoder is left to try. `name_of`: a node's name for the reason, by URL."""
         decoder = self._pick(decode_urls, hashes, prompt_tokens)
         if decoder is None:
             return None
@@ -78,7 +80,7 @@ class Planner:
         if is_node:
             return Plan("node", url, None, held_tokens, "")
         new = prompt_tokens - held_tokens
-        where = f"decoder {url} holds {held_tokens} of {prompt_tokens} prompt tokens"
+        where = f"{name_of(url)} holds {held_tokens} of {prompt_tokens} prompt tokens"
         if not prefill_urls:
             return Plan("decode_alone", url, None, held_tokens, f"{where}; no prefill node is left to try")
         if new < local_threshold:

@@ -146,7 +146,13 @@ class Router:
         last_error: RouteError | None = None
         while decoders:
             plan = self.planner.plan(
-                tuple(decoders), tuple(prefillers), hashes, len(token_ids), target.local_threshold, target.is_node
+                tuple(decoders),
+                tuple(prefillers),
+                hashes,
+                len(token_ids),
+                target.local_threshold,
+                target.is_node,
+                target.name_of,
             )
             if target.prefill_urls and not prefillers:  # every prefiller failed before the first token
                 if target.fallback != "decode_alone":

@@ -113,6 +113,24 @@ def test_a_short_new_part_past_what_the_decoder_holds_runs_on_it_alone():
     serve(router, pool(local_threshold=100), [first, second])
     assert agents.calls[0][1] == "/v1/decode"  # 300 fresh tokens: P/D
     assert agents.calls[1][1] == "/v1/generate" and agents.calls[1][0] == agents.calls[0][0]  # 44 new: D alone
+    names = ((D1, "mac-1"), (D2, "mac-2"), (P1, "pc"), (P2, "pc-2"))
+    stats = RouteStats()
+
+    async def third():
+        try:
+            return [
+                e
+                async for e in router.run(pool(local_threshold=100, node_names=names), second, SamplingParams(), stats)
+            ]
+        finally:
+            await router.aclose()
+
+    asyncio.run(third())  # the reason names the decoder and what it holds, the log its nodes by name
+    home = dict(names)[f"http://{agents.calls[0][0]}:1"]
+    assert stats.route == "decode_alone" and stats.decode_node == home and stats.prefill_node == ""
+    assert (
+        stats.reason == f"{home} holds 320 of {len(second)} prompt tokens: {len(second) - 320} new, under the threshold"
+    )
 
 
 def test_a_decoder_that_cannot_be_reached_is_replaced_and_then_skipped():
