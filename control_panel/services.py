@@ -255,10 +255,11 @@ async def add_member(engine: Engine, cluster_key: str, pool_id: int, m: MemberSp
         await verify_identity(m.url.rstrip("/"), cluster_key)
     except PanelError as e:
         raise PanelError(str(e), ["node"]) from e
+    pool_contract = ModelContract.from_dict((await agent_status(peer.url, cluster_key))["contract"]) if peer else None
     for dry_run in (True, False):
         contract = ModelContract.from_dict(await _configure_member(m, cluster_key, pool.context_length, dry_run))
-        if peer is not None:
-            ModelContract.from_dict((await agent_status(peer.url, cluster_key))["contract"]).check_same(contract)
+        if pool_contract is not None:
+            pool_contract.check_same(contract)
     info = await agent_status(m.url, cluster_key)
     node = await add_node(engine, m.url, cluster_key)
     with Session(engine) as s:
@@ -284,13 +285,17 @@ def remove_member(engine: Engine, member_id: int) -> None:
 
 def delete_pool(engine: Engine, pool_id: int) -> None:
     with Session(engine) as s:
-        for member in s.exec(select(PoolMember).where(PoolMember.pool_id == pool_id)):
-            s.delete(member)
-        s.flush()
-        pool = s.get(Pool, pool_id)
-        if pool is not None:
-            s.delete(pool)
+        _delete_pool(s, pool_id)
         s.commit()
+
+
+def _delete_pool(s: Session, pool_id: int) -> None:
+    for member in s.exec(select(PoolMember).where(PoolMember.pool_id == pool_id)):
+        s.delete(member)
+    s.flush()  # the members' foreign keys go before the pool they point at
+    pool = s.get(Pool, pool_id)
+    if pool is not None:
+        s.delete(pool)
 
 
 def _members_at(s: Session, pool_id: int, url: str) -> list[PoolMember]:
@@ -381,18 +386,16 @@ def remove_node(engine: Engine, node_id: int) -> tuple[str, list[str]] | None:
         if node is None:
             return None
         url = node.url
-        pool_ids = {m.pool_id for m in s.exec(select(PoolMember).where(PoolMember.node_id == node_id))}
-        for member in s.exec(select(PoolMember).where(PoolMember.node_id == node_id)):
+        members = list(s.exec(select(PoolMember).where(PoolMember.node_id == node_id)))
+        for member in members:
             s.delete(member)
         s.flush()
         removed = []
-        for pool in s.exec(select(Pool).where(Pool.id.in_(pool_ids)).order_by(Pool.name)):
+        pools = s.exec(select(Pool).where(Pool.id.in_({m.pool_id for m in members})).order_by(Pool.name)).all()
+        for pool in pools:
             if not s.exec(select(PoolMember).where(PoolMember.pool_id == pool.id, PoolMember.role == "decode")).first():
-                for member in s.exec(select(PoolMember).where(PoolMember.pool_id == pool.id)):
-                    s.delete(member)
-                s.flush()
-                s.delete(pool)
                 removed.append(pool.name)
+                _delete_pool(s, pool.id)
         s.flush()  # the members' foreign keys go before the node they point at
         s.delete(node)
         s.commit()

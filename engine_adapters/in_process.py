@@ -303,7 +303,7 @@ class InProcessEngine(EngineAdapter):
         P, tokens = self.geometry.page_tokens, ids[:-1]
         hashes = self._hashes(tokens)
         pages = self.prefix_cache.match(hashes)
-        after = hashes[len(pages) - 1] if pages else chain_seed(self.contract.fingerprint_bytes)
+        after = self._chain_end(hashes[: len(pages)])
         length = len(pages) * P
         shared, tail = self.prefix_cache.match_tail(after, tokens[length : length + P - 1])
         self.prefix_cache.count(len(tokens), length + shared)
@@ -329,8 +329,8 @@ class InProcessEngine(EngineAdapter):
         hashes, P = self._hashes(tokens), self.geometry.page_tokens
         full = len(hashes) * P
         if full < len(tokens):  # the tail first: the oldest entry of its chain
-            after = hashes[-1] if hashes else chain_seed(self.contract.fingerprint_bytes)
-            self.prefix_cache.add_tail(after, tokens[full:], self.export_kv(session, full, len(tokens)))
+            kv = self.export_kv(session, full, len(tokens))
+            self.prefix_cache.add_tail(self._chain_end(hashes), tokens[full:], kv)
         first = next((i for i, h in enumerate(hashes) if h not in self.prefix_cache), len(hashes))
         kv = self.export_kv(session, first * P, full) if first < len(hashes) else None
         pages = [] if kv is None else [np.ascontiguousarray(kv[:, :, a : a + P]) for a in range(0, kv.shape[2], P)]
@@ -338,6 +338,10 @@ class InProcessEngine(EngineAdapter):
 
     def _hashes(self, tokens: list[int]) -> list[bytes]:
         return page_hashes(self.contract.fingerprint_bytes, tokens, self.geometry.page_tokens)
+
+    def _chain_end(self, hashes: list[bytes]) -> bytes:
+        """What a tail after these whole pages follows: the last page's hash, or the chain's seed."""
+        return hashes[-1] if hashes else chain_seed(self.contract.fingerprint_bytes)
 
     def _next_token(self, session: Any, token: int, sampler: Sampler) -> int:
         return sampler(self.forward(session, [token]))

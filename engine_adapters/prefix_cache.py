@@ -26,13 +26,15 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+HASH_BYTES = 16  # a page's hash (xxh3-128); a tail's key is two of them
+
 
 class PrefixCache:
     def __init__(self, capacity_bytes: int, page_bytes: int):
         self.capacity, self.page_bytes = capacity_bytes, page_bytes
         self._pages: OrderedDict[bytes, np.ndarray] = OrderedDict()  # least recently used first
-        self._tails: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # chain end -> tail key -> its tokens
-        self._tail_of: dict[bytes, bytes] = {}  # tail key -> the chain end it follows
+        # chain end -> tail key (the chain end + a hash of the tail's tokens) -> the tail's tokens
+        self._tails: dict[bytes, dict[bytes, tuple[int, ...]]] = {}
         self.lookups = self.lookup_tokens = self.hit_tokens = self.evicted = 0
 
     @property
@@ -70,7 +72,6 @@ class PrefixCache:
             self._pages[key] = kv
             self._pages.move_to_end(key, last=False)
             self._tails.setdefault(after, {})[key] = tuple(tokens)
-            self._tail_of[key] = after
         self._evict()
 
     def match_tail(self, after: bytes, tokens: Sequence[int]) -> tuple[int, np.ndarray | None]:
@@ -95,7 +96,6 @@ class PrefixCache:
     def clear(self) -> None:
         self._pages.clear()
         self._tails.clear()
-        self._tail_of.clear()
 
     def status(self) -> dict:
         return {
@@ -116,7 +116,8 @@ class PrefixCache:
     def _evict(self) -> None:
         while self._pages and self.bytes > self.capacity:
             key, _ = self._pages.popitem(last=False)
-            if (after := self._tail_of.pop(key, None)) is not None:
+            if len(key) > HASH_BYTES:  # a tail: its key begins with the chain end it follows
+                after = key[:HASH_BYTES]
                 del self._tails[after][key]
                 if not self._tails[after]:
                     del self._tails[after]

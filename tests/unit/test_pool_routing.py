@@ -50,9 +50,13 @@ class Agents:
         return [(host, (b.get("prefill_url") or "").split("//")[-1].split(":")[0] or None) for host, _, b in self.calls]
 
 
-def serve(router: Router, target: Target, prompts: list[list[int]]) -> list[list[dict]]:
+def serve(
+    router: Router, target: Target, prompts: list[list[int]], stats: RouteStats | None = None
+) -> list[list[dict]]:
+    """Each prompt's events, one after the other; `stats`: where the (last) request's figures go."""
+
     async def one(ids):
-        return [e async for e in router.run(target, ids, SamplingParams(max_tokens=4), RouteStats())]
+        return [e async for e in router.run(target, ids, SamplingParams(max_tokens=4), stats or RouteStats())]
 
     async def main():
         try:
@@ -115,17 +119,7 @@ def test_a_short_new_part_past_what_the_decoder_holds_runs_on_it_alone():
     assert agents.calls[1][1] == "/v1/generate" and agents.calls[1][0] == agents.calls[0][0]  # 44 new: D alone
     names = ((D1, "mac-1"), (D2, "mac-2"), (P1, "pc"), (P2, "pc-2"))
     stats = RouteStats()
-
-    async def third():
-        try:
-            return [
-                e
-                async for e in router.run(pool(local_threshold=100, node_names=names), second, SamplingParams(), stats)
-            ]
-        finally:
-            await router.aclose()
-
-    asyncio.run(third())  # the reason names the decoder and what it holds, the log its nodes by name
+    serve(router, pool(local_threshold=100, node_names=names), [second], stats)  # the log names nodes
     home = dict(names)[f"http://{agents.calls[0][0]}:1"]
     assert stats.route == "decode_alone" and stats.decode_node == home and stats.prefill_node == ""
     assert (
@@ -178,14 +172,7 @@ def test_a_failed_prefiller_is_replaced_by_the_other_before_the_decoder_goes_alo
     assert planner_first == P1  # the tie goes to the first listed
     router.planner = Planner()
     stats = RouteStats()
-
-    async def main():
-        try:
-            return [e async for e in router.run(pool(), list(range(100)), SamplingParams(), stats)]
-        finally:
-            await router.aclose()
-
-    asyncio.run(main())
+    serve(router, pool(), [list(range(100))], stats)
     assert [b.get("prefill_url") for *_, b in agents.calls] == [P1, P2] and stats.route == "pd"
 
 
