@@ -10,7 +10,8 @@ A subclass implements six *engine primitives*, always called on the adapter's en
     import_kv(session, start, kv)  write K/V for positions [start, start + n) into the cache
     set_length(session, n)         declare the first n positions valid (after imports)
 
-and may override `release` (free a session) and `forward_rows` (one decode step of several
+and may override `release` (free a session), `reserve` (make room for imported pages before
+the first arrives) and `forward_rows` (one decode step of several
 requests in one forward: continuous batching, `decode_batch.py`), plus three more where the engine runs
 asynchronously (CUDA): `forward_chunk` (a chunk whose logits nobody reads) and
 `export_start`/`export_finish` with `export_lag` (pages copied off the device while it
@@ -73,6 +74,10 @@ class InProcessEngine(EngineAdapter):
 
     def release(self, session: Any) -> None:  # noqa: B027 (optional hook, not abstract)
         """Free the session's KV memory (engines with pooled memory override this)."""
+
+    def reserve(self, session: Any, tokens: int) -> None:  # noqa: B027 (optional hook, not abstract)
+        """Make room for `tokens` imported positions before any page arrives, so that the work
+        of allocating is not done between pages (an engine whose cache grows lazily overrides it)."""
 
     def forward_rows(self, sessions: list[Any], tokens: list[int]) -> np.ndarray:
         """One decode step of several requests: row r runs `tokens[r]` after `sessions[r]`'s
@@ -178,6 +183,7 @@ class InProcessEngine(EngineAdapter):
         session = None
         try:
             session = await self.on_engine(self.new_session, len(req.token_ids) + req.sampling.max_tokens)
+            await self.on_engine(self.reserve, session, expected_tokens)
             P = self.geometry.page_tokens
             held, req.held = req.held or [], None
             await self.on_engine(self._import_held, session, held)  # the stream brings the rest

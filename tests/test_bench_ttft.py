@@ -89,6 +89,13 @@ def test_bench_ttft_on_loopback(tmp_path):
         if "->" in c["column"]:
             stages = c["trace"]["decoder"]
             assert stages["first page to last page"] >= 0 and stages["last page to first token"] > 0, c["trace"]
+            # the import with every page on P already: P took all but the last page from its cache
+            h = c["held_on_p"]
+            assert h["prompt_tokens"] % 64 == 1 and h["cached_tokens_on_p"] == h["prompt_tokens"] - 1, h
+            assert h["pages"] == -(-h["prompt_tokens"] // 64), h  # both decoders are commit-first
+            assert h["import_bytes_per_second"] > 0 and h["last_page_to_imported_seconds"] >= 0, h
+    md = next(tmp_path.glob("ttft-*.md")).read_text()
+    assert "The decoder's import with every page already on P" in md and "goal ≥ 1 GB/s on loopback" in md
     check_alone_rows(tmp_path, result)
 
 

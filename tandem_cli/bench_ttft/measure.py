@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import httpx
 
 from .cluster import Agent
-from .probe_agents import prefiller_counters, prompt_ids, trace_pd, ttft
+from .probe_agents import prefiller_counters, prompt_ids, trace_held_on_p, trace_pd, ttft
 
 MIN_RATIO = 0.98  # TTFT ÷ bound under this: the bound is not a lower bound
 
@@ -117,6 +117,11 @@ def cell(result: dict, col: Column, n: int, taken: list[Sample], key: str, link:
     out["decoder"] = col.d.name  # its alone column is node/<decoder>, in either kind of run
     out["fell_back"] = len(taken) - len(pd)
     out["trace"] = traced(result, col, n, key) if result["trace"] else {}
+    if result["trace"]:
+        # 64k + 1 tokens: every page P sends a recompute-last decoder comes from its cache; a
+        # commit-first decoder's last page holds the last token, which P computes after the rest
+        ids = prompt_ids(max(n - 1, 64) // 64 * 64 + 1, 40_000 + n, result["vocab"])
+        out["held_on_p"] = trace_held_on_p(col.p, col.d, key, ids, result["max_tokens"], col.encoding)
     if not pd:
         out.update(bound=None, invalid_bound=True, ttft_over_bound=None, ttft_minus_own_prefill=None)
         return out

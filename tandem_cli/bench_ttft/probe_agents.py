@@ -122,6 +122,51 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, enco
         "pages": done["pages"],
         "wire_bytes": done["wire_bytes"],
         "first_page_before_prefill_end_seconds": done["prefill_finished_at"] - done["first_page_at"],
+        "cached_tokens_on_p": done.get("prefill_cached_tokens", 0),
+        "stamps": {k: done.get(k) for k in ("first_page_at", "last_page_at", "last_page_imported_at")},
+    }
+
+
+def set_prefix_cache(p: Agent, headers: dict, status: dict, nbytes: int) -> None:
+    body = {"engine": status["engine"], "model_path": status["model_path"], "prefix_cache_bytes": nbytes}
+    httpx.post(p.url + "/v1/config", json=body, headers=headers, timeout=120).raise_for_status()
+
+
+def trace_held_on_p(
+    p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, encoding: str = "raw"
+) -> dict | None:
+    """The decoder's import rate with every page ready on P before D asks: P computes the prompt
+    alone first (its prefix cache keeps the pages), then one traced P/D request, in which P
+    computes only the last token and sends the held pages at once, so they arrive as fast as
+    the link carries them. Import rate = wire bytes ÷ (first page in on D -> every page in D's
+    engine cache, the engine's own word); arrival rate = wire bytes ÷ (first page -> last).
+    None where P keeps no prefix cache (vLLM and SGLang prefillers)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    status = httpx.get(p.url + "/v1/status", headers=headers, timeout=30).json()
+    if status.get("prefix_cache") is None:
+        return None
+    body = {"token_ids": ids, "sampling": {"max_tokens": 1, "temperature": 0}}
+    # the benchmark's agents run with their caches off (cold TTFT); P's is on for this probe only
+    set_prefix_cache(p, headers, status, 1 << 30)
+    try:
+        httpx.post(p.url + "/v1/generate", json=body, headers=headers, timeout=600).read()
+        t = trace_pd(p, d, key, ids, max_tokens, encoding)
+    finally:
+        set_prefix_cache(p, headers, status, status["prefix_cache"]["capacity"])
+    st = t.get("stamps") or {}
+    if "error" in t or st.get("last_page_imported_at") is None:
+        return {"error": t.get("error", "the decoder reported no import time")}
+    burst = st["last_page_at"] - st["first_page_at"]
+    importing = st["last_page_imported_at"] - st["first_page_at"]
+    return {
+        "prompt_tokens": len(ids),
+        "pages": t["pages"],
+        "wire_bytes": t["wire_bytes"],
+        "cached_tokens_on_p": t["cached_tokens_on_p"],
+        "arrival_bytes_per_second": t["wire_bytes"] / burst if burst > 0 else None,
+        "import_bytes_per_second": t["wire_bytes"] / importing if importing > 0 else None,
+        "last_page_to_imported_seconds": st["last_page_imported_at"] - st["last_page_at"],
+        "ttft_seconds": t["total_seconds"],
     }
 
 

@@ -53,6 +53,7 @@ def markdown_table(result: dict) -> str:
     ]
     rows += alone_table(result)
     rows += trace_table(result)
+    rows += import_table(result)
     return header(result) + "\n".join(rows) + "\n"
 
 
@@ -155,6 +156,39 @@ def trace_table(result: dict) -> list[str]:
     for c in result["cells"]:
         if c.get("trace", {}).get("error"):
             rows.append(f"\nThe traced request at {c['tokens']} tokens, {c['column']}, failed: {c['trace']['error']}")
+    return rows
+
+
+IMPORT_GOAL = 1e9  # bytes/s: issue 18's goal for every decoder on loopback
+
+
+def import_table(result: dict) -> list[str]:
+    """Each decoder's import rate with the pages already on P (probe_agents.trace_held_on_p)."""
+    held = [c for c in result["cells"] if c.get("held_on_p")]
+    if not held:
+        return []
+    rows = [
+        "",
+        "The decoder's import with every page already on P (P's prefix cache held the prompt, 64k + 1 tokens "
+        "long; P computed only its last token, which a commit-first decoder's last page carries): arrival = wire bytes ÷ (first page -> last page on D), import = wire bytes ÷ (first "
+        f"page -> every page in D's engine cache){', goal ≥ 1 GB/s on loopback' if result['link'] == 'loopback' else ''}",
+        "",
+        "| tokens (probe) | column | pages | wire MB | tokens cached on P | arrival GB/s | import GB/s | last page -> imported ms |"
+        + (" goal |" if result["link"] == "loopback" else ""),
+        "|---:|---|---:|---:|---:|---:|---:|---:|" + ("---|" if result["link"] == "loopback" else ""),
+    ]
+    for c in held:
+        h = c["held_on_p"]
+        if "error" in h:
+            rows.append(f"| {c['tokens']} | {c['column']} | failed: {h['error'][:200]} |")
+            continue
+        rate = h["import_bytes_per_second"]
+        goal = (" met |" if rate and rate >= IMPORT_GOAL else " NOT met |") if result["link"] == "loopback" else ""
+        rows.append(
+            f"| {c['tokens']} ({h['prompt_tokens']}) | {c['column']} | {h['pages']} | {h['wire_bytes'] / 1e6:.1f} | {h['cached_tokens_on_p']} |"
+            f" {(h['arrival_bytes_per_second'] or 0) / 1e9:.2f} | {(rate or 0) / 1e9:.2f} |"
+            f" {h['last_page_to_imported_seconds'] * 1000:.1f} |{goal}"
+        )
     return rows
 
 
