@@ -326,7 +326,7 @@ def main() -> None:
             agents[name] = proc
         for proc in agents.values():
             proc.wait_ready(900)
-        pair = ("--pair", f"torch-to-mlx={agents['torch'].url},{agents['mlx'].url}")
+        pair = ("--pair", f"torch-to-mlx={agents['torch'].url},{agents['mlx'].url},threshold=1")
         node = [a for n in agents if n not in ("torch", "mlx") for a in ("--node", agents[n].url)]
         panel = ServiceProcess(
             ["panel", "--port", "0", "--no-mdns", "--api-key", "bench", *pair, *node],

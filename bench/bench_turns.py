@@ -138,6 +138,22 @@ def report(figures: dict, stem: Path) -> str:
     return text
 
 
+def torch_and_mlx_agents(stack: ExitStack, link: str, rate: float, model: Path, home: Path, key: str, prefix: str):
+    """A torch agent and an MLX agent on the loopback link, or in two network namespaces joined by
+    a veth shaped to `rate` MB/s (`link` "shaped"), stopped with `stack`: {engine: URL}."""
+    net = stack.enter_context(shaped_link(rate, block=random_block()) if link == "shaped" else loopback_link())
+    procs = {}
+    for engine, place in zip(("torch", "mlx"), net.places):
+        proc = ServiceProcess(
+            agent_serve_args(engine, model, "--name", f"{prefix}-{engine}", host=place.host),
+            env={"TANDEM_HOME": str(home / engine), "TANDEM_CLUSTER_KEY": key},
+            netns=place.netns,
+        )
+        stack.callback(proc.stop)
+        procs[engine] = (proc, place)
+    return {e: f"http://{pl.addr}:{pr.wait_ready(900).rsplit(':', 1)[1]}" for e, (pr, pl) in procs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=6)
@@ -165,20 +181,7 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="tandem-bench-turns-"))
     targets = args.targets.split(",")
     with ExitStack() as stack:
-        link = stack.enter_context(
-            shaped_link(args.rate, block=random_block()) if args.link == "shaped" else loopback_link()
-        )
-        agents, procs = {}, {}
-        for engine, place in zip(("torch", "mlx"), link.places):
-            proc = ServiceProcess(
-                agent_serve_args(engine, model, "--name", f"turns-{engine}", host=place.host),
-                env={"TANDEM_HOME": str(home / engine), "TANDEM_CLUSTER_KEY": KEY},
-                netns=place.netns,
-            )
-            stack.callback(proc.stop)
-            procs[engine] = (proc, place)
-        for engine, (proc, place) in procs.items():
-            agents[engine] = f"http://{place.addr}:{proc.wait_ready(900).rsplit(':', 1)[1]}"
+        agents = torch_and_mlx_agents(stack, args.link, args.rate, model, home, KEY, "turns")
         panel = ServiceProcess(
             ["panel", "--port", "0", "--no-mdns", "--api-key", "bench"]
             + ["--pair", f"torch-to-mlx={agents['torch']},{agents['mlx']}"],

@@ -37,8 +37,10 @@ def panel(
     pair: list[str] = typer.Option(
         None,
         help="NAME=PREFILL_URL,DECODE_URL[,zstd][,threshold=N]: serve a model by P/D (repeatable). Several "
-        "nodes of a role join with '+' (NAME=P1,D1+D2: a pool); zstd: pages travel compressed; threshold: "
-        "prompts with fewer new tokens than N (past what the decoder holds) run on the decoder alone.",
+        "nodes of a role join with '+' (NAME=P1,D1+D2: a pool); zstd: pages travel compressed. Without a "
+        "threshold the panel estimates each route's time to first token and picks the fastest; threshold=N "
+        "overrides it: prompts with fewer new tokens than N (past what the decoder holds) run on the decoder "
+        "alone, the rest P/D (threshold=1: always P/D).",
     ),
     api_key: str = typer.Option(None, help="Create an API key with this name and print it once."),
     reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once."),

@@ -76,6 +76,7 @@ class RequestLog(SQLModel, table=True):
     reason: str = ""
     prompt_tokens: int = 0
     ttft_ms: float | None = None
+    predicted_ttft_ms: float | None = None  # the planner's estimate when it chose the route
     output_tokens: int = 0
     bytes_moved: int = 0
     cached_tokens: int = 0  # prompt tokens a prefix cache served (D's, or P's if more)

@@ -11,6 +11,7 @@ as the pool's fallback says). The exchange is drawn in ARCHITECTURE.md ("One req
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -72,9 +73,17 @@ class RouteStats:
     prefill_node: str = ""
     cached_tokens: int = 0  # prompt tokens a prefix cache served (D's, or on P/D P's if more)
     ttft_ms: float | None = None
+    predicted_ttft_ms: float | None = None  # the planner's estimate (None: figures not measured yet)
     bytes_moved: int = 0
     finish_reason: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None  # perf_counter
+    done: dict = field(default_factory=dict)  # the decoder's last line
+
+
+# What the router measures of a pool's nodes and links (node_figures.py), between requests:
+CALIBRATION_TOKENS = 256  # a node with no prefill figure computes a prompt this long
+LINK_PROBE_MEGABYTES = 16  # a decoder pulls this much from a prefiller to measure their link
 
 
 # Clients of forgotten agents still closing (a task nobody references may be collected early).
@@ -91,6 +100,7 @@ class Router:
         self._transport = transport
         self._clients: dict[str, AgentClient] = {}
         self.planner = Planner()
+        self._measuring: dict[object, asyncio.Task] = {}  # a node (url) or link (P, D) being measured
 
     def forget(self, *urls: str) -> None:
         """Drop the pooled connections to these agents and what the planner knew of them (a node
@@ -114,6 +124,8 @@ class Router:
         return self._clients[url]
 
     async def aclose(self) -> None:
+        for task in list(self._measuring.values()):
+            task.cancel()
         for c in self._clients.values():
             await c.aclose()
         self._clients.clear()
@@ -159,6 +171,7 @@ class Router:
                     raise RouteError(f"{target.name}: {stats.reason} (fallback disabled)", 503)
                 plan = replace(plan, reason=stats.reason)
             stats.route, stats.reason = plan.route, plan.reason
+            stats.predicted_ttft_ms = None if plan.predicted_seconds is None else plan.predicted_seconds * 1000
             stats.decode_node = target.name_of(plan.decode_url)
             stats.prefill_node = target.name_of(plan.prefill_url) if plan.prefill_url else ""
             output: list[int] = []
@@ -183,6 +196,8 @@ class Router:
             finally:
                 self.planner.ended(work)
             self._learn(plan, token_ids, hashes, output)
+            self._learn_figures(plan, len(token_ids), stats)
+            self.measure(target)
             return
         raise last_error or RouteError(f"{target.name} has no decode node", 503)
 
@@ -194,6 +209,74 @@ class Router:
         if plan.prefill_url:
             self.planner.served(plan.prefill_url)
             self.planner.index.add(plan.prefill_url, hashes)
+
+    def _learn_figures(self, plan: Plan, prompt_tokens: int, stats: RouteStats) -> None:
+        """What the request showed of its nodes: the prefill rate of the node that computed the
+        prompt (D alone: its time to first token; P/D: P's own prefill seconds) and D's step."""
+        f, done = self.planner.figures, stats.done
+        if plan.prefill_url is None and done.get("ttft_seconds"):
+            f.prefilled(
+                plan.decode_url, prompt_tokens, prompt_tokens - done.get("cached_tokens", 0), done["ttft_seconds"]
+            )
+        elif plan.prefill_url and done.get("prefill_seconds"):
+            new = prompt_tokens - done.get("prefill_cached_tokens", 0)
+            f.prefilled(plan.prefill_url, prompt_tokens, new, done["prefill_seconds"])
+        if stats.output_tokens >= 3 and stats.ttft_ms is not None and stats.last_token_at is not None:
+            first_at = stats.started + stats.ttft_ms / 1000
+            f.stepped(plan.decode_url, stats.output_tokens - 1, stats.last_token_at - first_at)
+
+    # ---- measuring nodes and links between requests ----------------------------------------------
+    def measure(self, target: Target) -> None:
+        """Start measuring, in the background, what the planner lacks for this pool: the prefill
+        rate of an idle node never measured (a short prompt on it), and each prefiller-decoder
+        link never measured or measured long ago (the decoder pulls pages from the prefiller)."""
+        if target.is_node or target.local_threshold:  # a threshold overrides the estimates
+            return
+        f, busy = self.planner.figures, self.planner.busy()
+        for url in dict.fromkeys((*target.decode_urls, *target.prefill_urls)):
+            if url not in self._measuring and url not in busy and f.needs_calibration(url):
+                self._background(url, self._calibrate(url))
+        for p in target.prefill_urls:
+            for d in target.decode_urls:
+                if p != d and (p, d) not in self._measuring and f.link_stale(p, d) and not {p, d} & busy:
+                    self._background((p, d), self._probe_link(p, d))
+
+    def _background(self, key: object, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._measuring[key] = task
+        task.add_done_callback(lambda _: self._measuring.pop(key, None))
+
+    async def _calibrate(self, url: str) -> None:
+        f = self.planner.figures
+        f.node(url).calibrated = time.monotonic()
+        rng = random.Random(url)  # token ids every vocabulary has, no user's prompt
+        ids = [rng.randrange(1000, 2000) for _ in range(CALIBRATION_TOKENS)]
+        body = GenerateBody(token_ids=ids, sampling=SamplingParams(max_tokens=1))
+        self.planner.pending[url] += CALIBRATION_TOKENS  # the planner sees it as queued work
+        try:
+            async for event in self.client(url).lines("/v1/generate", body.model_dump(mode="json", exclude_none=True)):
+                if event.get("done") and event.get("ttft_seconds"):
+                    new = CALIBRATION_TOKENS - event.get("cached_tokens", 0)
+                    f.prefilled(url, CALIBRATION_TOKENS, new, event["ttft_seconds"])
+        except (AgentHTTPError, TransportError):
+            pass  # measured again after CALIBRATION_STALE_SECONDS; until then the rule in tokens
+        finally:
+            self.planner.pending[url] -= CALIBRATION_TOKENS
+            if self.planner.pending[url] <= 0:
+                del self.planner.pending[url]
+
+    async def _probe_link(self, p: str, d: str) -> None:
+        self.planner.figures.link_tried[(p, d)] = time.monotonic()
+        try:
+            m = await self.client(d).bench_link(p, LINK_PROBE_MEGABYTES)
+        except (AgentHTTPError, TransportError):
+            return  # tried again after LINK_STALE_SECONDS; until then the rule in tokens
+        self.planner.figures.linked(p, d, m["bytes_per_second"], m["rtt_seconds"], m.get("page_bytes", 0))
+        try:
+            modes = (await self.client(d).info()).get("decoder_modes") or []
+        except (AgentHTTPError, TransportError):
+            return
+        self.planner.figures.node(d).recompute_last = modes[:1] == ["recompute-last"]
 
     def _serve(self, target: Target, plan: Plan, token_ids, sampling, stats) -> AsyncIterator[dict]:
         if plan.prefill_url is None:
@@ -213,10 +296,12 @@ class Router:
                     raise _PrefillerFailed(f"P/D transfer failed before the first token: {error['message']}")
                 first = False
                 if "token" in event:
+                    stats.last_token_at = time.perf_counter()
                     if stats.ttft_ms is None:
-                        stats.ttft_ms = (time.perf_counter() - stats.started) * 1000
+                        stats.ttft_ms = (stats.last_token_at - stats.started) * 1000
                     stats.output_tokens += 1
                 elif event.get("done"):
+                    stats.done = event
                     stats.bytes_moved = event.get("wire_bytes", 0)
                     stats.cached_tokens = max(event.get("cached_tokens", 0), event.get("prefill_cached_tokens", 0))
                     stats.finish_reason = event.get("finish_reason")

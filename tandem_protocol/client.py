@@ -142,6 +142,11 @@ class AgentClient:
     async def local_models(self) -> dict:
         return await self._json("GET", "/v1/models/local")
 
+    async def bench_link(self, peer: str, megabytes: int) -> dict:
+        """POST /v1/bench/link: this node pulls `megabytes` of synthetic pages from `peer` (the link
+        from that prefiller to this decoder): bytes_per_second, rtt_seconds, page_bytes."""
+        return await self._json("POST", "/v1/bench/link", json={"peer": peer, "megabytes": megabytes})
+
     async def create_handoff(self, **body) -> dict:
         return await self._json("POST", "/v1/handoffs", json=body)
 

@@ -42,7 +42,7 @@ def cluster(smol_dir, tmp_path_factory):
         d = AgentProcess("torch", smol_dir, home / "d", *args, env=env)
         stack.callback(d.stop)
         p.wait_ready(), d.wait_ready()  # both load at once
-        panel = stack.enter_context(PanelProcess(home / "panel", "--pair", f"pd={p.url},{d.url}"))
+        panel = stack.enter_context(PanelProcess(home / "panel", "--pair", f"pd={p.url},{d.url},threshold=1"))
         api = stack.enter_context(
             httpx.Client(base_url=panel.url, timeout=CALL_TIMEOUT, headers={"Authorization": f"Bearer {panel.api_key}"})
         )

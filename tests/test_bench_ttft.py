@@ -141,7 +141,7 @@ def test_bench_ttft_against_a_running_panel(tmp_path, smol_dir):
     with (
         AgentProcess("torch", smol_dir, tmp_path / "p") as p,
         AgentProcess("torch", smol_dir, tmp_path / "d") as d,
-        PanelProcess(tmp_path, "--pair", f"duo={p.url},{d.url}") as panel,
+        PanelProcess(tmp_path, "--pair", f"duo={p.url},{d.url},threshold=1") as panel,
     ):
         args = ("--lengths", "51", "--panel", panel.url, "--api-key", panel.api_key)
         refused = subprocess.run(

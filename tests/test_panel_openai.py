@@ -15,7 +15,9 @@ LENGTHS = [64, 65, 66, 128, 129, 130, 193]
 def cluster(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("panel")
     with AgentProcess("torch", smol_dir, home / "torch") as t, AgentProcess("mlx", smol_dir, home / "mlx") as m:
-        with PanelProcess(home / "panel", "--pair", f"t2m={t.url},{m.url}", "--pair", f"m2t={m.url},{t.url}") as panel:
+        with PanelProcess(
+            home / "panel", "--pair", f"t2m={t.url},{m.url},threshold=1", "--pair", f"m2t={m.url},{t.url},threshold=1"
+        ) as panel:
             client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)
             yield {"panel": panel, "client": client, "torch": t, "mlx": m}
 

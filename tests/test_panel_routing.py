@@ -21,7 +21,9 @@ from .panel_db import insert_old_pair
 def cluster(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("routing")
     with AgentProcess("torch", smol_dir, home / "p") as p, AgentProcess("torch", smol_dir, home / "d") as d:
-        with PanelProcess(home, "--pair", f"pd={p.url},{d.url}", "--pair", f"pdz={p.url},{d.url},zstd") as panel:
+        with PanelProcess(
+            home, "--pair", f"pd={p.url},{d.url},threshold=1", "--pair", f"pdz={p.url},{d.url},zstd,threshold=1"
+        ) as panel:
             yield {
                 "p": p,
                 "d": d,

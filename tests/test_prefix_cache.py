@@ -213,7 +213,7 @@ def test_through_the_panel_a_second_turn_moves_only_the_delta(smol_dir, tmp_path
     with (
         AgentProcess("torch", smol_dir, tmp_path / "p", prefix_cache="default") as p,
         AgentProcess("mlx", smol_dir, tmp_path / "d", prefix_cache="default") as d,
-        PanelProcess(tmp_path / "panel", "--pair", f"pd={p.url},{d.url}") as panel,
+        PanelProcess(tmp_path / "panel", "--pair", f"pd={p.url},{d.url},threshold=1") as panel,
     ):
         client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)
         messages = [{"role": "system", "content": SYSTEM}]

@@ -31,7 +31,11 @@ def desk(smol_dir, tmp_path_factory):
     try:
         for agent in agents.values():
             agent.wait_ready(300)
-        pairs = [a for name, (p, d) in PAIRS.items() for a in ("--pair", f"{name}={agents[p].url},{agents[d].url}")]
+        pairs = [
+            a
+            for name, (p, d) in PAIRS.items()
+            for a in ("--pair", f"{name}={agents[p].url},{agents[d].url},threshold=1")
+        ]
         with PanelProcess(home / "panel", *pairs) as panel:
             yield agents, panel, home / "panel"
     finally:

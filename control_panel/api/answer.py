@@ -85,6 +85,7 @@ class Answer:
             route=stats.route,
             reason=stats.reason,
             ttft_ms=stats.ttft_ms,
+            predicted_ttft_ms=stats.predicted_ttft_ms,
             output_tokens=stats.output_tokens,
             bytes_moved=stats.bytes_moved,
             cached_tokens=stats.cached_tokens,

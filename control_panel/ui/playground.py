@@ -84,6 +84,7 @@ async def answer(
             reason=stats.reason,
             prompt_tokens=len(ids),
             ttft_ms=stats.ttft_ms,
+            predicted_ttft_ms=stats.predicted_ttft_ms,
             output_tokens=stats.output_tokens,
             bytes_moved=stats.bytes_moved,
             outcome=outcome,

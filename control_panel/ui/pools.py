@@ -35,11 +35,42 @@ async def models_context(panel: Panel) -> dict:
             {"pool": p, "members": [(m, nodes.get(m.node_id)) for m in members if m.pool_id == p.id]}
             for p in s.exec(select(Pool).order_by(Pool.name))
         ]
+    for row in models:
+        row["links"] = measured_links(panel, row["members"])
     paired = [n for n in nodes.values() if n.paired]
     key = panel.router.cluster_key
     found = await asyncio.gather(*(node_status.node_models(n.url, key) for n in paired))
     model_paths = [(n.name, m["path"]) for n, models in zip(paired, found) for m in models if m["supported"]]
-    return {"models": models, "nodes": paired, "engines": list(ENGINES), "model_paths": model_paths}
+    return {
+        "models": models,
+        "nodes": paired,
+        "engines": list(ENGINES),
+        "model_paths": model_paths,
+        "measured": {n.url: measured_node(panel, n.url) for n in nodes.values() if n.url},
+    }
+
+
+def measured_node(panel: Panel, url: str) -> dict | None:
+    """What the planner has measured of a node: prefill tokens/s (at 2,048 tokens, or the length
+    nearest it measured) and decode step, for the page; None: nothing yet."""
+    f = panel.router.planner.figures
+    spt, step = f.seconds_per_token(url, 2048), f.step(url)
+    if spt is None and step is None:
+        return None
+    return {"rate": f"{1 / spt:,.0f}" if spt else "?", "step": f"{step * 1000:.0f}" if step else "?"}
+
+
+def measured_links(panel: Panel, members: list) -> list[dict]:
+    """Each measured prefill-to-decode link of a pool: (P name, D name, MB/s, round trip ms)."""
+    f, out = panel.router.planner.figures, []
+    for pm, p in members:
+        for dm, d in members:
+            if p and d and pm.role == "prefill" and dm.role == "decode" and p.url != d.url:
+                link = f.link(p.url, d.url)
+                if link is not None:
+                    rate, rtt = f"{link.bytes_per_second / 1e6:,.0f}", f"{link.rtt_seconds * 1000:.1f}"
+                    out.append({"p": p.name, "d": d.name, "rate": rate, "rtt": rtt})
+    return out
 
 
 async def models_page_response(panel: Panel, render: Render, status_code: int = 200, **shown):

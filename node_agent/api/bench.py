@@ -80,4 +80,5 @@ async def bench_link(body: BenchLinkBody, agent: Agent):
         "seconds": seconds,
         "bytes_per_second": stream.bytes_read / seconds,
         "rtt_seconds": rtt,
+        "page_bytes": g.page_bytes,
     }

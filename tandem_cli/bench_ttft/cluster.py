@@ -72,12 +72,15 @@ def cluster(
         pairs = [
             a
             for p, d in directions
-            for a in ("--pair", f"{agents[p].name}->{agents[d].name}={agents[p].url},{agents[d].url}")
+            for a in ("--pair", f"{agents[p].name}->{agents[d].name}={agents[p].url},{agents[d].url},threshold=1")
         ]
         pairs += [
             a
             for p, d in (directions if zstd else [])  # the same pairs with compressed pages
-            for a in ("--pair", f"{agents[p].name}->{agents[d].name}+zstd={agents[p].url},{agents[d].url},zstd")
+            for a in (
+                "--pair",
+                f"{agents[p].name}->{agents[d].name}+zstd={agents[p].url},{agents[d].url},zstd,threshold=1",
+            )
         ]
         panel = ServiceProcess(
             ["panel", "--port", "0", "--no-mdns", "--api-key", "bench", *pairs],

@@ -102,7 +102,7 @@ class Cluster:
         return [
             a
             for p, d in directions
-            for a in ("--pair", f"{pair_name(p, d)}={proxies.get(p, self[p].url)},{self[d].url}")
+            for a in ("--pair", f"{pair_name(p, d)}={proxies.get(p, self[p].url)},{self[d].url},threshold=1")
         ]
 
     @contextmanager

@@ -188,7 +188,9 @@ def test_an_engine_crash_while_prefilling_falls_back_and_the_engine_recovers(
     if engine in ("torch", "mlx"):
         with (
             AgentProcess(engine, smol_dir, tmp_path / "armed", env={"TANDEM_FAILPOINTS": "prefill_chunk@2"}) as armed,
-            PanelProcess(tmp_path / "crash-panel", "--pair", f"crash={armed.url},{cluster[d].url}") as panel,
+            PanelProcess(
+                tmp_path / "crash-panel", "--pair", f"crash={armed.url},{cluster[d].url},threshold=1"
+            ) as panel,
         ):
             client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
             assert complete(client, "crash", ids, False) == expected
@@ -229,9 +231,9 @@ def test_a_peer_killed_mid_stream(cluster, smol_dir, long_ids, tmp_path, decoder
         PanelProcess(
             home / "kill-panel",
             "--pair",
-            f"in={dp.url},{cluster[decoder].url}",
+            f"in={dp.url},{cluster[decoder].url},threshold=1",
             "--pair",
-            f"out={cluster[prefiller].url},{dd.url}",
+            f"out={cluster[prefiller].url},{dd.url},threshold=1",
         ) as panel,
     ):
         client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
