@@ -175,7 +175,7 @@ class Planner:
     def _by_tokens(self, decoders, prefillers, held, n, local_threshold, name_of) -> Plan:
         url = self._fewest_tokens(decoders, held, n)
         held_tokens = held[url]
-        new = n - held_tokens
+        new = max(1, n - held_tokens)  # the last prompt token is always computed
         where = f"{name_of(url)} holds {held_tokens} of {n} prompt tokens"
         if not prefillers:
             return self._chose(Plan("decode_alone", url, None, held_tokens, f"{where}; no prefill node is left to try"))
