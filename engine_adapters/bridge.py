@@ -49,10 +49,15 @@ ACK_WAIT_SECONDS = 60  # an engine that neither acknowledges nor closes: the rea
 END = object()  # ends a room's queue
 
 
+def page_frame_parts(page: KVPage) -> tuple[bytes, memoryview]:
+    """A page as it crosses the bridge: the header, and a view of the page's own buffer (the
+    agent's feeder sends both as they are, no copy of the payload on its event loop)."""
+    return encode_frame(page, contract=ZERO16, handoff_id=ZERO16, tokens=ZERO16)
+
+
 def page_frame(page: KVPage) -> bytes:
-    """A page as it crosses the bridge."""
-    header, payload = encode_frame(page, contract=ZERO16, handoff_id=ZERO16, tokens=ZERO16)
-    return header + bytes(payload)
+    """A page as it crosses the bridge, in one buffer."""
+    return b"".join(page_frame_parts(page))
 
 
 def first_token_frame(token: int) -> bytes:
@@ -151,7 +156,9 @@ def connect(path: str, op: str, room: str, **extra) -> socket.socket:
 class Room:
     def __init__(self, kind: str, tokens: int, loop: asyncio.AbstractEventLoop | None):
         self.kind, self.tokens, self.loop = kind, tokens, loop
-        self.outgoing: queue.Queue = queue.Queue()  # import rooms: frames for the engine, then END
+        self.outgoing: queue.Queue = (
+            queue.Queue()
+        )  # import rooms: frames (bytes, or header and payload) for the engine, then END
         self.imported_at: float | None = None  # import rooms: when the engine had every page
         self.incoming: asyncio.Queue = asyncio.Queue()  # export rooms: pages from the engine, then END
 
@@ -210,7 +217,8 @@ class Bridge:
     def _feed(conn: socket.socket, room: Room) -> None:
         while (item := room.outgoing.get()) is not END:
             try:
-                conn.sendall(item)
+                for part in item if isinstance(item, tuple) else (item,):
+                    conn.sendall(part)
             except OSError:
                 return
         conn.settimeout(ACK_WAIT_SECONDS)

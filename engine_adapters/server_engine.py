@@ -36,7 +36,7 @@ from tandem_protocol.pages import KVPage, make_page
 from tandem_protocol.sampling import ALL_FIELDS, SamplingParams
 
 from .base import EngineAdapter, EngineRequest
-from .bridge import END, Bridge, Room, page_frame
+from .bridge import END, Bridge, Room, page_frame_parts
 from .server_process import ServerProcess
 
 
@@ -259,7 +259,7 @@ class ServerEngine(EngineAdapter):
         event = self._cancels[req.request_id]
 
         def write(page: KVPage) -> None:
-            box.outgoing.put(page_frame(page))
+            box.outgoing.put(page_frame_parts(page))
 
         async with contextlib.aclosing(self._import_pages(req, event, stream, expected_tokens, write)) as complete:
             async for done in complete:  # noqa: B007 (the last item is the answer)

@@ -150,6 +150,10 @@ class SGLangProcess(ServerProcess):
                 # a decoder's retraction backup otherwise pins a host pool with CUDA calls
                 "--disaggregation-decode-retraction-backup",
                 "cpu_tensor",
+                # the overlap scheduler processes a chunk's result (and sends its pages) after the
+                # next chunk's forward, which on a CPU runs before it returns: every chunk's
+                # pages left one chunk late, a 512-token prompt's all at the end
+                "--disable-overlap-schedule",
             ]
         return cmd
 
