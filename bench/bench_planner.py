@@ -6,7 +6,8 @@ Two agents (torch prefills fast here, MLX's CPU prefill is slower: the desk the 
 for), one panel with three models on them: `planner` (the pool as users get it, no threshold: the
 planner estimates every route), `forced-pd` (the same nodes with threshold 1: always P/D) and
 `node/<mlx>` (the decoder alone). Per cell (L tokens, a fraction c of them cached): a prefix of
-c x L tokens is first sent P/D, so both nodes hold it; then each model gets the prefix and a
+c x L tokens is first sent P/D, so both nodes hold it (`--cached-on both`), or to the decoder
+alone, so only it holds it (`--cached-on decoder`: a conversation the prefiller never saw); then each model gets the prefix and a
 suffix of its own (nothing past the prefix is cached anywhere), one request each, the nodes idle
 in between (the router measures idle nodes: a calibration prompt, a link probe). Regret = the
 TTFT of the route the planner chose ÷ the best of P/D and D alone, both as measured on the forced
@@ -77,10 +78,20 @@ def idle(agents: list[str], settle: float = 0.5) -> None:
         time.sleep(settle)
 
 
+def clear_prefix_cache(url: str) -> None:
+    """Empty a node's prefix cache (its budget to 0 and back)."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    status = httpx.get(url + "/v1/status", headers=headers, timeout=30).json()
+    for nbytes in (0, status["prefix_cache"]["capacity"]):
+        body = {"engine": status["engine"], "model_path": status["model_path"], "prefix_cache_bytes": nbytes}
+        httpx.post(url + "/v1/config", json=body, headers=headers, timeout=120).raise_for_status()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="64,512,2048,6000")
     parser.add_argument("--cached", default="0,0.5,0.95")
+    parser.add_argument("--cached-on", choices=("both", "decoder"), default="both")
     parser.add_argument("--link", choices=("loopback", "shaped"), default="loopback")
     parser.add_argument("--rate", type=float, default=85.0, help="MB/s of the shaped link")
     args = parser.parse_args()
@@ -89,9 +100,9 @@ def main() -> None:
     model, _ = fetch(data_dir())
     vocab = inspect_model(model).vocab_size
     link_name = args.link if args.link == "loopback" else f"shaped {args.rate:g} MB/s"
-    result = {"model": model.name, "link": link_name, "cells": []}
+    result = {"model": model.name, "link": link_name, "cached_on": args.cached_on, "cells": []}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"planner-{args.link}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = RESULTS / f"planner-{args.link}-cached-on-{args.cached_on}-{time.strftime('%Y%m%d-%H%M%S')}"
     home = Path(tempfile.mkdtemp(prefix="tandem-bench-planner-"))
     with ExitStack() as stack:
         urls = torch_and_mlx_agents(stack, args.link, args.rate, model, home, KEY, "planner")
@@ -117,12 +128,18 @@ def main() -> None:
             for c in fractions:
                 seed = hash((n, c)) & 0xFFFF
                 prefix = prompt_ids(int(c * n), seed, vocab) if c else []
-                if prefix:  # both nodes hold it: P computed it, D imported it
-                    ttft(http, "forced-pd", prefix + prompt_ids(1, seed + 1, vocab), 1)
+                if prefix:  # both nodes hold it (P computed it, D imported it), or D alone computed it
+                    warm = "forced-pd" if args.cached_on == "both" else "alone"
+                    ttft(http, models[warm], prefix + prompt_ids(1, seed + 1, vocab), 1)
                     idle([p, d])
                 cell = {"tokens": n, "cached_fraction": c, "cached_tokens": len(prefix)}
-                for k, route in enumerate(ROUTES):
-                    ids = prefix + prompt_ids(n - len(prefix), seed + 10 + k, vocab)
+                # prefix on D only: P's cache is emptied before each route, the planner first (so
+                # the router has not yet sent P this prefix: what it believes is true)
+                order = ROUTES if args.cached_on == "both" else ("planner", "alone", "forced-pd")
+                for route in order:
+                    if args.cached_on == "decoder":
+                        clear_prefix_cache(p)
+                    ids = prefix + prompt_ids(n - len(prefix), seed + 10 + ROUTES.index(route), vocab)
                     before = last_id(panel_home)
                     cell[route] = ttft(http, models[route], ids, 4)
                     row = log_row(panel_home, before)
@@ -151,7 +168,8 @@ def write(result: dict, stem: Path) -> str:
     cells = result["cells"]
     ok = [c for c in cells if c["regret"] <= REGRET_GOAL]
     lines = [
-        f"Planner regret, torch -> MLX pool, {result['link']} link ({result['model']}); one request per route "
+        f"Planner regret, torch -> MLX pool, {result['link']} link, cached prefix on {result['cached_on']} "
+        f"({result['model']}); one request per route "
         "per cell, nodes idle in between. Regret = the TTFT of the route the planner chose ÷ the best route's "
         "(both as measured on the forced models); the planner's own request ÷ the best beside it.",
         "",
