@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_turns import torch_and_mlx_agents  # noqa: E402
 
 from engine_adapters.embedded_model import fetch  # noqa: E402
-from tandem_cli.bench_ttft.probe_agents import prompt_ids, ttft  # noqa: E402
+from tandem_cli.bench_ttft.probe_agents import prompt_ids, set_prefix_cache, ttft  # noqa: E402
 from tandem_cli.processes import ServiceProcess  # noqa: E402
 from tandem_protocol.model_dir import inspect_model  # noqa: E402
 from tandem_protocol.settings import data_dir  # noqa: E402
@@ -83,8 +83,7 @@ def clear_prefix_cache(url: str) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
     status = httpx.get(url + "/v1/status", headers=headers, timeout=30).json()
     for nbytes in (0, status["prefix_cache"]["capacity"]):
-        body = {"engine": status["engine"], "model_path": status["model_path"], "prefix_cache_bytes": nbytes}
-        httpx.post(url + "/v1/config", json=body, headers=headers, timeout=120).raise_for_status()
+        set_prefix_cache(url, headers, status, nbytes)
 
 
 def main() -> None:

@@ -102,6 +102,10 @@ class NodeFigures:
         nearest = min(n.prefill, key=lambda k: (abs(k - b), -k))
         return n.prefill[nearest]
 
+    def recomputes_last(self, url: str) -> bool:
+        n = self.nodes.get(url)
+        return bool(n and n.recompute_last)
+
     def step(self, url: str) -> float | None:
         n = self.nodes.get(url)
         return n.step_seconds if n else None

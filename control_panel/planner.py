@@ -145,7 +145,7 @@ class Planner:
         transfer = max(0, n - held_d) * bpt / link.bytes_per_second  # only the pages D lacks
         # a commit-first decoder streams P's first token once the pages are in; a recompute-last one
         # runs the last prompt token first (one step)
-        last = (f.step(d) or 0.0) if f.node(d).recompute_last else 0.0
+        last = (f.step(d) or 0.0) if f.recomputes_last(d) else 0.0
         d_ready = last + self.load(d) * spt_d
         seconds = max(compute, transfer) + 2 * link.rtt_seconds + PD_OVERHEAD_SECONDS + d_ready
         how = (

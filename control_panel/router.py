@@ -252,7 +252,8 @@ class Router:
         rng = random.Random(url)  # token ids every vocabulary has, no user's prompt
         ids = [rng.randrange(1000, 2000) for _ in range(CALIBRATION_TOKENS)]
         body = GenerateBody(token_ids=ids, sampling=SamplingParams(max_tokens=1))
-        self.planner.pending[url] += CALIBRATION_TOKENS  # the planner sees it as queued work
+        # queued work on the node, as the planner counts a request's
+        work = self.planner.started(Plan("node", url, None, 0, "calibration"), CALIBRATION_TOKENS)
         try:
             async for event in self.client(url).lines("/v1/generate", body.model_dump(mode="json", exclude_none=True)):
                 if event.get("done") and event.get("ttft_seconds"):
@@ -261,9 +262,7 @@ class Router:
         except (AgentHTTPError, TransportError):
             pass  # measured again after CALIBRATION_STALE_SECONDS; until then the rule in tokens
         finally:
-            self.planner.pending[url] -= CALIBRATION_TOKENS
-            if self.planner.pending[url] <= 0:
-                del self.planner.pending[url]
+            self.planner.ended(work)
 
     async def _probe_link(self, p: str, d: str) -> None:
         self.planner.figures.link_tried[(p, d)] = time.monotonic()

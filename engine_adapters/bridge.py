@@ -156,9 +156,8 @@ def connect(path: str, op: str, room: str, **extra) -> socket.socket:
 class Room:
     def __init__(self, kind: str, tokens: int, loop: asyncio.AbstractEventLoop | None):
         self.kind, self.tokens, self.loop = kind, tokens, loop
-        self.outgoing: queue.Queue = (
-            queue.Queue()
-        )  # import rooms: frames (bytes, or header and payload) for the engine, then END
+        # import rooms: frames (bytes, or header and payload) for the engine, then END
+        self.outgoing: queue.Queue = queue.Queue()
         self.imported_at: float | None = None  # import rooms: when the engine had every page
         self.incoming: asyncio.Queue = asyncio.Queue()  # export rooms: pages from the engine, then END
 

@@ -127,9 +127,10 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, enco
     }
 
 
-def set_prefix_cache(p: Agent, headers: dict, status: dict, nbytes: int) -> None:
+def set_prefix_cache(url: str, headers: dict, status: dict, nbytes: int) -> None:
+    """The agent's prefix cache budget (POST /v1/config with the engine and model of its `status`)."""
     body = {"engine": status["engine"], "model_path": status["model_path"], "prefix_cache_bytes": nbytes}
-    httpx.post(p.url + "/v1/config", json=body, headers=headers, timeout=120).raise_for_status()
+    httpx.post(url + "/v1/config", json=body, headers=headers, timeout=120).raise_for_status()
 
 
 def trace_held_on_p(
@@ -147,12 +148,12 @@ def trace_held_on_p(
         return None
     body = {"token_ids": ids, "sampling": {"max_tokens": 1, "temperature": 0}}
     # the benchmark's agents run with their caches off (cold TTFT); P's is on for this probe only
-    set_prefix_cache(p, headers, status, 1 << 30)
+    set_prefix_cache(p.url, headers, status, 1 << 30)
     try:
         httpx.post(p.url + "/v1/generate", json=body, headers=headers, timeout=600).read()
         t = trace_pd(p, d, key, ids, max_tokens, encoding)
     finally:
-        set_prefix_cache(p, headers, status, status["prefix_cache"]["capacity"])
+        set_prefix_cache(p.url, headers, status, status["prefix_cache"]["capacity"])
     st = t.get("stamps") or {}
     if "error" in t or st.get("last_page_imported_at") is None:
         return {"error": t.get("error", "the decoder reported no import time")}
