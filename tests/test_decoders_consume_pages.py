@@ -265,7 +265,10 @@ def grown(read, before: str, name: str, label: str, values: tuple[str, ...], tot
         growth.update({x: counter(now, name, **{label: x}) - counter(before, name, **{label: x}) for x in values})
         return sum(growth.values()) >= total
 
-    wait_for(done, timeout=20, step=0.1)
+    try:
+        wait_for(done, timeout=20, step=0.1)
+    except AssertionError:
+        raise AssertionError(f"{name} grew by {growth} after 20 s, short of {total}") from None
     return growth
 
 
@@ -351,14 +354,16 @@ def test_sglang_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
         figures[kind] = {
             "logprobs": logprob_diff(logprobs, reference),
             "greedy_equal": out == alone,
-            "tokens_by_mode": by_mode(s.server.url, before, MAX_TOKENS),
+            "tokens_by_mode": by_mode(s.server.url, before, MAX_TOKENS - 1),
         }
     check("sglang", figures)
     assert figures["plain_tokens_by_mode"]["prefill_compute"] == len(ids), figures  # the counter counts
     for kind in ("perturbed", "true"):
-        # no prompt token computed; SGLang counts every output token of its decode role as decoded,
-        # the prefiller's first token included (16 of 16 measured)
-        assert figures[kind]["tokens_by_mode"] == {"prefill_compute": 0, "prefill_cache": 0, "decode": MAX_TOKENS}, (
-            figures
-        )
+        # no prompt token computed, and every output token but the prefiller's first decoded here
+        # (15 of 16 measured, as the plain server; SGLang's overlap scheduler, off on a CPU, counts 16)
+        assert figures[kind]["tokens_by_mode"] == {
+            "prefill_compute": 0,
+            "prefill_cache": 0,
+            "decode": MAX_TOKENS - 1,
+        }, figures
     assert figures["true"]["logprobs"]["max_abs_diff"] > 0, figures  # torch's pages, not SGLang's own
