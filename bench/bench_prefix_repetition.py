@@ -1,10 +1,12 @@
 """Prefix reuse under vLLM's own load client (issue 20): `vllm bench serve --dataset-name
-prefix_repetition` against the panel's torch→MLX model, with the agents' prefix caches on, then
-off (`POST /v1/config {prefix_cache_bytes: 0}`), in the same run on the same agents. Prints each
-run's TTFT p50 and p99 and the ratio on ÷ off; stores vLLM's output beside a JSON and markdown
-summary in bench/results/prefix-repetition-<time>.*.
+prefix_repetition` against the panel's model served by a pool of two agents (torch→MLX by
+default, `--engines vllm,vllm` for a vLLM→vLLM pool), with the agents' prefix caches on, then off
+(`POST /v1/config {prefix_cache_bytes: 0}`; vLLM restarts to turn its own off), in the same run on
+the same agents. Prints each run's TTFT p50 and p99 and the ratio on ÷ off; stores vLLM's output
+beside a JSON and markdown summary in bench/results/prefix-repetition-<time>.*.
 
-    .venv/bin/python bench/bench_prefix_repetition.py [--prefix-len 1024 --suffix-len 64 --prefixes 4]
+    .venv/bin/python bench/bench_prefix_repetition.py [--engines torch,mlx] [--prefix-len 1024
+        --suffix-len 64 --prefixes 4]
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ async def set_cache(url: str, capacity: int | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default="torch,mlx", help="the pool's prefiller and decoder engines")
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--prefixes", type=int, default=4)
@@ -84,20 +87,22 @@ def main() -> None:
     args = parser.parse_args()
     model, _ = fetch(data_dir())
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"prefix-repetition-{time.strftime('%Y%m%d-%H%M%S')}"
+    engines = args.engines.split(",")
+    pool = "→".join({"mlx": "MLX", "vllm": "vLLM"}.get(e, e) for e in engines)
+    stem = RESULTS / f"prefix-repetition-{'-'.join(engines)}-{time.strftime('%Y%m%d-%H%M%S')}"
     home = Path(tempfile.mkdtemp(prefix="tandem-bench-prefix-rep-"))
     summary = {"model": model.name, "args": vars(args), "runs": {}}
     with ExitStack() as stack:
         urls = {}
-        for engine in ("torch", "mlx"):
+        for role, engine in zip(("p", "d"), engines, strict=True):
             proc = ServiceProcess(
-                agent_serve_args(engine, model, "--name", f"rep-{engine}"),
-                env={"TANDEM_HOME": str(home / engine), "TANDEM_CLUSTER_KEY": KEY},
+                agent_serve_args(engine, model, "--name", f"rep-{role}-{engine}"),
+                env={"TANDEM_HOME": str(home / role), "TANDEM_CLUSTER_KEY": KEY},
             )
             stack.callback(proc.stop)
-            urls[engine] = proc
-        for engine, proc in urls.items():
-            urls[engine] = proc.wait_ready(900)
+            urls[role] = proc
+        for role, proc in urls.items():
+            urls[role] = proc.wait_ready(900)
         panel = ServiceProcess(
             [
                 "panel",
@@ -107,7 +112,7 @@ def main() -> None:
                 "--api-key",
                 "bench",
                 "--pair",
-                f"pool={urls['torch']},{urls['mlx']}",
+                f"pool={urls['p']},{urls['d']}",
             ],
             env={"TANDEM_HOME": str(home / "panel"), "TANDEM_CLUSTER_KEY": KEY, "COLUMNS": "300"},
         )
@@ -125,7 +130,7 @@ def main() -> None:
             print(f"reuse {reuse}: {figures}", flush=True)
     on, off = summary["runs"]["on"], summary["runs"]["off"]
     lines = [
-        f"# prefix_repetition through the panel's torch→MLX model, {time.strftime('%Y-%m-%d %H:%M')}",
+        f"# prefix_repetition through the panel's {pool} pool, {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         f"{args.prefixes} prefixes of {args.prefix_len} tokens, {args.suffix_len}-token suffixes, "
         f"{args.prompts} prompts at concurrency {args.concurrency}, 32 output tokens; loopback; command: "

@@ -216,6 +216,12 @@ class EngineAdapter(ABC):
         in `req.held`. The prefiller then sends only the later pages, and `decode` expects its
         stream to begin at page `have_pages`. An engine without a prefix cache holds nothing."""
 
+    def release_prefix(self, req: EngineRequest) -> None:
+        """The decode of `req` will not run after `hold_prefix` (the handshake failed, or its
+        stream was never read): let go of what `req.held` holds. Safe to call more than once,
+        and after a decode that took it."""
+        req.held = None
+
     def prefix_cache_default_bytes(self) -> int:
         """The default budget of the engine's prefix cache (pages of recent prompts and outputs,
         in host memory at the canonical size): an eighth of the memory available once the model

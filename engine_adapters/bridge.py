@@ -11,6 +11,9 @@ One connection per room. The engine side opens it with a JSON line
             A connection that ends early is a failed load. Once every page is in its KV cache
             the engine writes back one imported frame (when, by its clock): the decoder's
             "last page imported" stage, which the agent cannot see from its side.
+    matched an engine with a prefix cache of its own (vLLM) says, once it schedules an import
+            room's request, how many leading prompt tokens its cache holds (`"tokens": N`), and
+            closes: the agent asks the prefiller only for the pages after them.
 
 The ids in the frames (contract, room, token digest) are zero on this hop: the agent checked
 them on the wire before a page gets here. This module imports no engine and no agent, so both
@@ -159,6 +162,8 @@ class Room:
         # import rooms: frames (bytes, or header and payload) for the engine, then END
         self.outgoing: queue.Queue = queue.Queue()
         self.imported_at: float | None = None  # import rooms: when the engine had every page
+        # import rooms: the prompt tokens the engine's own prefix cache holds, once it says
+        self.matched: asyncio.Future | None = loop.create_future() if loop and kind == "import" else None
         self.incoming: asyncio.Queue = asyncio.Queue()  # export rooms: pages from the engine, then END
 
 
@@ -205,12 +210,23 @@ class Bridge:
             except ValueError:
                 return
             room = self.rooms.get(str(hello.get("room")))
+            if hello.get("op") == "matched" and room is not None and room.matched is not None:
+                self._matched(room, int(hello.get("tokens") or 0))
+                return
             if room is None or room.kind != hello.get("op"):
                 return  # unknown room: the engine's load or export fails
             if room.kind == "import":
                 self._feed(conn, room)
             else:
                 self._collect(stream, room)
+
+    @staticmethod
+    def _matched(room: Room, tokens: int) -> None:
+        def tell() -> None:
+            if not room.matched.done():
+                room.matched.set_result(tokens)
+
+        room.loop.call_soon_threadsafe(tell)
 
     @staticmethod
     def _feed(conn: socket.socket, room: Room) -> None:

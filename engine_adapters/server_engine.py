@@ -39,6 +39,20 @@ from .base import EngineAdapter, EngineRequest
 from .bridge import END, Bridge, Room, page_frame_parts
 from .server_process import ServerProcess
 
+_releases: set[asyncio.Task] = set()  # roles being let go of (a task nobody holds may be collected)
+
+
+@dataclass
+class SentDecode:
+    """A decode's import room and the engine's answer to it (sent by `hold_prefix` where the engine
+    says what its prefix cache holds, else by `decode`)."""
+
+    room: str
+    box: Room
+    task: asyncio.Task | None = None
+    out: asyncio.Queue | None = None
+    role: contextlib.AsyncExitStack | None = None  # the engine's decode role, held (`_role`)
+
 
 @dataclass(frozen=True)
 class Transfer:
@@ -54,6 +68,10 @@ class ServerEngine(EngineAdapter):
     engine_label: ClassVar[str] = "engine"  # how messages name the engine
     generate_path: ClassVar[str] = "/"  # the server's generation endpoint
     exports_whole_prompt: ClassVar[bool] = False  # True: the engine exports every prompt token
+    # True: the engine keeps a prefix cache of its own (on unless settings.prefix_caching is off)
+    # and its plugin says, once it schedules a decode, how many prompt tokens it holds (a `matched`
+    # connection on the bridge): `hold_prefix` sends the decode before the handshake.
+    reports_prefix: ClassVar[bool] = False
     # the server samples every token itself, with every parameter Tandem knows
     sampling = ALL_FIELDS
     first_token_sampling = ALL_FIELDS
@@ -91,6 +109,7 @@ class ServerEngine(EngineAdapter):
         # request id -> (its event loop, an event set by cancel() from any thread)
         self._cancel_events: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
         self._http, self._http_loop = None, None  # one aiohttp session, opened at first use
+        self._lookups = self._lookup_tokens = self._hit_tokens = 0  # hold_prefix's, reports_prefix engines
 
     def http(self):
         """The adapter's HTTP session to its own server (kept open: no connection set-up per request)."""
@@ -158,26 +177,112 @@ class ServerEngine(EngineAdapter):
     async def decode(self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone]) -> AsyncIterator[int]:
         self._check_mode(req)
         self.validate(req, generates=True)
-        expected = kv_tokens(len(req.token_ids), req.mode)
-        room = self._new_room()
-        box = self.bridge.open("import", room, expected)
-        self._start(req)
-        task = None
+        sent, req.held = req.held if isinstance(req.held, SentDecode) else None, None
+        sent = sent or self._open_decode(req)
         try:
-            async with self._role("decode"):
-                out: asyncio.Queue = asyncio.Queue()
-                body = self._body(
-                    req, req.sampling.max_tokens, stream=True, transfer=Transfer("import", room, expected)
-                )
-                task = asyncio.create_task(self._tokens(body, out))
-                done = await self._import_stream(req, stream, expected, box)
-                self._hand_over(box, done)
-                while (token := await self._next(req, out)) is not None:
-                    yield token
-                req.imported_at = box.imported_at  # the engine acknowledged before it decoded
+            if sent.role is None:
+                await self._hold_role(sent)
+            if sent.task is None:
+                self._send_decode(req, sent)
+            done = await self._import_stream(req, stream, sent.box.tokens, sent.box)
+            self._hand_over(sent.box, done)
+            while (token := await self._next(req, sent.out)) is not None:
+                yield token
+            req.imported_at = sent.box.imported_at  # the engine acknowledged before it decoded
         finally:
-            self.bridge.close_room(room)
-            self._end(req, task)
+            self._close_decode(req, sent)
+            if sent.role is not None:
+                await sent.role.aclose()
+
+    def _open_decode(self, req: EngineRequest) -> SentDecode:
+        room = self._new_room()
+        sent = SentDecode(room, self.bridge.open("import", room, kv_tokens(len(req.token_ids), req.mode)))
+        self._start(req)
+        return sent
+
+    def _send_decode(self, req: EngineRequest, sent: SentDecode) -> None:
+        transfer = Transfer("import", sent.room, sent.box.tokens)
+        sent.out = asyncio.Queue()
+        body = self._body(req, req.sampling.max_tokens, stream=True, transfer=transfer)
+        sent.task = asyncio.create_task(self._tokens(body, sent.out))
+
+    async def _hold_role(self, sent: SentDecode) -> None:
+        sent.role = contextlib.AsyncExitStack()
+        await sent.role.enter_async_context(self._role("decode"))
+
+    def _close_decode(self, req: EngineRequest, sent: SentDecode) -> None:
+        """End the request's room and its HTTP request (the engine aborts it); its role is
+        let go of by the caller."""
+        self.bridge.close_room(sent.room)
+        self._end(req, sent.task)
+
+    # ---- an engine's own prefix cache (reports_prefix) --------------------------------------
+    async def hold_prefix(self, req: EngineRequest) -> None:
+        """Send the decode now and wait for the engine to say how many prompt tokens its prefix
+        cache holds: once it scheduled the request, it keeps them for it (vLLM: the request's
+        blocks). The decode then continues this request."""
+        if not self.reports_prefix or not self.prefix_caching:
+            return
+        self._check_mode(req)
+        sent = self._open_decode(req)
+        req.held = sent
+        try:
+            await self._hold_role(sent)
+            self._send_decode(req, sent)
+            matched = asyncio.ensure_future(sent.box.matched)
+            await self._wait(req, asyncio.wait({matched, sent.task}, return_when=asyncio.FIRST_COMPLETED))
+            if not matched.done():  # the engine failed (or answered) before it scheduled the request
+                item = await self._wait(req, sent.out.get())
+                raise (
+                    item
+                    if isinstance(item, Exception)
+                    else TandemError(f"{self.engine_label} answered a decode before it scheduled it")
+                )
+        except BaseException:
+            self.release_prefix(req)
+            raise
+        P = self.geometry.page_tokens
+        req.have_pages = min(matched.result(), sent.box.tokens) // P
+        req.cached_tokens = req.have_pages * P
+        self._lookups += 1
+        self._lookup_tokens += sent.box.tokens // P * P
+        self._hit_tokens += req.cached_tokens
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine's own prefix cache is on."""
+        return self.reports_prefix and self.settings.prefix_caching
+
+    def set_prefix_cache_bytes(self, capacity: int) -> None:
+        """The engine's prefix cache lives in its KV pool, whose size is a start-up option: any
+        budget but 0 turns it on (what it keeps is what running requests leave of the pool); a
+        change between on and off restarts the engine."""
+        if self.reports_prefix and (capacity > 0) != self.settings.prefix_caching:
+            self.settings = self.settings.model_copy(update={"prefix_caching": capacity > 0})
+            self.server.settings = self.settings
+            self.server.restart()
+
+    def prefix_cache_status(self) -> dict | None:
+        """The engine's prefix cache as Tandem sees it: its capacity is the engine's KV pool
+        (shared with running requests, so what it holds is not known here), and the lookups and
+        hits are those of Tandem's decodes."""
+        if not self.reports_prefix:
+            return None
+        return {
+            "capacity": self.kv_budget_bytes() if self.prefix_caching else 0,
+            "lookups": self._lookups,
+            "lookup_tokens": self._lookup_tokens,
+            "hit_tokens": self._hit_tokens,
+        }
+
+    def release_prefix(self, req: EngineRequest) -> None:
+        sent, req.held = req.held, None
+        if isinstance(sent, SentDecode):
+            self._close_decode(req, sent)
+            if sent.role is not None:  # in a task of its own: letting go of a role is awaited
+                task = asyncio.get_running_loop().create_task(sent.role.aclose())
+                _releases.add(task)
+                task.add_done_callback(_releases.discard)
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
         self.validate(req, generates=True)

@@ -74,6 +74,8 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = False
+        self._restarting = False  # restart() asked for it: not a crash
+        self._started = threading.Event()  # set each time the server is healthy
         self._supervisor: threading.Thread | None = None
 
     def command(self) -> list[str]:
@@ -120,6 +122,7 @@ class ServerProcess:
                 _kill_group(self.proc)
                 sys.stderr.write(f"tandem: a port of {self.engine} was taken while it started; trying new ports\n")
                 self.pick_ports()
+        self._started.set()
         if self._supervisor is None:
             self._supervisor = threading.Thread(
                 target=self._supervise, name=f"tandem-{self.engine}-supervisor", daemon=True
@@ -153,13 +156,27 @@ class ServerProcess:
             _kill_group(proc)  # its children (schedulers, workers), should they outlive it
             if self._stopping:
                 return
-            self.restarts += 1
-            sys.stderr.write(f"tandem: {self.engine} exited with code {code}; restarting (restart {self.restarts})\n")
+            if self._restarting:
+                self._restarting = False
+            else:
+                self.restarts += 1
+                sys.stderr.write(
+                    f"tandem: {self.engine} exited with code {code}; restarting (restart {self.restarts})\n"
+                )
             try:
                 self.start()
             except TandemError as e:
                 sys.stderr.write(f"tandem: {self.engine} restart failed: {e}\n")
                 return
+
+    def restart(self) -> None:
+        """Stop the server and start it again with its command as it is now (a changed start-up
+        option); returns once it is healthy. The supervisor starts it, on its own thread."""
+        self._started.clear()
+        self._restarting = True
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        if not self._started.wait(self.start_timeout + 60):
+            raise TandemError(f"{self.engine} did not come back after a restart: {self.log_tail()}")
 
     def _port_was_taken(self, offset: int) -> bool:
         """Whether this start's part of the log (from byte `offset`) says a bind found its port in use."""

@@ -47,6 +47,11 @@ class EngineSettings(BaseSettings):
     sglang_threads: PositiveInt | None = Field(
         None, description="OpenMP threads of SGLang's CPU engine (default: SGLang's)"
     )
+    prefix_caching: bool = Field(
+        True,
+        description="vLLM's prefix cache and SGLang's decode-side radix cache, kept in their KV pools "
+        "(a start-up option; the agent's --prefix-cache-bytes 0 turns them off)",
+    )
     openblas: Path | None = Field(
         None, description="OpenBLAS library MLX uses on Linux (default: the distribution's libopenblas.so.0)"
     )

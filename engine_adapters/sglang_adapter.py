@@ -129,8 +129,13 @@ class SGLangProcess(ServerProcess):
             "--disaggregation-bootstrap-port",
             str(self.bootstrap_port),
             "--enable-pd-role-switch",
-            # the decoder continues from the prefiller's KV alone: nothing shared between requests
-            "--disable-radix-cache",
+            # the decode role keeps what its requests computed or imported (a radix cache), and
+            # the prefiller is asked only for the pages past it; else nothing is shared
+            *(
+                ["--disaggregation-decode-enable-radix-cache"]
+                if self.settings.prefix_caching
+                else ["--disable-radix-cache"]
+            ),
             "--enable-metrics",
             "--skip-server-warmup",
             # prefill in chunks of this many tokens, so pages leave while later chunks compute
@@ -219,6 +224,7 @@ class SGLangAdapter(ServerEngine):
     generate_path = "/generate"
     exports_whole_prompt = True  # a recompute-last decoder's share is cut from it (_relay_prefill)
     decoder_modes = (FirstTokenMode.COMMIT_FIRST,)
+    reports_prefix = True  # its decode-side radix cache (sglang_backend.py tells the agent)
 
     def kv_budget_bytes(self) -> int:
         if on_cpu(self.settings):  # SGLang's own CPU pool (it sizes a GPU's pool itself)

@@ -50,7 +50,7 @@ from sglang.srt.disaggregation.base.conn import (
 from engine_adapters import bridge
 from engine_adapters.sglang_pool import MetadataRows, PoolPages
 from tandem_protocol.model_dir import inspect_model
-from tandem_protocol.pages import make_page
+from tandem_protocol.pages import KVPage, make_page
 
 logger = logging.getLogger("sglang.tandem_backend")
 
@@ -328,28 +328,40 @@ class TandemKVReceiver(_Transfer, BaseKVReceiver):
         if self.state == KVPoll.Bootstrapping:
             self.state = KVPoll.WaitingForInput
 
-    def send_metadata(self, kv_indices, aux_index: int | None = None, state_indices=None, **kwargs):
+    def send_metadata(
+        self, kv_indices, aux_index: int | None = None, state_indices=None, decode_prefix_len: int = 0, **kwargs
+    ):
+        """`kv_indices`: the slots of the pages after `decode_prefix_len` prompt tokens, which the
+        decode-side radix cache holds (whole pages: the page size is Tandem's). The agent hears
+        how many (a `matched` connection) and asks the prefiller only for the pages after them."""
         if self.state == KVPoll.Failed:
             return
         pages = [int(i) for i in np.asarray(kv_indices).reshape(-1)]
+        first = int(decode_prefix_len) // self.kv_mgr.pool.geometry.page_tokens
+        try:
+            bridge.connect(self.kv_mgr.bridge_path, "matched", str(self.room), tokens=int(decode_prefix_len)).close()
+        except OSError:
+            pass  # the agent is gone: the import's own connection fails the request
         self.state = KVPoll.Transferring
         _receiving.add(self)
         self._worker = threading.Thread(
-            target=self._receive, args=(pages, aux_index), daemon=True, name=f"tandem-receive-{self.room}"
+            target=self._receive, args=(pages, aux_index, first), daemon=True, name=f"tandem-receive-{self.room}"
         )
         self._worker.start()
 
-    def _receive(self, pages: list[int], aux_index: int) -> None:
+    def _receive(self, pages: list[int], aux_index: int, first: int) -> None:
         pool = self.kv_mgr.pool
         try:
             self._conn = bridge.connect(self.kv_mgr.bridge_path, "import", str(self.room))
             stream = self._conn.makefile("rb")
-            for index, slot_page in enumerate(pages):
+            for index, slot_page in enumerate(pages, start=first):
                 item = bridge.read_item(stream)
+                while isinstance(item, KVPage) and item.index < first:  # the radix cache holds it
+                    item = bridge.read_item(stream)
                 if self._aborted.is_set():
                     raise RuntimeError("aborted by SGLang")
                 if item is None or isinstance(item, int):
-                    raise RuntimeError(f"the Tandem agent ended the pages at {index} of {len(pages)}")
+                    raise RuntimeError(f"the Tandem agent ended the pages at {index} of {first + len(pages)}")
                 if item.index != index or item.data.shape != pool.geometry.page_shape:
                     raise RuntimeError(
                         f"page {item.index} of shape {item.data.shape} does not fit slot {index} "

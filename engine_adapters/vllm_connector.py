@@ -12,7 +12,15 @@ request ids):
     {"tandem_room": R, "tandem_save": N}   prefiller: export the KV of prompt tokens [0, N) as
                                            pages, each as soon as the step that completes it ends
     {"tandem_room": R, "tandem_load": N}   decoder: load prompt tokens [0, N) from pages
-                                           (N = prompt length - 1: vLLM computes the last token)
+                                           (N = prompt length - 1: vLLM computes the last token),
+                                           but those vLLM's own prefix cache holds
+
+A decoder's prefix: when vLLM first schedules a load, the scheduler side tells the agent how many
+leading prompt tokens vLLM's prefix cache holds (a `matched` connection: whole 64-token blocks),
+so the agent asks the prefiller only for the pages after them (a delta handoff). vLLM loads from
+where its cache ends; pages before that (the agent sends from where it was told) are read and
+dropped. Should vLLM evict part of that prefix before the request gets its blocks, pages between
+would never come: then it loads nothing and computes past what it still holds itself.
 
 The agent side of the bridge (engine_adapters/bridge.py) is a unix socket (path in
 TANDEM_VLLM_BRIDGE). Per room, one connection: a JSON line `{"op": "export"|"import", "room": R,
@@ -64,6 +72,7 @@ class LoadItem:
     room: str
     block_ids: list[int]
     tokens: int
+    first: int = 0  # the first page to write: vLLM's own cache holds the ones before it
 
 
 @dataclass
@@ -79,7 +88,7 @@ class PageLoad:
 
     def __init__(self, item: LoadItem, conn: socket.socket, block_size: int):
         self.item, self.reader = item, bridge.ItemReader(conn)
-        self.written, self.pages = 0, -(-item.tokens // block_size)
+        self.written, self.pages = item.first, -(-item.tokens // block_size)
 
     def fileno(self) -> int:
         return self.reader.fileno()
@@ -206,6 +215,7 @@ class TandemConnector(KVConnectorBase_V1):
         self.bridge = os.environ.get(BRIDGE_ENV, "")
         # scheduler side
         self._saves: dict[str, dict] = {}  # req_id -> {"room", "tokens", "blocks"}
+        self._matched: dict[str, int] = {}  # req_id -> the cached prompt tokens the agent was told of
         self._new_loads: list[LoadItem] = []
         # worker side
         self._layers: list[torch.Tensor] = []
@@ -219,9 +229,23 @@ class TandemConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         tokens = int(params.get("tandem_load") or 0)
-        if tokens and tokens - num_computed_tokens > 0:
-            return tokens - num_computed_tokens, True  # loaded by a worker thread, between steps
+        if not tokens:
+            return 0, False
+        told = self._matched.get(request.request_id)
+        if told is None:  # the first time vLLM looks at the request: the agent waits to hear this
+            told = self._matched[request.request_id] = num_computed_tokens
+            self._tell_matched(params["tandem_room"], num_computed_tokens)
+        if num_computed_tokens < told:
+            return 0, False  # evicted since: the pages in between never come, so vLLM computes
+        if tokens - num_computed_tokens > 0:
+            return tokens - num_computed_tokens, True  # loaded on vLLM's step loop, between steps
         return 0, False
+
+    def _tell_matched(self, room: str, tokens: int) -> None:
+        try:
+            bridge.connect(self.bridge, "matched", room, tokens=tokens).close()
+        except OSError as e:  # the agent is gone: its request ends with it
+            logger.warning("Tandem could not tell room %s its cached prefix: %s", room, e)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
@@ -229,9 +253,9 @@ class TandemConnector(KVConnectorBase_V1):
         if not room:
             return
         if params.get("tandem_load") and num_external_tokens > 0:
-            self._new_loads.append(
-                LoadItem(request.request_id, room, list(blocks.get_block_ids()[0]), int(params["tandem_load"]))
-            )
+            tokens = int(params["tandem_load"])
+            first = (tokens - num_external_tokens) // self.block_size  # vLLM's own hit: whole blocks
+            self._new_loads.append(LoadItem(request.request_id, room, list(blocks.get_block_ids()[0]), tokens, first))
         if params.get("tandem_save") and request.request_id not in self._saves:
             self._saves[request.request_id] = {"room": room, "tokens": int(params["tandem_save"]), "blocks": []}
 
@@ -258,6 +282,7 @@ class TandemConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._saves.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
         return False, None  # pages were copied out synchronously: the blocks may go
 
     # ---- worker side ---------------------------------------------------------------------
@@ -346,6 +371,8 @@ class TandemConnector(KVConnectorBase_V1):
         P, item = self.block_size, load.item
         for page in load.reader.read():
             index = load.written
+            if isinstance(page, KVPage) and page.index < item.first:
+                continue  # vLLM's own cache holds it
             if not isinstance(page, KVPage) or index == load.pages:
                 raise ValueError(f"the agent sent more than room {item.room}'s {load.pages} pages")
             if (
@@ -382,7 +409,7 @@ class TandemConnector(KVConnectorBase_V1):
             load.reader.conn.close()
         if failure is not None:
             logger.warning("Tandem load of room %s failed: %s", item.room, failure)
-            self._failed_blocks.update(item.block_ids)
+            self._failed_blocks.update(item.block_ids[item.first :])  # not the cached ones before
         self._loaded.add(item.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

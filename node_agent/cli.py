@@ -168,6 +168,8 @@ def serve(
 
     keep_freed_pages()  # every request's pages reuse the last one's memory (page_memory.py)
     engine_settings = load(EngineSettings)  # read once, at start: every engine this agent loads gets them
+    if prefix_cache_bytes and parse_size(prefix_cache_bytes) == 0:  # vLLM and SGLang: a start-up option
+        engine_settings = engine_settings.model_copy(update={"prefix_caching": False})
 
     def loader(engine: str, path: Path, context_length: int | None):
         kwargs = {"device": device} if device and engine == "torch" else {}

@@ -100,6 +100,7 @@ async def run_pair(
                     stats.ttft_seconds = time.perf_counter() - t0
                 yield token
     finally:
+        decoder.release_prefix(d_req)  # held still only if the decode never ran
         prefiller.cancel(p_req.request_id)
         if not producer.done():
             producer.cancel()

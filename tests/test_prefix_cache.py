@@ -12,10 +12,12 @@ import pytest
 
 from engine_adapters.base import EngineRequest
 from node_agent.inprocess import PairStats, run_pair
+from tandem_protocol.handoff import kv_tokens
 from tandem_protocol.pages import KVPage
 from tandem_protocol.sampling import SamplingParams
 
-from .conftest import collect, run
+from .agents import wait_for
+from .conftest import collect, run, write_report
 
 SYSTEM = " ".join(
     f"Rule {i}: answer briefly and say the number {i * 7} only when asked about rule {i}." for i in range(30)
@@ -244,3 +246,82 @@ def test_through_the_panel_a_second_turn_moves_only_the_delta(smol_dir, tmp_path
                 body = {"engine": info["engine"], "model_path": info["model_path"], "prefix_cache_bytes": 0}
                 assert c.post("/v1/config", json=body, timeout=60).json()["changed"] is True
             assert agent.status()["prefix_cache"]["bytes"] == 0
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(smol_dir):
+    """vLLM on the embedded model, started with its prefix cache off (as the agent starts it with
+    a budget of 0)."""
+    from engine_adapters import load_adapter
+    from engine_adapters.settings import EngineSettings
+
+    adapter = load_adapter("vllm", smol_dir, 8192, EngineSettings(prefix_caching=False))
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture(scope="module")
+def sglang_engine(smol_dir):
+    """SGLang on the embedded model in its decode role, started with its radix cache off."""
+    from engine_adapters import load_adapter
+    from engine_adapters.settings import EngineSettings
+
+    settings = EngineSettings(prefix_caching=False, sglang_role="decode", sglang_threads=1)
+    adapter = load_adapter("sglang", smol_dir, 8192, settings)
+    yield adapter
+    adapter.close()
+
+
+@pytest.mark.parametrize("server", ["vllm", "sglang"])
+def test_a_later_turn_on_a_server_decoder_imports_only_the_pages_it_lacks(request, engines, cache_bytes, server):
+    """torch P, vLLM or SGLang D: with the engine's own prefix cache on (vLLM's, SGLang's decode
+    radix cache), each turn's decode is told by the engine's plugin how much of the prompt it
+    holds, P sends only the pages after it, and every answer is the one of the same conversation
+    with no cache."""
+    P, D = engines["torch"], request.getfixturevalue(f"{server}_engine")
+    page, mode = D.geometry.page_tokens, D.decoder_modes[0]
+    cache_bytes(P, 0)
+    prompts, uncached, full = pair_conversation(P, D, f"pd-off-{server}")
+    needs = [ids[: kv_tokens(len(ids), mode)] for ids in prompts]  # the KV a decode needs
+    assert [s.have_pages for s in full] == [0] * len(TURNS)
+    assert [s.pages for s in full] == [D.geometry.pages_for(len(n)) for n in needs]  # all
+
+    D.set_prefix_cache_bytes(GiB)  # the engine restarts with its prefix cache on
+    before = D.prefix_cache_status()
+    again, answers, delta = pair_conversation(P, D, f"pd-on-{server}")
+    write_report(
+        f"prefix_cache_{server}",
+        {
+            "prompt_tokens": [len(ids) for ids in prompts],
+            "pages_without_cache": [s.pages for s in full],
+            "have_pages": [s.have_pages for s in delta],
+            "pages_sent": [s.pages for s in delta],
+            "answers_equal": [a == b for a, b in zip(answers, uncached)],
+        },
+    )
+    assert again == prompts and answers == uncached  # token for token, every turn
+    # The engine holds the whole pages of what it computed or loaded before: each earlier turn's
+    # prompt and its answer but the last token.
+    held = [prompts[k] + answers[k][:-1] for k in range(len(TURNS))]
+    have = [0] + [max(common_pages(h, needs[k], page) for h in held[:k]) // page for k in range(1, len(TURNS))]
+    assert [s.have_pages for s in delta] == have
+    assert all(h > 0 for h in have[1:])
+    assert [s.pages for s in delta] == [D.geometry.pages_for(len(n)) - h for n, h in zip(needs, have)]
+    after = D.prefix_cache_status()
+    assert after["hit_tokens"] - before["hit_tokens"] == sum(have) * page
+    assert after["capacity"] > 0 and before["lookups"] + len(TURNS) == after["lookups"]
+
+    # A decode held for a handshake that then fails (the prefiller refused it): released, the
+    # engine drops the request it had scheduled, and nothing of it is left on either side.
+    req = EngineRequest("held-then-dropped", prompts[-1], ANSWER, mode)
+
+    async def hold_then_drop() -> int:
+        await D.hold_prefix(req)
+        held = D.active_requests
+        D.release_prefix(req)
+        await asyncio.sleep(0.1)  # the role (SGLang's) is let go of in a task
+        return held
+
+    assert run(hold_then_drop()) == 1 and req.have_pages > 0
+    assert D.active_requests == 0 and not D.bridge.rooms
+    wait_for(lambda: run(D.engine_stats())["running"] == 0, timeout=30, step=0.1)

@@ -62,13 +62,15 @@ async def decode(body: DecodeBody, agent: Agent):
         await adapter.hold_prefix(req)  # pages this engine kept are not sent again (a delta handoff)
         await handshake.open(req, body.page_encoding)  # a 4xx/429/502 here, before any stream
     except BaseException:
+        adapter.release_prefix(req)
         ticket.release()
         raise
     tokens = adapter.decode(req, handshake.pages())
     lines = token_lines(adapter, agent.metrics, req, tokens, "decode", t0, handshake.stats, handshake)
 
-    def release() -> None:  # the one place both are released once the stream opened
+    def release() -> None:  # the one place all are released once the stream opened
         handshake.release()
+        adapter.release_prefix(req)  # held still only if the stream was never read
         ticket.release()
 
     return NDJSONResponse(lines, release=release)

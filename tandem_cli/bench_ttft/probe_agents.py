@@ -141,10 +141,11 @@ def trace_held_on_p(
     computes only the last token and sends the held pages at once, so they arrive as fast as
     the link carries them. Import rate = wire bytes ÷ (first page in on D -> every page in D's
     engine cache, the engine's own word); arrival rate = wire bytes ÷ (first page -> last).
-    None where P keeps no prefix cache (vLLM and SGLang prefillers)."""
+    None where P keeps no prefix cache of Tandem's (SGLang), or one that takes a restart to turn
+    on (vLLM's)."""
     headers = {"Authorization": f"Bearer {key}"}
     status = httpx.get(p.url + "/v1/status", headers=headers, timeout=30).json()
-    if status.get("prefix_cache") is None:
+    if status.get("prefix_cache") is None or status["engine"] == "vllm":
         return None
     body = {"token_ids": ids, "sampling": {"max_tokens": 1, "temperature": 0}}
     # the benchmark's agents run with their caches off (cold TTFT); P's is on for this probe only
