@@ -86,8 +86,9 @@ class ServerEngine(EngineAdapter):
         """The JSON body of one generation request for `req`."""
 
     @abstractmethod
-    def _answer_tokens(self, response, stream: bool) -> AsyncIterator[int]:
-        """The new token ids of one answer from the server (an aiohttp response)."""
+    def _answer_tokens(self, response, stream: bool, counts: EngineRequest | None) -> AsyncIterator[int]:
+        """The new token ids of one answer from the server (an aiohttp response); the prompt
+        tokens the engine's own cache served go to `counts.cached_tokens` where given."""
 
     def _role(self, role: str) -> contextlib.AbstractAsyncContextManager:
         """Held while a request of `role` ("prefill"/"decode") runs (SGLang switches roles)."""
@@ -167,7 +168,7 @@ class ServerEngine(EngineAdapter):
                 out: asyncio.Queue = asyncio.Queue()
                 t0 = time.perf_counter()
                 body = self._body(req, 1, stream=False, transfer=Transfer("export", room, export))
-                task = asyncio.create_task(self._tokens(body, out, box.incoming))
+                task = asyncio.create_task(self._tokens(body, out, box.incoming, counts=req))
                 async for item in self._relay_prefill(req, box.incoming, export, out, t0):
                     yield item
         finally:
@@ -288,7 +289,7 @@ class ServerEngine(EngineAdapter):
         self.validate(req, generates=True)
         self._start(req)
         out: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(self._tokens(self._body(req, req.sampling.max_tokens, True, None), out))
+        task = asyncio.create_task(self._tokens(self._body(req, req.sampling.max_tokens, True, None), out, counts=req))
         try:
             while (token := await self._next(req, out)) is not None:
                 yield token
@@ -301,7 +302,9 @@ class ServerEngine(EngineAdapter):
         keeps every token anyway (SGLang's scheduler died on a top_k past int32)."""
         return sampling.top_k if 0 < sampling.top_k < self.info.vocab_size else -1
 
-    async def _tokens(self, body: dict, out: asyncio.Queue, pages: asyncio.Queue | None = None) -> None:
+    async def _tokens(
+        self, body: dict, out: asyncio.Queue, pages: asyncio.Queue | None = None, counts: EngineRequest | None = None
+    ) -> None:
         """Stream an answer's token ids into `out`, then None (or the exception). A prefill's page
         queue (`pages`) hears of a failure too, and of pages still missing 30 s after the server
         answered, so no wait outlives the request."""
@@ -310,7 +313,7 @@ class ServerEngine(EngineAdapter):
             async with self.http().post(self.server.url + self.generate_path, json=body) as r:
                 if r.status >= 400:
                     raise RequestError(f"{label} refused the request ({r.status}): {(await r.text())[:500]}")
-                async for token in self._answer_tokens(r, body["stream"]):
+                async for token in self._answer_tokens(r, body["stream"], counts):
                     out.put_nowait(token)
             out.put_nowait(None)
             if pages is not None:
@@ -353,7 +356,12 @@ class ServerEngine(EngineAdapter):
             yield item
         first = await self._next(req, out)
         yield PrefillDone(
-            first_token=int(first), kv_tokens=export, pages=pages, prefill_seconds=seconds, finished_at=finished_at
+            first_token=int(first),
+            kv_tokens=export,
+            pages=pages,
+            prefill_seconds=seconds,
+            finished_at=finished_at,
+            cached_tokens=req.cached_tokens,  # the answer, which carries it, came with the first token
         )
 
     async def _import_stream(

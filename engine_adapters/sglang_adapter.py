@@ -319,10 +319,11 @@ class SGLangAdapter(ServerEngine):
             "bootstrap_room": int(transfer.room),  # every SGLang request is a transfer (see generate)
         }
 
-    async def _answer_tokens(self, response, stream: bool) -> AsyncIterator[int]:
+    async def _answer_tokens(self, response, stream: bool, counts: EngineRequest | None) -> AsyncIterator[int]:
         if not stream:
             data = await response.json()
             check_finish(data)
+            count_cached(data, counts)
             for token in data.get("output_ids") or []:
                 yield token
             return
@@ -332,6 +333,7 @@ class SGLangAdapter(ServerEngine):
                 continue
             data = json.loads(line[6:])
             check_finish(data)
+            count_cached(data, counts)
             ids = data.get("output_ids") or []  # cumulative
             for token in ids[seen:]:
                 yield token
@@ -345,6 +347,7 @@ class SGLangAdapter(ServerEngine):
         decode_req = EngineRequest(req.request_id, req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST)
         self.validate(req, generates=True)
         items = [item async for item in self.prefill(prefill_req)]
+        req.cached_tokens = prefill_req.cached_tokens
 
         async def replay():
             for item in items:
@@ -356,6 +359,13 @@ class SGLangAdapter(ServerEngine):
     def cancel(self, request_id: str) -> bool:
         # a generate's prefill half runs under its own id
         return super().cancel(request_id) | super().cancel(f"{request_id}/prefill")
+
+
+def count_cached(data: dict, counts: EngineRequest | None) -> None:
+    """The prompt tokens SGLang's radix cache served (its answer's meta_info)."""
+    cached = (data.get("meta_info") or {}).get("cached_tokens")
+    if counts is not None and cached is not None:
+        counts.cached_tokens = int(cached)
 
 
 def check_finish(data: dict) -> None:

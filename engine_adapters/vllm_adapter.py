@@ -95,6 +95,7 @@ class VLLMProcess(ServerProcess):
             "--max-model-len",
             str(self.context_length),
             "--enable-prefix-caching" if self.settings.prefix_caching else "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details",  # the prompt tokens its cache served, in `usage`
             "--enforce-eager",
             "--host",
             "127.0.0.1",
@@ -162,6 +163,7 @@ class VLLMAdapter(ServerEngine):
             "stop_token_ids": list(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
             "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None,
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
@@ -174,9 +176,10 @@ class VLLMAdapter(ServerEngine):
             body["kv_transfer_params"] = {"tandem_room": transfer.room, op: transfer.tokens}
         return body
 
-    async def _answer_tokens(self, response, stream: bool) -> AsyncIterator[int]:
+    async def _answer_tokens(self, response, stream: bool, counts: EngineRequest | None) -> AsyncIterator[int]:
         if not stream:
             data = await response.json()
+            self._count_cached(data, counts)
             for token in data["choices"][0].get("token_ids") or []:
                 yield token
             return
@@ -186,5 +189,13 @@ class VLLMAdapter(ServerEngine):
             data = json.loads(line[6:])
             if "error" in data:
                 raise TandemError(f"vLLM failed the request: {data['error']}")
-            for token in data["choices"][0].get("token_ids") or []:
-                yield token
+            self._count_cached(data, counts)  # the last chunk, with no choice, carries `usage`
+            for choice in data["choices"]:
+                for token in choice.get("token_ids") or []:
+                    yield token
+
+    @staticmethod
+    def _count_cached(data: dict, counts: EngineRequest | None) -> None:
+        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+        if counts is not None and details.get("cached_tokens") is not None:
+            counts.cached_tokens = int(details["cached_tokens"])

@@ -325,3 +325,17 @@ def test_a_later_turn_on_a_server_decoder_imports_only_the_pages_it_lacks(reques
     assert run(hold_then_drop()) == 1 and req.have_pages > 0
     assert D.active_requests == 0 and not D.bridge.rooms
     wait_for(lambda: run(D.engine_stats())["running"] == 0, timeout=30, step=0.1)
+
+    # As a prefiller and alone, the engine's own cache serves a prompt it has seen, and its
+    # answers say so (PrefillDone.cached_tokens, the request's cached_tokens): whole pages.
+    ids = [5, 6] + prompts[0]  # not a prefix of anything the engine holds yet
+    counted = []
+    for tag in ("prefill-once", "prefill-again"):
+        items = run(collect(D.prefill(EngineRequest(tag, ids, ANSWER))))
+        counted.append(items[-1].cached_tokens)
+    for tag in ("alone-again",):
+        alone = EngineRequest(tag, ids, ANSWER)
+        run(collect(D.generate(alone)))
+        counted.append(alone.cached_tokens)
+    write_report(f"prefix_cache_{server}_counted", {"prompt_tokens": len(ids), "cached_tokens": counted})
+    assert counted == [0, (len(ids) - 1) // page * page, (len(ids) - 1) // page * page]
