@@ -69,7 +69,7 @@ def test_every_variable_is_documented_and_printed_by_the_doctor(tmp_path):
     named |= {var for cls in (TandemSettings, EngineSettings) for var, _, _ in env_table(cls)}
     readme = (REPO / "README.md").read_text()
     table = set(re.findall(r"^\| `(TANDEM_[A-Z0-9_]+)` \|", readme, re.MULTILINE))
-    assert table == named and len(table) == 23, sorted(table ^ named)
+    assert table == named and len(table) == 24, sorted(table ^ named)
     env = {"TANDEM_HOME": str(tmp_path / "home"), "TANDEM_VLLM_THREADS": "3", "TANDEM_CLUSTER_KEY": "k" * 20}
     result = tandem("agent", "doctor", env=env)
     assert result.returncode == 0, result.stdout + result.stderr

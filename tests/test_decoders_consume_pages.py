@@ -219,7 +219,7 @@ def servers(smol_dir, tmp_path_factory):
 
     os.environ.setdefault("TANDEM_VLLM_THREADS", "1")
     os.environ.setdefault("TANDEM_SGLANG_THREADS", "1")
-    settings = EngineSettings()
+    settings = EngineSettings(prefix_caching=False)  # every page computed and sent, every run
     plain = PlainSGLangServer(smol_dir, tmp_path_factory.mktemp("plain-sglang") / "sglang.log", settings)
     decode_role = settings.model_copy(update={"sglang_role": "decode"})
     pool = ThreadPoolExecutor(3)
