@@ -11,7 +11,7 @@ One connection per room. The engine side opens it with a JSON line
             A connection that ends early is a failed load. Once every page is in its KV cache
             the engine writes back one imported frame (when, by its clock): the decoder's
             "last page imported" stage, which the agent cannot see from its side.
-    matched an engine with a prefix cache of its own (vLLM) says, once it schedules an import
+    matched an engine with a prefix cache of its own (vLLM, SGLang) says, once it schedules an import
             room's request, how many leading prompt tokens its cache holds (`"tokens": N`), and
             closes: the agent asks the prefiller only for the pages after them.
 

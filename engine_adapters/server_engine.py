@@ -222,7 +222,7 @@ class ServerEngine(EngineAdapter):
         """Send the decode now and wait for the engine to say how many prompt tokens its prefix
         cache holds: once it scheduled the request, it keeps them for it (vLLM: the request's
         blocks). The decode then continues this request."""
-        if not self.reports_prefix or not self.prefix_caching:
+        if not self.prefix_caching:
             return
         self._check_mode(req)
         sent = self._open_decode(req)

@@ -168,7 +168,8 @@ def serve(
 
     keep_freed_pages()  # every request's pages reuse the last one's memory (page_memory.py)
     engine_settings = load(EngineSettings)  # read once, at start: every engine this agent loads gets them
-    if prefix_cache_bytes and parse_size(prefix_cache_bytes) == 0:  # vLLM and SGLang: a start-up option
+    prefix_budget = parse_size(prefix_cache_bytes) if prefix_cache_bytes else None
+    if prefix_budget == 0:  # vLLM's and SGLang's caches are a start-up option
         engine_settings = engine_settings.model_copy(update={"prefix_caching": False})
 
     def loader(engine: str, path: Path, context_length: int | None):
@@ -187,7 +188,7 @@ def serve(
         decode_kv_bytes=parse_size(decode_kv_bytes) if decode_kv_bytes else None,
         max_sequences=max_sequences,
         admission_wait=admission_wait,
-        prefix_cache_bytes=parse_size(prefix_cache_bytes) if prefix_cache_bytes else None,
+        prefix_cache_bytes=prefix_budget,
         handoff_ttl=handoff_ttl,
         model_name=path.name,
         stall_timeout=stall_timeout,
