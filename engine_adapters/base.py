@@ -23,12 +23,13 @@ KV storage is FP16 on every engine, so a local run and a P/D run read identical 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -39,10 +40,18 @@ from tandem_protocol.errors import Cancelled, FrameError, RequestError
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
 from tandem_protocol.model_dir import inspect_model
 from tandem_protocol.pages import KVPage
-from tandem_protocol.sampling import OUTPUT_ONLY_FIELDS, SAMPLER_FIELDS, SamplingParams
+from tandem_protocol.sampling import OUTPUT_ONLY_FIELDS, SAMPLER_FIELDS, SamplingParams, TokenLogprobs
 from tandem_protocol.settings import load
 
 from .settings import EngineSettings
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
 
 IMPORT_AHEAD = 4  # pages a decoder may have received and checked but not yet imported
 
@@ -61,6 +70,9 @@ class EngineRequest:
     # `hold_prefix`); the prefiller sends only the pages after them.
     have_pages: int = 0
     held: Any = None  # what the decoder's engine holds for those pages until the decode takes them
+    # Where `sampling.logprobs` asks for them: each output token's, appended before it is yielded
+    # (a commit-first decoder's first is the prefiller's, from PrefillDone.first_logprobs).
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class EngineAdapter(ABC):
@@ -112,7 +124,8 @@ class EngineAdapter(ABC):
     @abstractmethod
     def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
         """Run the prompt; yield its KV pages in order (index 0, 1, …) as they are produced, then
-        exactly one PrefillDone carrying the first token sampled with `req.sampling`. Pages before
+        exactly one PrefillDone carrying the first token sampled with `req.sampling` (and its
+        `first_logprobs` when `req.sampling.logprobs` asks for them). Pages before
         `req.have_pages` (a delta handoff: the decoder holds them) need not be yielded; the
         agent drops any that are.
 
@@ -127,14 +140,18 @@ class EngineAdapter(ABC):
         after a trip over the wire, pages possibly still arriving — then yield output token ids
         until a stop token or `req.sampling.max_tokens`.
 
-        In commit-first mode the first token yielded is the prefiller's. A stream out of order,
+        In commit-first mode the first token yielded is the prefiller's (and, where the request
+        asks for log-probabilities, its TokenLogprobs the prefiller's `first_logprobs`). A stream out of order,
         short, long or of the wrong geometry raises FrameError before any token; `req.mode` not in
         `decoder_modes` raises RequestError."""
 
     @abstractmethod
     def generate(self, req: EngineRequest) -> AsyncIterator[int]:
         """The whole request on this engine (its own prefill, then decode): the output a P/D
-        request must agree with."""
+        request must agree with.
+
+        decode and generate: when `req.sampling.logprobs` is set, each token's TokenLogprobs is
+        appended to `req.token_logprobs` before the token is yielded."""
 
     def cancel(self, request_id: str) -> bool:
         """Ask a running request to stop at its next step (from any thread); True if it was
@@ -160,6 +177,8 @@ class EngineAdapter(ABC):
         arr = np.asarray(ids)
         if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= self.info.vocab_size:
             raise RequestError(f"prompt token ids must be integers in 0..{self.info.vocab_size - 1}")
+        if any(token >= self.info.vocab_size for token, _ in req.sampling.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in 0..{self.info.vocab_size - 1}")
         if generates:
             cannot = sorted(req.sampling.non_default() - self.sampling)
             if cannot:
@@ -193,6 +212,24 @@ class EngineAdapter(ABC):
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_pieces(self, token_ids: list[int]) -> list[tuple[str, bytes]]:
+        """Each token alone, as log-probabilities show it: its text (special tokens included) and
+        its exact bytes. A byte-level BPE token (GPT-2's scheme: Llama 3, Qwen, SmolLM) may be part
+        of a character, whose text alone is U+FFFD: its bytes are the token's own, so a client can
+        join them back into the character; any other token's bytes are its text's."""
+        byte_of = _byte_decoder()
+        pieces = []
+        for token_id, piece in zip(token_ids, self.tokenizer.convert_ids_to_tokens(token_ids), strict=True):
+            text = self.tokenizer.decode([token_id])
+            raw = bytes(byte_of[c] for c in piece) if piece and all(c in byte_of for c in piece) else None
+            pieces.append((text, raw if raw is not None and self._byte_level else text.encode()))
+        return pieces
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the tokenizer's pieces are GPT-2's byte-level alphabet (its space is "Ġ")."""
+        return self.tokenizer.convert_ids_to_tokens(self.encode(" a"))[0].startswith("Ġ")
 
     def accelerator(self) -> dict:
         """What this engine computes on: {"kind": "cuda"|"metal"|"cpu", "name": ...}."""
@@ -275,6 +312,16 @@ class EngineAdapter(ABC):
     def _check_mode(self, req: EngineRequest) -> None:
         if req.mode not in self.decoder_modes:
             raise RequestError(f"{self.name} cannot decode in {req.mode.value} mode")
+
+    @staticmethod
+    def _keep_first_logprobs(req: EngineRequest, done: PrefillDone) -> None:
+        """A commit-first decode's first token is the prefiller's: so are its log-probabilities."""
+        if req.sampling.logprobs is not None:
+            if done.first_logprobs is None:
+                raise FrameError(
+                    "the prefiller sent no log-probabilities for the first token the request asked them of"
+                )
+            req.token_logprobs.append(done.first_logprobs)
 
     def _check(self, req: EngineRequest, event: threading.Event) -> None:
         if event.is_set():

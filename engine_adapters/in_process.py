@@ -160,7 +160,8 @@ class InProcessEngine(EngineAdapter):
                 while len(exports) > lag:
                     for page in await self.on_engine(self.export_finish, exports.popleft()):
                         yield page
-            first = Sampler(req.sampling)(logits)
+            logprobs: list = []
+            first = Sampler(req.sampling, logprobs)(logits)
             self._remember(session, ids)
             yield PrefillDone(
                 first_token=first,
@@ -169,6 +170,7 @@ class InProcessEngine(EngineAdapter):
                 prefill_seconds=time.perf_counter() - t0,
                 finished_at=time.time(),
                 cached_tokens=req.cached_tokens,
+                first_logprobs=logprobs[0] if logprobs else None,
             )
         finally:
             self._cancels.pop(req.request_id, None)
@@ -197,10 +199,11 @@ class InProcessEngine(EngineAdapter):
                     if commit_first:
                         # Every page has arrived and passed its checks; P's token is final. Out it
                         # goes while the engine thread is still importing the last pages.
+                        self._keep_first_logprobs(req, done)
                         yield done.first_token
             await self.on_engine(self.set_length, session, expected_tokens)
             req.imported_at = time.time()  # every page is in the engine's cache now
-            sampler = Sampler(req.sampling)
+            sampler = Sampler(req.sampling, req.token_logprobs)
             if commit_first:
                 sampler.skip()
                 first = done.first_token
@@ -230,7 +233,7 @@ class InProcessEngine(EngineAdapter):
             for start, end in self.prefill_chunks(len(ids), req.cached_tokens):
                 self._check(req, event)
                 logits = await self._compute(session, ids[start:end], last=end == len(ids))
-            sampler = Sampler(req.sampling)
+            sampler = Sampler(req.sampling, req.token_logprobs)
             produced = []
             async for token in self._continue(req, event, session, sampler, sampler(logits)):
                 produced.append(token)

@@ -3,19 +3,23 @@
 Sampling runs in numpy on the final-position logits, so torch and MLX pick tokens the same way.
 Each sampled token consumes exactly one uniform draw from the request's generator, so a decoder
 that continues after a prefiller's first token can skip that draw and stay on the same random
-sequence as a single-engine run with the same seed.
+sequence as a single-engine run with the same seed. A request that asks for log-probabilities
+gets each sampled token's, from the same logits, in the list it hands the sampler.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tandem_protocol.sampling import SamplingParams
+from tandem_protocol.sampling import SamplingParams, TokenLogprobs
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, logprobs: list[TokenLogprobs] | None = None):
+        """`logprobs`: where each sampled token's TokenLogprobs is appended, when `params.logprobs`
+        asks for them (the request's list: its stream reads them as its tokens come out)."""
         self.params = params
+        self.logprobs = logprobs if params.logprobs is not None else None
         # numpy seeds are non-negative: a negative seed (OpenAI allows them) is taken modulo 2**64
         self._rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
 
@@ -24,8 +28,18 @@ class Sampler:
         self._rng.random()
 
     def __call__(self, logits: np.ndarray) -> int:
+        token = self._sample(logits)
+        if self.logprobs is not None:
+            self.logprobs.append(token_logprobs(logits, token, self.params.logprobs))
+        return token
+
+    def _sample(self, logits: np.ndarray) -> int:
         u = self._rng.random()
         p = self.params
+        if p.logit_bias:
+            logits = logits.copy()
+            for token, bias in p.logit_bias:
+                logits[token] += bias
         if p.greedy:
             return int(np.argmax(logits))
         x = logits.astype(np.float64) / p.temperature
@@ -40,3 +54,13 @@ class Sampler:
             probs = probs[:keep] / probs[:keep].sum()
         idx = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(probs) - 1)
         return int(order[idx])
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """`token`'s log-probability under the raw logits, and the `top` most likely tokens'."""
+    x = logits.astype(np.float64)
+    x = x - x.max()
+    logp = x - np.log(np.exp(x).sum())
+    best = np.argpartition(-logp, top)[:top] if 0 < top < len(logp) else np.arange(len(logp) if top else 0)
+    best = best[np.argsort(-logp[best], kind="stable")]
+    return TokenLogprobs(float(logp[token]), tuple((int(t), float(logp[t])) for t in best))

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from tandem_protocol.errors import Cancelled, FrameError, RequestError, TandemError
-from tandem_protocol.handoff import PrefillDone, kv_tokens
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone, kv_tokens
 from tandem_protocol.pages import KVPage, make_page
-from tandem_protocol.sampling import ALL_FIELDS, SamplingParams
+from tandem_protocol.sampling import ALL_FIELDS, SamplingParams, TokenLogprobs
 
 from .base import EngineAdapter, EngineRequest
 from .bridge import END, Bridge, Room, page_frame_parts
@@ -86,9 +86,12 @@ class ServerEngine(EngineAdapter):
         """The JSON body of one generation request for `req`."""
 
     @abstractmethod
-    def _answer_tokens(self, response, stream: bool, counts: EngineRequest | None) -> AsyncIterator[int]:
-        """The new token ids of one answer from the server (an aiohttp response); the prompt
-        tokens the engine's own cache served go to `counts.cached_tokens` where given."""
+    def _answer_tokens(
+        self, response, stream: bool, counts: EngineRequest | None
+    ) -> AsyncIterator[tuple[int, TokenLogprobs | None]]:
+        """The new tokens of one answer from the server (an aiohttp response), each with its
+        log-probabilities where the request asked for them (else None); the prompt tokens the
+        engine's own cache served go to `counts.cached_tokens` where given."""
 
     def _role(self, role: str) -> contextlib.AbstractAsyncContextManager:
         """Held while a request of `role` ("prefill"/"decode") runs (SGLang switches roles)."""
@@ -187,7 +190,14 @@ class ServerEngine(EngineAdapter):
                 self._send_decode(req, sent)
             done = await self._import_stream(req, stream, sent.box.tokens, sent.box)
             self._hand_over(sent.box, done)
-            while (token := await self._next(req, sent.out)) is not None:
+            commit_first = req.mode is FirstTokenMode.COMMIT_FIRST
+            while (item := await self._next(req, sent.out)) is not None:
+                token, logprobs = item
+                if commit_first:  # the engine's first token is the prefiller's, and so are its logprobs
+                    commit_first = False
+                    self._keep_first_logprobs(req, done)
+                else:
+                    self._keep_logprobs(req, logprobs)
                 yield token
             req.imported_at = sent.box.imported_at  # the engine acknowledged before it decoded
         finally:
@@ -291,7 +301,9 @@ class ServerEngine(EngineAdapter):
         out: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(self._tokens(self._body(req, req.sampling.max_tokens, True, None), out, counts=req))
         try:
-            while (token := await self._next(req, out)) is not None:
+            while (item := await self._next(req, out)) is not None:
+                token, logprobs = item
+                self._keep_logprobs(req, logprobs)
                 yield token
         finally:
             self._end(req, task)
@@ -313,8 +325,8 @@ class ServerEngine(EngineAdapter):
             async with self.http().post(self.server.url + self.generate_path, json=body) as r:
                 if r.status >= 400:
                     raise RequestError(f"{label} refused the request ({r.status}): {(await r.text())[:500]}")
-                async for token in self._answer_tokens(r, body["stream"], counts):
-                    out.put_nowait(token)
+                async for item in self._answer_tokens(r, body["stream"], counts):
+                    out.put_nowait(item)
             out.put_nowait(None)
             if pages is not None:
                 asyncio.get_running_loop().call_later(
@@ -354,7 +366,8 @@ class ServerEngine(EngineAdapter):
             # the last page leaves at the end of the engine's last prefill step: that is when it finished
             finished_at, seconds = time.time(), time.perf_counter() - t0
             yield item
-        first = await self._next(req, out)
+        first, logprobs = await self._next(req, out)
+        self._keep_logprobs(req, logprobs)
         yield PrefillDone(
             first_token=int(first),
             kv_tokens=export,
@@ -362,6 +375,7 @@ class ServerEngine(EngineAdapter):
             prefill_seconds=seconds,
             finished_at=finished_at,
             cached_tokens=req.cached_tokens,  # the answer, which carries it, came with the first token
+            first_logprobs=req.token_logprobs[0] if req.token_logprobs else None,
         )
 
     async def _import_stream(
@@ -380,6 +394,13 @@ class ServerEngine(EngineAdapter):
         return done
 
     # ---- per-request bookkeeping -----------------------------------------------------------
+    def _keep_logprobs(self, req: EngineRequest, logprobs: TokenLogprobs | None) -> None:
+        if req.sampling.logprobs is not None:
+            if logprobs is None:
+                raise TandemError(f"{self.engine_label} answered a token without the log-probabilities asked of it")
+            # an engine may add the sampled token to the alternatives (vLLM): the top k it is
+            req.token_logprobs.append(TokenLogprobs(logprobs.logprob, logprobs.top[: req.sampling.logprobs]))
+
     async def _next(self, req: EngineRequest, out: asyncio.Queue):
         item = await self._wait(req, out.get())
         if isinstance(item, Exception):

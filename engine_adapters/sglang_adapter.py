@@ -40,7 +40,7 @@ import aiohttp
 
 from tandem_protocol.errors import TandemError
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
-from tandem_protocol.sampling import SERVER_FIELDS
+from tandem_protocol.sampling import SERVER_FIELDS, TokenLogprobs
 
 from .base import EngineRequest
 from .bridge import END, SGLANG_BRIDGE_ENV, Room, first_token_frame
@@ -310,22 +310,28 @@ class SGLangAdapter(ServerEngine):
         params.update({name: getattr(s, name) for name in SERVER_FIELDS})
         if s.seed is not None:
             params["sampling_seed"] = s.seed
+        if s.logit_bias:
+            params["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
+        logprobs = {} if s.logprobs is None else {"return_logprob": True, "top_logprobs_num": s.logprobs}
         return {
             "input_ids": req.token_ids,
             "sampling_params": params,
+            **logprobs,
             "stream": stream,
             "bootstrap_host": "127.0.0.1",
             "bootstrap_port": self.server.bootstrap_port,
             "bootstrap_room": int(transfer.room),  # every SGLang request is a transfer (see generate)
         }
 
-    async def _answer_tokens(self, response, stream: bool, counts: EngineRequest | None) -> AsyncIterator[int]:
+    async def _answer_tokens(
+        self, response, stream: bool, counts: EngineRequest | None
+    ) -> AsyncIterator[tuple[int, TokenLogprobs | None]]:
         if not stream:
             data = await response.json()
             check_finish(data)
             count_cached(data, counts)
-            for token in data.get("output_ids") or []:
-                yield token
+            for item in answer_tokens(data, 0):
+                yield item
             return
         seen = 0
         async for line in response.content:
@@ -334,10 +340,10 @@ class SGLangAdapter(ServerEngine):
             data = json.loads(line[6:])
             check_finish(data)
             count_cached(data, counts)
-            ids = data.get("output_ids") or []  # cumulative
-            for token in ids[seen:]:
-                yield token
-            seen = len(ids)
+            items = answer_tokens(data, seen)
+            for item in items:
+                yield item
+            seen += len(items)
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
         """The engine alone: SGLang prefills, then SGLang decodes from its own pages."""
@@ -345,6 +351,7 @@ class SGLangAdapter(ServerEngine):
             f"{req.request_id}/prefill", req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST
         )
         decode_req = EngineRequest(req.request_id, req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST)
+        decode_req.token_logprobs = req.token_logprobs  # what the request reports, tokens and their logprobs
         self.validate(req, generates=True)
         items = [item async for item in self.prefill(prefill_req)]
         req.cached_tokens = prefill_req.cached_tokens
@@ -359,6 +366,23 @@ class SGLangAdapter(ServerEngine):
     def cancel(self, request_id: str) -> bool:
         # a generate's prefill half runs under its own id
         return super().cancel(request_id) | super().cancel(f"{request_id}/prefill")
+
+
+def answer_tokens(data: dict, seen: int) -> list[tuple[int, TokenLogprobs | None]]:
+    """The tokens of an SGLang answer (or stream chunk) after the first `seen`, each with its
+    log-probabilities where asked: `output_ids` and the meta_info lists, whose entries are
+    [logprob, token id, text] (the lists are cumulative, as output_ids)."""
+    ids = data.get("output_ids") or []
+    meta = data.get("meta_info") or {}
+    chosen, top = meta.get("output_token_logprobs"), meta.get("output_top_logprobs")
+    out = []
+    for i in range(seen, len(ids)):
+        logprobs = None
+        if chosen is not None and i < len(chosen) and chosen[i] is not None and chosen[i][0] is not None:
+            alternatives = (top[i] or []) if top is not None and i < len(top) else []
+            logprobs = TokenLogprobs(float(chosen[i][0]), tuple((int(t), float(lp)) for lp, t, *_ in alternatives))
+        out.append((ids[i], logprobs))
+    return out
 
 
 def count_cached(data: dict, counts: EngineRequest | None) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tandem_protocol.errors import TandemError
 from tandem_protocol.handoff import FirstTokenMode
-from tandem_protocol.sampling import SERVER_FIELDS
+from tandem_protocol.sampling import SERVER_FIELDS, TokenLogprobs
 
 from .base import EngineRequest
 from .bridge import VLLM_BRIDGE_ENV
@@ -170,18 +170,24 @@ class VLLMAdapter(ServerEngine):
         body.update({name: getattr(s, name) for name in SERVER_FIELDS})
         if s.seed is not None:
             body["seed"] = s.seed
+        if s.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
+        if s.logprobs is not None:  # alternatives named by id ("token_id:123"), not by text
+            body.update(logprobs=s.logprobs, return_tokens_as_token_ids=True)
         if transfer is not None:
             # the connector saves (a prefill) or loads (a decode) this many tokens through the room
             op = "tandem_save" if transfer.op == "export" else "tandem_load"
             body["kv_transfer_params"] = {"tandem_room": transfer.room, op: transfer.tokens}
         return body
 
-    async def _answer_tokens(self, response, stream: bool, counts: EngineRequest | None) -> AsyncIterator[int]:
+    async def _answer_tokens(
+        self, response, stream: bool, counts: EngineRequest | None
+    ) -> AsyncIterator[tuple[int, TokenLogprobs | None]]:
         if not stream:
             data = await response.json()
             self._count_cached(data, counts)
-            for token in data["choices"][0].get("token_ids") or []:
-                yield token
+            for item in choice_tokens(data["choices"][0]):
+                yield item
             return
         async for line in response.content:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
@@ -191,11 +197,26 @@ class VLLMAdapter(ServerEngine):
                 raise TandemError(f"vLLM failed the request: {data['error']}")
             self._count_cached(data, counts)  # the last chunk, with no choice, carries `usage`
             for choice in data["choices"]:
-                for token in choice.get("token_ids") or []:
-                    yield token
+                for item in choice_tokens(choice):
+                    yield item
 
     @staticmethod
     def _count_cached(data: dict, counts: EngineRequest | None) -> None:
         details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
         if counts is not None and details.get("cached_tokens") is not None:
             counts.cached_tokens = int(details["cached_tokens"])
+
+
+def choice_tokens(choice: dict) -> list[tuple[int, TokenLogprobs | None]]:
+    """The token ids of one choice of vLLM's completion (or stream chunk), each with its
+    log-probabilities where asked: vLLM lists the sampled token's and a dict of the most likely
+    ("token_id:N" -> logprob), to which it adds the sampled token when that is not among them."""
+    ids = choice.get("token_ids") or []
+    lp = choice.get("logprobs")
+    if not lp:
+        return [(token, None) for token in ids]
+    out = []
+    for token, logprob, top in zip(ids, lp["token_logprobs"], lp["top_logprobs"] or [None] * len(ids), strict=True):
+        ranked = sorted(((int(k.split(":", 1)[1]), float(v)) for k, v in (top or {}).items()), key=lambda t: -t[1])
+        out.append((token, TokenLogprobs(float(logprob), tuple(ranked))))
+    return out

@@ -1,5 +1,6 @@
-"""A request's token stream as NDJSON: {"token", "text"} lines, then one {"done": true, ...} line
-or one {"error": {...}} line, whatever happens to the request."""
+"""A request's token stream as NDJSON: {"token", "text"} lines (with "logprobs" where the request
+asked for them), then one {"done": true, ...} line or one {"error": {...}} line, whatever
+happens to the request."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from engine_adapters.base import EngineAdapter, EngineRequest
 from tandem_protocol.api import PREFILLER_FAILED
 from tandem_protocol.client import AgentHTTPError
 from tandem_protocol.errors import Cancelled, TandemError
+from tandem_protocol.sampling import TokenLogprobs
 
 from .errors import error_body
 from .handshake import Handshake
@@ -62,6 +64,21 @@ def line(item: dict) -> bytes:
     return (json.dumps(item) + "\n").encode()
 
 
+def logprobs_entry(adapter: EngineAdapter, token: int, logprobs: TokenLogprobs) -> dict:
+    """A token's log-probabilities as OpenAI's chat API shows them: the token's text, bytes and
+    logprob, and its `top_logprobs` alternatives the same way, most likely first."""
+    ids = [token, *(t for t, _ in logprobs.top)]
+    pieces = adapter.token_pieces(ids)
+
+    def entry(piece: tuple[str, bytes], logprob: float) -> dict:
+        return {"token": piece[0], "logprob": logprob, "bytes": list(piece[1])}
+
+    return {
+        **entry(pieces[0], logprobs.logprob),
+        "top_logprobs": [entry(p, lp) for p, (_, lp) in zip(pieces[1:], logprobs.top, strict=True)],
+    }
+
+
 def finish_reason(adapter: EngineAdapter, req: EngineRequest, count: int, last: int | None) -> str:
     stops = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else adapter.eos_token_ids)
     return "stop" if last in stops or count < req.sampling.max_tokens else "length"
@@ -86,7 +103,10 @@ async def token_lines(
                     ttft, first_at = time.perf_counter() - t0, time.time()
                 count, last = count + 1, token
                 metrics.generated_tokens.inc()
-                yield line({"token": token, "text": text.add(token)})
+                item = {"token": token, "text": text.add(token)}
+                if req.sampling.logprobs is not None:
+                    item["logprobs"] = logprobs_entry(adapter, token, req.token_logprobs[count - 1])
+                yield line(item)
         finish = finish_reason(adapter, req, count, last)
         outcome = "ok"
         yield line(

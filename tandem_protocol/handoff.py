@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .errors import RequestError
+from .sampling import TokenLogprobs
 
 
 class FirstTokenMode(str, Enum):
@@ -33,3 +34,4 @@ class PrefillDone:
     prefill_seconds: float
     finished_at: float = 0.0  # wall-clock time.time() when prefill finished (for overlap timelines)
     cached_tokens: int = 0  # prompt tokens the prefiller took from its prefix cache instead of computing
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for them

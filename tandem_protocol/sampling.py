@@ -9,14 +9,19 @@ it once. The in-process engines sample with `engine_adapters.sampler.Sampler`; t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (vLLM's default max_logprobs too)
 
 # Strict: a number must be a JSON number (no "0.5", no true); no NaN or infinity (Python's json,
 # and so a lenient client, sends them, and no sampler can use them).
 _Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 _Int = Annotated[int, Field(strict=True)]
+_TokenId = Annotated[int, Field(strict=True, ge=0)]
+_Bias = Annotated[float, Field(strict=True, ge=-100, le=100, allow_inf_nan=False)]
 
 
 class SamplingParams(BaseModel):
@@ -30,6 +35,16 @@ class SamplingParams(BaseModel):
     seed: _Int | None = Field(None, ge=-(2**63), lt=2**63)
     stop_token_ids: tuple[_Int, ...] = ()
     ignore_eos: Annotated[bool, Field(strict=True)] = False
+    logit_bias: tuple[tuple[_TokenId, _Bias], ...] = Field(
+        (), description="(token id, bias) pairs added to the logits before sampling (OpenAI's -100..100)"
+    )
+    logprobs: _Int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="report each output token's log-probability and this many most likely alternatives "
+        "(None: no log-probabilities)",
+    )
     # Applied by the engines that run as servers (vLLM, SGLang), not by `Sampler`: an engine that
     # cannot apply one refuses the request (EngineAdapter.sampling).
     min_p: _Float = Field(0.0, ge=0, le=1)
@@ -50,9 +65,29 @@ class SamplingParams(BaseModel):
 
 # What `Sampler` applies, and the penalties that only look at output tokens (so they cannot
 # change the first token, which an engine samples right after the prompt).
-SAMPLER_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"})
+SAMPLER_FIELDS = frozenset(
+    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logit_bias", "logprobs"}
+)
 OUTPUT_ONLY_FIELDS = frozenset({"presence_penalty", "frequency_penalty"})
 
 ALL_FIELDS = frozenset(SamplingParams.model_fields)
 # the parameters only the server engines apply, passed to them under these same names
 SERVER_FIELDS = tuple(name for name in SamplingParams.model_fields if name not in SAMPLER_FIELDS)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token's log-probability under the model's own distribution (the raw logits'
+    log-softmax, before temperature or any cut: vLLM's default and OpenAI's meaning) and the
+    `SamplingParams.logprobs` most likely tokens, most likely first, as (token id, logprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_json(self) -> list:
+        return [self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_json(cls, obj: list) -> TokenLogprobs:
+        logprob, top = obj
+        return cls(float(logprob), tuple((int(t), float(lp)) for t, lp in top))

@@ -4,7 +4,7 @@ The body of `GET /v1/handoffs/{handoff_id}/pages` (HTTP/1.1 chunked transfer) is
 
     page frame   b"TKVP" + 84 more header bytes + payload     (engine_adapters/pages.py)
     final frame  b"TKVD" + u32 length + JSON {"first_token", "kv_tokens", "pages", "prefill_seconds",
-                                              "finished_at"}
+                                              "finished_at", "cached_tokens", "first_logprobs"}
     error frame  b"TKVE" + u32 length + JSON {"code", "message"}
     heartbeat    b"TKVH" + u32 0         (P is still prefilling: the link is alive)
 
@@ -36,6 +36,7 @@ from .pages import (
     decode_payload,
     parse_header,
 )
+from .sampling import TokenLogprobs
 
 DONE_MAGIC = b"TKVD"
 ERROR_MAGIC = b"TKVE"
@@ -68,6 +69,8 @@ def done_frame(done: PrefillDone) -> bytes:
             "prefill_seconds": done.prefill_seconds,
             "finished_at": done.finished_at,
             "cached_tokens": done.cached_tokens,
+            # [logprob, [[token, logprob], ...]] when the request asked for log-probabilities
+            "first_logprobs": None if done.first_logprobs is None else done.first_logprobs.to_json(),
         },
     )
 
@@ -175,16 +178,21 @@ class FrameReader:
         self.finished = True
         if magic == ERROR_MAGIC:
             raise PeerError(str(obj.get("code", "peer_error")), str(obj.get("message", "the peer failed")))
-        return [
-            PrefillDone(
+        try:
+            done = PrefillDone(
                 first_token=int(obj["first_token"]),
                 kv_tokens=int(obj["kv_tokens"]),
                 pages=int(obj["pages"]),
                 prefill_seconds=float(obj["prefill_seconds"]),
                 finished_at=float(obj.get("finished_at", 0.0)),
                 cached_tokens=int(obj.get("cached_tokens", 0)),
+                first_logprobs=None
+                if obj.get("first_logprobs") is None
+                else TokenLogprobs.from_json(obj["first_logprobs"]),
             )
-        ]
+        except (KeyError, TypeError, ValueError) as e:
+            raise FrameError(f"malformed final frame: {type(e).__name__}: {e}") from e
+        return [done]
 
     def close(self) -> None:
         if not self.finished:

@@ -194,6 +194,9 @@ def test_bad_sampling_values(cluster, path, stream):
         ("presence_penalty", "x"),
         ("n", 2),
         ("stop", 3),
+        ("stop", ["a", "b", "c", "d", "e"]),  # OpenAI's bound: 4
+        ("top_logprobs", 21),  # on chat: needs logprobs (below: past its bound); on completions: not a field
+        ("logprobs", 21 if "chat" not in path else "many"),
     ]:
         error = refused(api.post(path, json=request_body(path, stream, **{name: value})), 400, name)
         assert error["param"] == name, error
@@ -205,6 +208,9 @@ def test_bad_sampling_values(cluster, path, stream):
             r = api.post(path, content=raw.encode(), headers={"Content-Type": "application/json"})
             error = refused(r, 400, name)
             assert error["param"] == name, error
+    if "chat" in path:
+        error = refused(api.post(path, json=request_body(path, stream, logprobs=True, top_logprobs=21)), 400, "20")
+        assert error["param"] == "top_logprobs", error
     # a negative seed is valid (OpenAI's seed is a signed 64-bit integer)
     r = api.post(path, json=request_body(path, False, seed=-1, temperature=0.7))
     assert r.status_code == 200, r.text

@@ -77,6 +77,8 @@ class Answer:
         )
         self.events = agents.run(target, ids, sampling, self.stats)
         self.scanner = StopScanner(body.stops)
+        self.logprobs = sampling.logprobs is not None  # asked for: every choice carries them
+        self.text_offset = 0  # a text completion's logprobs count characters from the answer's start
 
     def log(self, outcome: str, error: str = "") -> None:
         stats = self.stats
@@ -95,22 +97,29 @@ class Answer:
             error=error,
         )
 
-    async def texts(self) -> AsyncIterator[str]:
-        """Text deltas until the end, a stop string or an error (raised as RouteError)."""
+    async def texts(self) -> AsyncIterator[tuple[str, list[dict]]]:
+        """Text deltas until the end, a stop string or an error (raised as RouteError), each with
+        the log-probability entries (the agent's, OpenAI's chat shape) of the tokens that arrived
+        since the last delta: a token whose text is held back (a stop string could begin there)
+        sends its entry with the text that follows."""
+        entries: list[dict] = []
         try:
             async for event in self.events:
                 if "error" in event:
                     raise RouteError(event["error"]["message"], 503)
                 if "token" in event:
+                    if "logprobs" in event:
+                        entries.append(event["logprobs"])
                     delta = self.scanner.feed(event["text"])
-                    if delta:
-                        yield delta
+                    if delta or (self.scanner.hit and entries):
+                        yield delta, entries
+                        entries = []
                     if self.scanner.hit:
                         self.stats.finish_reason = "stop"
                         return
             rest = self.scanner.flush()
-            if rest:
-                yield rest
+            if rest or entries:
+                yield rest, entries
         finally:
             await self.events.aclose()  # a stop string or a client gone: abort both roles now
 
@@ -126,14 +135,31 @@ class Answer:
     def head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.body.model}
 
-    def chunk(self, delta: str | None, finish: str | None) -> dict:
+    def choice_logprobs(self, entries: list[dict]) -> dict | None:
+        """A choice's `logprobs`: OpenAI's chat shape ({"content": entries}), or the legacy text
+        completion's (parallel lists, alternatives as {text: logprob}, character offsets)."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(e["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def chunk(self, delta: str | None, finish: str | None, entries: list[dict] | None = None) -> dict:
+        logprobs = self.choice_logprobs(entries) if entries else None
         if self.chat:
             d = {} if delta is None else {"content": delta}
-            return {
-                **self.head("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": d, "finish_reason": finish}],
-            }
-        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+            return {**self.head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self.head("text_completion"), "choices": [choice]}
 
     async def respond(self):
@@ -142,7 +168,7 @@ class Answer:
 
     async def whole(self) -> dict:
         try:
-            text = "".join([t async for t in self.texts()])
+            pieces = [piece async for piece in self.texts()]
         except RouteError as e:
             self.log("error", str(e))
             raise openai_error(e) from e
@@ -151,10 +177,17 @@ class Answer:
             raise
         self.log("ok")
         finish = self.stats.finish_reason or "stop"
+        text = "".join(delta for delta, _ in pieces)
+        logprobs = self.choice_logprobs([e for _, entries in pieces for e in entries])
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
             if self.chat
-            else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         )
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self.head(obj), "choices": [choice], "usage": self.usage()}
@@ -177,7 +210,7 @@ class Answer:
             self.sse(gen, first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
-    async def sse(self, gen: AsyncIterator[str], first: str | None) -> AsyncIterator[bytes]:
+    async def sse(self, gen: AsyncIterator[tuple[str, list[dict]]], first: tuple | None) -> AsyncIterator[bytes]:
         outcome, error = "cancelled", ""
         try:
             if self.chat:
@@ -185,9 +218,10 @@ class Answer:
                 head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield sse(head)
             if first is not None:
-                yield sse(self.chunk(first, None))
-                async for delta in gen:
-                    yield sse(self.chunk(delta, None))
+                delta, entries = first
+                yield sse(self.chunk(delta, None, entries))
+                async for delta, entries in gen:
+                    yield sse(self.chunk(delta, None, entries))
             yield sse(self.chunk(None, self.stats.finish_reason or "stop"))
             if self.body.stream_options and self.body.stream_options.include_usage:
                 obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tandem_protocol.sampling import SERVER_FIELDS, SamplingParams
+from tandem_protocol.sampling import MAX_TOP_LOGPROBS, SERVER_FIELDS, SamplingParams
 
 from .errors import OpenAIError
 
@@ -22,6 +22,7 @@ class StreamOptions(BaseModel):
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "ignore_eos", *SERVER_FIELDS)
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default (Tandem's own is greedy)
 DEFAULT_MAX_TOKENS = 256
+MAX_STOPS = 4  # OpenAI's bound on stop strings
 
 
 class _Common(BaseModel):
@@ -34,16 +35,14 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
 
     # parameters OpenAI defines that Tandem does not implement: refused, never silently ignored
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "logprobs",
-        "top_logprobs",
         "tools",
         "tool_choice",
         "functions",
         "function_call",
-        "logit_bias",
         "response_format",
         "echo",
         "suffix",
@@ -57,6 +56,8 @@ class _Common(BaseModel):
     def check(self) -> None:
         if self.n != 1:
             raise OpenAIError(400, "n must be 1: Tandem returns one choice per request", param="n")
+        if len(self.stops) > MAX_STOPS:
+            raise OpenAIError(400, f"`stop`: at most {MAX_STOPS} stop strings (got {len(self.stops)})", param="stop")
         extra = self.model_extra or {}
         for name in self.UNSUPPORTED:
             value = extra.get(name)
@@ -70,6 +71,14 @@ class _Common(BaseModel):
         """The request's sampling, validated: a bad value is a 400 naming the parameter and its bound."""
         extra = self.model_extra or {}
         given = {name: extra[name] for name in SAMPLING_FIELDS if extra.get(name) is not None}
+        if self.logit_bias:  # OpenAI's keys are token ids as strings
+            try:
+                given["logit_bias"] = tuple((int(token), bias) for token, bias in self.logit_bias.items())
+            except ValueError:
+                raise OpenAIError(400, "`logit_bias`: its keys must be token ids", param="logit_bias") from None
+        logprobs_name, logprobs = self.logprobs_asked()
+        if logprobs is not None:
+            given["logprobs"] = logprobs
         max_name = "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         try:
@@ -83,9 +92,14 @@ class _Common(BaseModel):
         except ValidationError as e:
             error = e.errors()[0]
             name = str(error["loc"][0]) if error["loc"] else "sampling"
-            name = max_name if name == "max_tokens" else name
-            value = max_tokens if name == max_name else given.get(name)
+            name = {"max_tokens": max_name, "logprobs": logprobs_name}.get(name, name)
+            value = max_tokens if name == max_name else logprobs if name == logprobs_name else given.get(name)
             raise OpenAIError(400, f"`{name}`: {error['msg']} (got {value!r})", param=name) from None
+
+    def logprobs_asked(self) -> tuple[str, int | None]:
+        """How many alternatives to each token's log-probability the request asks for (None: no
+        log-probabilities), and the parameter that says so."""
+        raise NotImplementedError
 
     @property
     def stops(self) -> list[str]:
@@ -94,6 +108,13 @@ class _Common(BaseModel):
 
 class ChatBody(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprobs_asked(self) -> tuple[str, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
+        return "top_logprobs", (self.top_logprobs or 0) if self.logprobs else None
 
     def check(self) -> None:
         super().check()
@@ -122,3 +143,7 @@ def text_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
 
 class CompletionBody(_Common):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, description=f"0..{MAX_TOP_LOGPROBS} alternatives per token (OpenAI's: 0..5)")
+
+    def logprobs_asked(self) -> tuple[str, int | None]:
+        return "logprobs", self.logprobs

@@ -30,3 +30,16 @@ def test_window_stays_short(engines):
     for t in adapter.encode("word " * 300):
         inc.add(t)
     assert len(inc.ids) - inc.prefix <= 4  # decoding cost does not grow with the answer
+
+
+def test_each_tokens_bytes_join_into_the_text_even_inside_a_character(engines):
+    """Log-probability entries show tokens one by one: a token that is part of a character decodes
+    to U+FFFD alone, yet its bytes are its own, so the entries' bytes spell the answer exactly."""
+    adapter = engines["torch"]
+    text = "Ünïcödé — 日本語 🚀🎉 👩‍👩‍👧 and Paris."
+    ids = adapter.encode(text)
+    pieces = adapter.token_pieces([*ids, 2])
+    assert b"".join(raw for _, raw in pieces[:-1]).decode() == text
+    assert any(t == "\ufffd" for t, _ in pieces)  # the case this is for does occur in this text
+    assert pieces[-1] == ("<|im_end|>", b"<|im_end|>")  # a special token shows as itself
+    assert [t for t, _ in adapter.token_pieces(adapter.encode(" Paris"))] == [" Paris"]

@@ -172,3 +172,22 @@ def test_compressed_frames_round_trip_exactly_and_fail_clearly():
     with pytest.raises(FrameError, match="does not decompress"):
         decode_frame(_HEADER.pack(*fields) + junk)
     assert HEADER_SIZE == len(header)
+
+
+def test_the_final_frame_carries_the_first_tokens_logprobs_and_a_malformed_one_is_a_frame_error():
+    from tandem_protocol.handoff import PrefillDone
+    from tandem_protocol.sampling import TokenLogprobs
+    from tandem_protocol.wire import DONE_MAGIC, FrameReader, _json_frame, done_frame
+
+    g = PageGeometry(layers=2, kv_heads=3, head_dim=8)
+
+    def read(frame: bytes) -> list:
+        return FrameReader(FrameExpectation(b"c" * 16, b"r" * 16, b"t" * 16, g)).feed(frame)
+
+    done = PrefillDone(7, 40, 1, 0.5, cached_tokens=3, first_logprobs=TokenLogprobs(-0.5, ((7, -0.5), (9, -1.25))))
+    assert read(done_frame(done)) == [done]
+    plain = PrefillDone(7, 40, 1, 0.5)
+    assert read(done_frame(plain)) == [plain]
+    for bad in ({"first_token": 7}, {**vars(plain), "first_logprobs": [-0.5]}, {**vars(plain), "pages": "two"}):
+        with pytest.raises(FrameError, match="malformed final frame"):
+            read(_json_frame(DONE_MAGIC, {k: v for k, v in bad.items() if k != "first_logprobs" or v}))

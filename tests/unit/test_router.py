@@ -229,6 +229,100 @@ def test_openai_sampling_maps_onto_sampling_params():
     assert e.value.param == "temperature"
 
 
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "greater than or equal to 0"),
+        ({"top_logprobs": 3}, "top_logprobs", "needs `logprobs`"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"7": 101}}, "logit_bias", "less than or equal to 100"),
+    ],
+)
+def test_bad_logprobs_and_stop_lists_are_400_before_any_call(panel, extra, param, words):
+    r, agents = ask(panel, chat(**extra))
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
+    assert agents.calls == []
+
+
+def test_logit_bias_reaches_the_decoder_as_token_id_pairs(panel):
+    r, agents = ask(panel, chat(logit_bias={"7": 5, "11": -100}))
+    assert r.status_code == 200, r.text
+    assert agents.calls[-1][2]["sampling"]["logit_bias"] == [[7, 5.0], [11, -100.0]]
+
+
+def entry(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:
+    def one(t, lp):
+        return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+    return {**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
+
+
+# what an agent sends for a request that asked for 2 alternatives (node_agent/token_stream.py)
+LOGPROB_LINES = [
+    {"token": 100 + i, "text": text, "logprobs": entry(text, -0.1 * (i + 1), [(text, -0.1 * (i + 1)), ("x", -3.0)])}
+    for i, text in enumerate([" Par", "is", ".", " The"])
+]
+
+
+def test_logprobs_reach_the_decoder_and_come_back_in_openai_shape_whole_and_streamed(panel):
+    body = chat(logprobs=True, top_logprobs=2, max_tokens=4)
+    r, agents = ask(panel, body, decode=lambda body: stream([*LOGPROB_LINES, DONE]))
+    assert r.status_code == 200, r.text
+    assert agents.calls[-1][2]["sampling"]["logprobs"] == 2
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == " Paris. The"
+    assert choice["logprobs"]["content"] == [line["logprobs"] for line in LOGPROB_LINES]
+    r, _ = ask(panel, {**body, "stream": True}, decode=lambda body: stream([*LOGPROB_LINES, DONE]))
+    chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+    got = [e for c in chunks for e in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert got == [line["logprobs"] for line in LOGPROB_LINES]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == " Paris. The"
+    # not asked: none asked of the decoder, none in the answer
+    r, agents = ask(panel, chat(), decode=lambda body: stream([*TOKENS, DONE]))
+    assert agents.calls[-1][2]["sampling"].get("logprobs") is None and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_a_stop_string_keeps_the_logprobs_of_the_tokens_up_to_it(panel):
+    """Text held back (it could begin a stop string) sends its tokens' entries with what follows;
+    the token that completes the stop string is the last one reported."""
+    body = chat(logprobs=True, top_logprobs=2, max_tokens=4, stop=[". T"])
+    for streamed in (False, True):
+        r, _ = ask(panel, {**body, "stream": streamed}, decode=lambda body: stream([*LOGPROB_LINES, DONE]))
+        if streamed:
+            chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+            got = [e for c in chunks for e in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]
+        else:
+            text, got = r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["logprobs"]["content"]
+        assert text == " Paris" and got == [line["logprobs"] for line in LOGPROB_LINES], streamed
+
+
+def test_text_completion_logprobs_are_the_legacy_shape(panel):
+    agents = panel.state.agents.reset(decode=lambda body: stream([*LOGPROB_LINES, DONE]))
+
+    async def post(body):
+        transport = httpx.ASGITransport(app=panel)
+        headers = {"Authorization": f"Bearer {panel.state.api_key}"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://panel", headers=headers) as client:
+            try:
+                return await client.post("/v1/completions", json=body)
+            finally:
+                await panel.state.router.aclose()
+
+    r = asyncio.run(post({"model": "pd", "prompt": "The capital", "max_tokens": 4, "logprobs": 2, "temperature": 0}))
+    assert r.status_code == 200, r.text
+    assert agents.calls[-1][2]["sampling"]["logprobs"] == 2
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [" Par", "is", ".", " The"] and lp["text_offset"] == [0, 4, 6, 7]
+    assert lp["token_logprobs"] == [line["logprobs"]["logprob"] for line in LOGPROB_LINES]
+    assert lp["top_logprobs"][0] == {" Par": -0.1, "x": -3.0}
+    r = asyncio.run(post({"model": "pd", "prompt": "The capital", "max_tokens": 4, "logprobs": 21}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
 # ---- the router alone: cancellation ---------------------------------------------------------------
 def test_a_client_that_goes_away_closes_d_s_stream_and_nothing_else_is_called():
     held = Lines(TOKENS, hold=True)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from engine_adapters.sampler import Sampler
-from tandem_protocol.sampling import SERVER_FIELDS, SamplingParams
+from engine_adapters.sampler import Sampler, token_logprobs
+from tandem_protocol.sampling import SERVER_FIELDS, SamplingParams, TokenLogprobs
 
 NAN, INF = float("nan"), float("inf")
 
@@ -23,6 +23,7 @@ BOUNDS = [
     ("repetition_penalty", [1e-6, 1, 2], [0, -1, 2.01, INF]),
     ("presence_penalty", [-2, 0, 2], [-2.01, 2.01, NAN, -INF]),
     ("frequency_penalty", [-2, 0, 2], [-2.01, 2.01, NAN, INF]),
+    ("logprobs", [None, 0, 20], [-1, 21, 1.0, "5"]),
 ]
 
 
@@ -93,3 +94,41 @@ def test_same_seed_same_tokens_and_skip_stays_on_the_sequence():
 def test_a_negative_seed_is_a_seed():
     a, b = Sampler(SamplingParams(temperature=1.0, seed=-5)), Sampler(SamplingParams(temperature=1.0, seed=-5))
     assert [a(LOGITS) for _ in range(20)] == [b(LOGITS) for _ in range(20)]
+
+
+def test_logprobs_are_the_raw_distributions_whatever_the_sampling():
+    """Each token's logprob is the log-softmax of the raw logits (not the tempered or cut
+    distribution it was drawn from), its alternatives the most likely, most likely first."""
+    expected = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    for params in (SamplingParams(logprobs=3), SamplingParams(logprobs=3, temperature=2.0, top_k=2, seed=1)):
+        got: list[TokenLogprobs] = []
+        sampler = Sampler(params, got)
+        tokens = [sampler(LOGITS) for _ in range(10)]
+        assert len(got) == 10
+        for token, lp in zip(tokens, got, strict=True):
+            assert lp.logprob == pytest.approx(expected[token], abs=1e-12)
+            assert [t for t, _ in lp.top] == [1, 2, 4]
+            assert [v for _, v in lp.top] == pytest.approx(list(expected[[1, 2, 4]]), abs=1e-12)
+    assert token_logprobs(LOGITS, 3, 0).top == ()  # logprobs=0: the token's own, no alternatives
+    assert [t for t, _ in token_logprobs(LOGITS, 3, 5).top] == [1, 2, 4, 0, 3]  # the whole vocabulary
+    none: list = []
+    Sampler(SamplingParams(), none)(LOGITS)
+    assert none == []  # not asked for: nothing computed
+
+
+def test_token_logprobs_travel_as_json():
+    lp = TokenLogprobs(-0.25, ((1, -0.25), (7, -2.5)))
+    assert TokenLogprobs.from_json(lp.to_json()) == lp
+
+
+def test_logit_bias_moves_the_pick_not_the_reported_logprobs():
+    got: list[TokenLogprobs] = []
+    sampler = Sampler(SamplingParams(logit_bias=((3, 100.0),), logprobs=1), got)
+    assert sampler(LOGITS) == 3 and Sampler(SamplingParams(logit_bias=((1, -100),)))(LOGITS) == 2
+    raw = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    assert got[0].logprob == pytest.approx(raw[3]) and got[0].top[0][0] == 1  # the model's own distribution
+    assert LOGITS[3] == np.float32(-1.0)  # the caller's logits are left as they were
+    for bad in (((3, 100.5),), ((3, -101),), ((-1, 1.0),), ((3, NAN),), ((1.5, 1.0),)):
+        with pytest.raises(ValidationError) as e:
+            SamplingParams(logit_bias=bad)
+        assert e.value.errors()[0]["loc"][0] == "logit_bias"
