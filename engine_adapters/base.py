@@ -227,6 +227,16 @@ class EngineAdapter(ABC):
         return pieces
 
     @functools.cached_property
+    def grammar_tokenizer(self):
+        """The tokenizer as llguidance sees it, for requests whose output follows a grammar
+        (built once, ~1 s; its vocabulary is the model's, its end the model's stop tokens)."""
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(
+            self.tokenizer, n_vocab=self.info.vocab_size, eos_token=sorted(self.eos_token_ids)
+        )
+
+    @functools.cached_property
     def _byte_level(self) -> bool:
         """Whether the tokenizer's pieces are GPT-2's byte-level alphabet (its space is "Ġ")."""
         return self.tokenizer.convert_ids_to_tokens(self.encode(" a"))[0].startswith("Ġ")

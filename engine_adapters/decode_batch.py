@@ -77,14 +77,19 @@ class DecodeBatch:
             return
         try:
             logits = self._forward_rows([r.session for r in rows], [r.token for r in rows])
-            tokens = [row.sampler(row_logits) for row, row_logits in zip(rows, logits, strict=True)]
         except Exception as e:  # the engine failed: every request in the step reports it
             for row in rows:
                 self.rows.remove(row)
                 row.deliver(e)
         else:
             self.widest = max(self.widest, len(rows))
-            for row, token in zip(rows, tokens, strict=True):
+            for row, row_logits in zip(rows, logits, strict=True):
+                try:
+                    token = row.sampler(row_logits)
+                except Exception as e:  # this request's sampling failed (its grammar): it alone ends
+                    self.rows.remove(row)
+                    row.deliver(e)
+                    continue
                 row.token = token
                 row.produced += 1
                 last = row.produced >= row.max_tokens or token in row.stops

@@ -161,7 +161,7 @@ class InProcessEngine(EngineAdapter):
                     for page in await self.on_engine(self.export_finish, exports.popleft()):
                         yield page
             logprobs: list = []
-            first = Sampler(req.sampling, logprobs)(logits)
+            first = (await self._sampler(req, logprobs))(logits)
             self._remember(session, ids)
             yield PrefillDone(
                 first_token=first,
@@ -203,9 +203,9 @@ class InProcessEngine(EngineAdapter):
                         yield done.first_token
             await self.on_engine(self.set_length, session, expected_tokens)
             req.imported_at = time.time()  # every page is in the engine's cache now
-            sampler = Sampler(req.sampling, req.token_logprobs)
+            sampler = await self._sampler(req, req.token_logprobs)
             if commit_first:
-                sampler.skip()
+                sampler.skip(done.first_token)
                 first = done.first_token
             else:
                 self._check(req, event)
@@ -233,7 +233,7 @@ class InProcessEngine(EngineAdapter):
             for start, end in self.prefill_chunks(len(ids), req.cached_tokens):
                 self._check(req, event)
                 logits = await self._compute(session, ids[start:end], last=end == len(ids))
-            sampler = Sampler(req.sampling, req.token_logprobs)
+            sampler = await self._sampler(req, req.token_logprobs)
             produced = []
             async for token in self._continue(req, event, session, sampler, sampler(logits)):
                 produced.append(token)
@@ -351,6 +351,14 @@ class InProcessEngine(EngineAdapter):
     def _chain_end(self, hashes: list[bytes]) -> bytes:
         """What a tail after these whole pages follows: the last page's hash, or the chain's seed."""
         return hashes[-1] if hashes else chain_seed(self.contract.fingerprint_bytes)
+
+    async def _sampler(self, req: EngineRequest, logprobs: list) -> Sampler:
+        """The request's sampler; one whose output follows a JSON schema gets the grammar
+        tokenizer, built off the event loop the first time (about a second)."""
+        tokenizer = None
+        if req.sampling.json_schema is not None:
+            tokenizer = await asyncio.to_thread(lambda: self.grammar_tokenizer)
+        return Sampler(req.sampling, logprobs, tokenizer)
 
     def _next_token(self, session: Any, token: int, sampler: Sampler) -> int:
         return sampler(self.forward(session, [token]))

@@ -9,29 +9,59 @@ gets each sampled token's, from the same logits, in the list it hands the sample
 
 from __future__ import annotations
 
+import llguidance
+import llguidance.numpy
 import numpy as np
 
+from tandem_protocol.errors import RequestError
+from tandem_protocol.grammar import json_schema_grammar
 from tandem_protocol.sampling import SamplingParams, TokenLogprobs
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams, logprobs: list[TokenLogprobs] | None = None):
+    def __init__(self, params: SamplingParams, logprobs: list[TokenLogprobs] | None = None, grammar_tokenizer=None):
         """`logprobs`: where each sampled token's TokenLogprobs is appended, when `params.logprobs`
-        asks for them (the request's list: its stream reads them as its tokens come out)."""
+        asks for them (the request's list: its stream reads them as its tokens come out).
+        `grammar_tokenizer`: the model's llguidance tokenizer, needed when `params.json_schema`
+        constrains the output (`EngineAdapter.grammar_tokenizer`)."""
         self.params = params
         self.logprobs = logprobs if params.logprobs is not None else None
+        self.matcher = None
+        if params.json_schema is not None:
+            self.matcher = llguidance.LLMatcher(grammar_tokenizer, json_schema_grammar(params.json_schema))
+            self._mask = llguidance.numpy.allocate_token_bitmask(1, grammar_tokenizer.vocab_size)
+            self._consume_failed()
         # numpy seeds are non-negative: a negative seed (OpenAI allows them) is taken modulo 2**64
         self._rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
 
-    def skip(self) -> None:
-        """Consume the draw of a token that another engine sampled."""
+    def skip(self, token: int) -> None:
+        """Consume the draw of `token`, which another engine sampled (a prefiller's first), and
+        move the grammar past it."""
         self._rng.random()
+        if self.matcher is not None:
+            self.matcher.consume_token(token)
+            self._consume_failed()
 
     def __call__(self, logits: np.ndarray) -> int:
-        token = self._sample(logits)
-        if self.logprobs is not None:
+        token = self._sample(logits if self.matcher is None else self._allowed(logits))
+        if self.logprobs is not None:  # the model's own distribution, before the grammar's cut
             self.logprobs.append(token_logprobs(logits, token, self.params.logprobs))
+        if self.matcher is not None:
+            self.matcher.consume_token(token)
+            self._consume_failed()
         return token
+
+    def _allowed(self, logits: np.ndarray) -> np.ndarray:
+        """The logits with every token the grammar forbids next at -inf."""
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self._mask)
+        keep = np.flatnonzero(np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: len(logits)])
+        allowed = np.full(len(logits), -np.inf, dtype=np.float32)
+        allowed[keep] = logits[keep]
+        return allowed
+
+    def _consume_failed(self) -> None:
+        if self.matcher.is_error():
+            raise RequestError(f"the output cannot follow the JSON schema: {self.matcher.get_error()}")
 
     def _sample(self, logits: np.ndarray) -> int:
         u = self._rng.random()

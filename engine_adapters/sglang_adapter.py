@@ -138,6 +138,10 @@ class SGLangProcess(ServerProcess):
             ),
             "--enable-metrics",
             "--skip-server-warmup",
+            # structured outputs with llguidance, as the in-process engines and vLLM (tandem_protocol/grammar.py)
+            "--grammar-backend",
+            "llguidance",
+            "--constrained-json-disable-any-whitespace",
             # prefill in chunks of this many tokens, so pages leave while later chunks compute
             "--chunked-prefill-size",
             str(self.settings.sglang_chunk_tokens),
@@ -310,6 +314,8 @@ class SGLangAdapter(ServerEngine):
         params.update({name: getattr(s, name) for name in SERVER_FIELDS})
         if s.seed is not None:
             params["sampling_seed"] = s.seed
+        if s.json_schema is not None:
+            params["json_schema"] = s.json_schema
         if s.logit_bias:
             params["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
         logprobs = {} if s.logprobs is None else {"return_logprob": True, "top_logprobs_num": s.logprobs}

@@ -97,6 +97,9 @@ class VLLMProcess(ServerProcess):
             "--enable-prefix-caching" if self.settings.prefix_caching else "--no-enable-prefix-caching",
             "--enable-prompt-tokens-details",  # the prompt tokens its cache served, in `usage`
             "--enforce-eager",
+            # structured outputs with llguidance, as the in-process engines and SGLang (tandem_protocol/grammar.py)
+            "--structured-outputs-config",
+            json.dumps({"backend": "guidance", "disable_any_whitespace": True}),
             "--host",
             "127.0.0.1",
             "--port",
@@ -170,6 +173,8 @@ class VLLMAdapter(ServerEngine):
         body.update({name: getattr(s, name) for name in SERVER_FIELDS})
         if s.seed is not None:
             body["seed"] = s.seed
+        if s.json_schema is not None:
+            body["structured_outputs"] = {"json": json.loads(s.json_schema)}
         if s.logit_bias:
             body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
         if s.logprobs is not None:  # alternatives named by id ("token_id:123"), not by text

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .grammar import json_schema_problem
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (vLLM's default max_logprobs too)
 
@@ -38,6 +40,9 @@ class SamplingParams(BaseModel):
     logit_bias: tuple[tuple[_TokenId, _Bias], ...] = Field(
         (), description="(token id, bias) pairs added to the logits before sampling (OpenAI's -100..100)"
     )
+    json_schema: str | None = Field(
+        None, description="the output is one JSON value valid against this JSON schema (its JSON text)"
+    )
     logprobs: _Int | None = Field(
         None,
         ge=0,
@@ -54,6 +59,14 @@ class SamplingParams(BaseModel):
     presence_penalty: _Float = Field(0.0, ge=-2, le=2, description="on output tokens only")
     frequency_penalty: _Float = Field(0.0, ge=-2, le=2, description="on output tokens only")
 
+    @field_validator("json_schema")
+    @classmethod
+    def _compiles(cls, schema: str | None) -> str | None:
+        problem = None if schema is None else json_schema_problem(schema)
+        if problem:
+            raise ValueError(f"the JSON schema cannot constrain an output: {problem}")
+        return schema
+
     def non_default(self) -> set[str]:
         """The fields this request sets away from their defaults (what an engine must honour)."""
         return {name for name, f in type(self).model_fields.items() if getattr(self, name) != f.default}
@@ -66,7 +79,18 @@ class SamplingParams(BaseModel):
 # What `Sampler` applies, and the penalties that only look at output tokens (so they cannot
 # change the first token, which an engine samples right after the prompt).
 SAMPLER_FIELDS = frozenset(
-    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logit_bias", "logprobs"}
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop_token_ids",
+        "ignore_eos",
+        "logit_bias",
+        "json_schema",
+        "logprobs",
+    }
 )
 OUTPUT_ONLY_FIELDS = frozenset({"presence_penalty", "frequency_penalty"})
 

@@ -3,10 +3,12 @@ before any agent is asked anything."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tandem_protocol.grammar import ANY_JSON_OBJECT
 from tandem_protocol.sampling import MAX_TOP_LOGPROBS, SERVER_FIELDS, SamplingParams
 
 from .errors import OpenAIError
@@ -36,6 +38,7 @@ class _Common(BaseModel):
     n: int = 1
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
     # parameters OpenAI defines that Tandem does not implement: refused, never silently ignored
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
@@ -43,7 +46,6 @@ class _Common(BaseModel):
         "tool_choice",
         "functions",
         "function_call",
-        "response_format",
         "echo",
         "suffix",
         "best_of",
@@ -76,6 +78,9 @@ class _Common(BaseModel):
                 given["logit_bias"] = tuple((int(token), bias) for token, bias in self.logit_bias.items())
             except ValueError:
                 raise OpenAIError(400, "`logit_bias`: its keys must be token ids", param="logit_bias") from None
+        schema = self.json_schema()
+        if schema is not None:
+            given["json_schema"] = schema
         logprobs_name, logprobs = self.logprobs_asked()
         if logprobs is not None:
             given["logprobs"] = logprobs
@@ -92,9 +97,33 @@ class _Common(BaseModel):
         except ValidationError as e:
             error = e.errors()[0]
             name = str(error["loc"][0]) if error["loc"] else "sampling"
+            if name == "json_schema":
+                raise OpenAIError(400, f"`response_format`: {error['msg']}", param="response_format") from None
             name = {"max_tokens": max_name, "logprobs": logprobs_name}.get(name, name)
             value = max_tokens if name == max_name else logprobs if name == logprobs_name else given.get(name)
             raise OpenAIError(400, f"`{name}`: {error['msg']} (got {value!r})", param=name) from None
+
+    def json_schema(self) -> str | None:
+        """The JSON schema `response_format` holds the output to, as JSON text (OpenAI's
+        `json_object`: any JSON object), or None for free text."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return ANY_JSON_OBJECT
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise OpenAIError(
+                    400, "`response_format`: json_schema.schema must be a JSON schema object", param="response_format"
+                )
+            return json.dumps(spec["schema"])
+        raise OpenAIError(
+            400,
+            f"`response_format`: type must be text, json_object or json_schema (got {kind!r})",
+            param="response_format",
+        )
 
     def logprobs_asked(self) -> tuple[str, int | None]:
         """How many alternatives to each token's log-probability the request asks for (None: no

@@ -5,14 +5,18 @@ Log-probabilities: one entry per output token, each top list sorted and the gree
 the tokens' bytes spelling the answer, streaming equal to not streaming. On a P/D route the first
 token's entry comes from the engine that sampled it (the prefiller for a commit-first decoder: over
 the wire in the final frame) and matches that engine alone. logit_bias: every token obeys it, a
-commit-first prefiller's first pick included."""
+commit-first prefiller's first pick included. Structured outputs: `parse` with a pydantic model
+on the issue's routes, json_object and json_schema on every route, bad schemas refused."""
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from .cluster import DIRECTIONS, pair_name
 
@@ -145,3 +149,73 @@ def test_logit_bias_holds_on_every_token_including_a_prefillers_first(cluster, f
         else:
             answer = cluster.client.chat.completions.create(**args).choices[0].message.content
         assert answer == text * 4, (model, stream, answer)
+
+
+class City(BaseModel):
+    city: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+    population_millions: int = Field(ge=0, le=100)
+    coastal: bool
+
+
+CITIES = ["Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Sydney", "Toronto", "Mumbai", "Berlin"]
+# The acceptance routes (issue 21): a torch→MLX pair, a vLLM→MLX pair, an MLX→SGLang pair, a node alone.
+PARSE_ROUTES = [("torch", "mlx"), ("vllm", "mlx"), ("mlx", "sglang2"), "torch"]
+
+
+def route_model(route) -> str:
+    return node(route) if isinstance(route, str) else pair_name(*route)
+
+
+@pytest.mark.parametrize("route", PARSE_ROUTES, ids=[route_model(r) for r in PARSE_ROUTES])
+def test_parse_returns_a_typed_object_for_ten_prompts(cluster, route):
+    """`client.chat.completions.parse(response_format=<pydantic model>)`: the SDK sends a strict
+    json_schema; every answer parses into the model (the SDK validates it), 10 of 10."""
+    parsed = []
+    for city in CITIES:
+        r = cluster.client.chat.completions.parse(
+            model=route_model(route),
+            messages=[{"role": "user", "content": f"Describe the city of {city}."}],
+            response_format=City,
+            max_tokens=60,
+            temperature=0,
+        )
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        parsed.append(r.choices[0].message.parsed)
+    assert sum(isinstance(p, City) for p in parsed) == len(CITIES), parsed
+    print(f"\n{route_model(route)}: {[p.city for p in parsed]}")
+
+
+@pytest.mark.parametrize("route", [*DIRECTIONS, *ALONE], ids=[route_model(r) for r in [*DIRECTIONS, *ALONE]])
+def test_json_outputs_on_every_route_streaming_or_not(cluster, route):
+    """json_object and a json_schema on every direction and engine alone: the first token (a
+    commit-first prefiller's own pick) already follows the grammar, and the decoder continues it."""
+    schema = City.model_json_schema()
+    formats = [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}]
+    for fmt, stream in zip(formats, (False, True), strict=True):
+        args = dict(model=route_model(route), messages=[{"role": "user", "content": "Describe Paris."}])
+        args.update(max_tokens=60, temperature=0, response_format=fmt)
+        if stream:
+            chunks = cluster.client.chat.completions.create(stream=True, **args)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            text = cluster.client.chat.completions.create(**args).choices[0].message.content
+        value = json.loads(text)
+        assert isinstance(value, dict), text
+        if fmt["type"] == "json_schema":
+            City.model_validate(value)
+
+
+def test_a_schema_that_cannot_compile_is_400_before_any_compute(cluster):
+    for fmt, words in [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "Invalid type: foo"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}, "/nope"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema"),
+        ({"type": "yaml"}, "type must be"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            cluster.client.chat.completions.create(
+                model=pair_name("torch", "mlx"), messages=QUESTION, max_tokens=4, response_format=fmt
+            )
+        error = e.value.body
+        assert error["param"] == "response_format" and words in error["message"], error

@@ -43,3 +43,48 @@ def test_each_tokens_bytes_join_into_the_text_even_inside_a_character(engines):
     assert any(t == "\ufffd" for t, _ in pieces)  # the case this is for does occur in this text
     assert pieces[-1] == ("<|im_end|>", b"<|im_end|>")  # a special token shows as itself
     assert [t for t, _ in adapter.token_pieces(adapter.encode(" Paris"))] == [" Paris"]
+
+
+def test_a_schema_holds_whatever_the_model_says(engines):
+    """Random logits at every step, greedy or sampled, under a JSON schema: the output is always
+    one JSON value valid against it, ended by a stop token; a sampler continuing after another
+    engine's first token (skip) keeps to the same grammar."""
+    import json
+
+    import numpy as np
+
+    from engine_adapters.sampler import Sampler
+    from tandem_protocol.sampling import SamplingParams
+
+    adapter = engines["torch"]
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    vocab = adapter.info.vocab_size
+    for seed in range(12):
+        params = SamplingParams(json_schema=json.dumps(schema), temperature=float(seed % 2), seed=seed)
+        rng = np.random.default_rng(seed)
+        sampler, out = Sampler(params, None, adapter.grammar_tokenizer), []
+        while not out or out[-1] not in adapter.eos_token_ids:
+            out.append(sampler(rng.standard_normal(vocab).astype(np.float32) * 5))
+            assert len(out) < 200, adapter.detokenize(out)
+        value = json.loads(adapter.detokenize(out[:-1]))
+        assert set(value) == {"name", "n"} and len(value["name"]) <= 8 and 0 <= value["n"] <= 9, value
+    # the first token a fresh sampler opens the object with, then logits that want it above all:
+    # a fresh sampler picks it again; one that skipped another engine's pick of it is past it,
+    # where it cannot come again
+    params = SamplingParams(json_schema=json.dumps(schema))
+    first = Sampler(params, None, adapter.grammar_tokenizer)(np.zeros(vocab, np.float32))
+    assert adapter.detokenize([first]).startswith("{")
+    logits = np.zeros(vocab, np.float32)
+    logits[first] = 100
+    assert Sampler(params, None, adapter.grammar_tokenizer)(logits) == first
+    continued = Sampler(params, None, adapter.grammar_tokenizer)
+    continued.skip(first)
+    assert continued(logits) != first

@@ -237,6 +237,17 @@ def test_openai_sampling_maps_onto_sampling_params():
         ({"top_logprobs": 3}, "top_logprobs", "needs `logprobs`"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+            "response_format",
+            "Invalid type: foo",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            "json_schema.schema",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format", "type must be"),
         ({"logit_bias": {"7": 101}}, "logit_bias", "less than or equal to 100"),
     ],
 )
@@ -245,6 +256,19 @@ def test_bad_logprobs_and_stop_lists_are_400_before_any_call(panel, extra, param
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
     assert agents.calls == []
+
+
+def test_response_format_reaches_the_decoder_as_a_json_schema(panel):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for fmt, expected in [
+        ({"type": "json_object"}, {"type": "object"}),
+        ({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}, schema),
+        ({"type": "text"}, None),
+    ]:
+        r, agents = ask(panel, chat(response_format=fmt))
+        assert r.status_code == 200, r.text
+        sent = agents.calls[-1][2]["sampling"].get("json_schema")
+        assert (sent and json.loads(sent)) == expected or sent is expected, (fmt, sent)
 
 
 def test_logit_bias_reaches_the_decoder_as_token_id_pairs(panel):

@@ -86,7 +86,7 @@ def test_same_seed_same_tokens_and_skip_stays_on_the_sequence():
     alone = [one(LOGITS) for _ in range(40)]
     assert [two(LOGITS) for _ in range(40)] == alone
     continued = Sampler(params)
-    continued.skip()
+    continued.skip(alone[0])
     assert [continued(LOGITS) for _ in range(39)] == alone[1:]
     assert len(set(alone)) > 1  # temperature 1.5 on these logits does sample, or the checks above say nothing
 
