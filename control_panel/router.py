@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import httpx
 
-from tandem_protocol.api import PREFILLER_FAILED, DecodeBody, GenerateBody
+from tandem_protocol.api import PREFILLER_FAILED, DecodeBody, GenerateBody, TokenizeAnswer
 from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.sampling import SamplingParams
 
@@ -130,12 +130,12 @@ class Router:
             await c.aclose()
         self._clients.clear()
 
-    async def tokenize(self, target: Target, messages: list[dict] | None, prompt: str | None) -> list[int]:
+    async def tokenize(self, target: Target, **body) -> TokenizeAnswer:
         """Token ids from a decoder of the pool (they share one tokenizer), the next one if it
         cannot be reached."""
         for n, url in enumerate(target.decode_urls):
             try:
-                return await self.client(url).tokenize(messages=messages, prompt=prompt)
+                return await self.client(url).tokenize(**body)
             except AgentHTTPError as e:
                 if e.status == 400:  # e.g. messages the chat template cannot render: its own words,
                     # not the decoder's address

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
@@ -42,6 +43,7 @@ from tandem_protocol.model_dir import inspect_model
 from tandem_protocol.pages import KVPage
 from tandem_protocol.sampling import OUTPUT_ONLY_FIELDS, SAMPLER_FIELDS, SamplingParams, TokenLogprobs
 from tandem_protocol.settings import load
+from tandem_protocol.tools import render_messages
 
 from .settings import EngineSettings
 
@@ -207,8 +209,19 @@ class EngineAdapter(ABC):
 
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat, through the model's chat template, ready for the answer."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        return self.encode(self.chat_prompt(messages))
+
+    def chat_prompt(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    ) -> str:
+        """A chat as the model's template renders it, ready for the answer; `tools` rendered by the
+        template where it knows tools, else by Tandem's prompt (tandem_protocol/tools.py);
+        `template_kwargs` (e.g. enable_thinking) passed to the template."""
+        template = self.tokenizer.chat_template
+        knows_tools = "tools" in (template if isinstance(template, str) else json.dumps(template or ""))
+        rendered = render_messages(messages, tools, knows_tools)
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools and knows_tools else {})}
+        return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **extra)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

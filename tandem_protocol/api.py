@@ -73,10 +73,17 @@ class HandoffCreated(BaseModel):
 class TokenizeBody(BaseModel):
     messages: list[dict] | None = None
     prompt: str | None = None
+    tools: list[dict] | None = Field(
+        None, description="OpenAI function tools the chat offers (tandem_protocol/tools.py)"
+    )
+    chat_template_kwargs: dict | None = Field(None, description="passed to the chat template (e.g. enable_thinking)")
 
 
 class TokenizeAnswer(BaseModel):
     token_ids: list[int]
+    reasoning: bool = Field(
+        False, description="the chat template left a reasoning block open: the answer begins as reasoning"
+    )
 
 
 class ConfigBody(BaseModel):

@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 
+from .api import TokenizeAnswer, TokenizeBody
 from .errors import TandemError
 from .page_receiver import HTTPStatusError, PageStream, ReceiverPool
 from .pages import PROTOCOL_VERSION, FrameExpectation
@@ -132,8 +133,10 @@ class AgentClient:
     async def status(self) -> dict:
         return await self._json("GET", "/v1/status")
 
-    async def tokenize(self, messages: list[dict] | None = None, prompt: str | None = None) -> list[int]:
-        return (await self._json("POST", "/v1/tokenize", json={"messages": messages, "prompt": prompt}))["token_ids"]
+    async def tokenize(self, **body) -> TokenizeAnswer:
+        """POST /v1/tokenize with a TokenizeBody's fields (messages or prompt, tools, chat_template_kwargs)."""
+        sent = TokenizeBody(**body).model_dump(exclude_none=True)
+        return TokenizeAnswer(**await self._json("POST", "/v1/tokenize", json=sent))
 
     async def configure(self, **body) -> dict:
         """POST /v1/config: check (dry_run) or switch the node's engine, model and budget."""

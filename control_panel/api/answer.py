@@ -8,16 +8,20 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
 
 from tandem_protocol.sampling import SamplingParams
+from tandem_protocol.tools import ToolCall
 
 from ..models import RequestLog
 from ..request_log import RequestLogWriter
 from ..router import RouteError, Router, RouteStats, Target
 from .bodies import _Common
 from .errors import OpenAIError
+from .reasoning import ReasoningText
+from .tool_calls import ToolCallText
 
 
 class StopScanner:
@@ -67,7 +71,9 @@ class Answer:
         sampling: SamplingParams,
         agents: Router,
         request_log: RequestLogWriter,
+        reasoning: bool = False,
     ):
+        """`reasoning`: the chat template left a reasoning block open, so the answer begins in it."""
         self.body, self.chat, self.ids, self.request_log = body, chat, ids, request_log
         self.stats = RouteStats()
         self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -78,6 +84,10 @@ class Answer:
         self.events = agents.run(target, ids, sampling, self.stats)
         self.scanner = StopScanner(body.stops)
         self.logprobs = sampling.logprobs is not None  # asked for: every choice carries them
+        tool_mode = getattr(body, "tool_mode", None)  # chat only
+        self.reasoning_text = ReasoningText(reasoning) if chat else None
+        self.tool_text = ToolCallText(body.tools, body.tool_choice, tool_mode == "forced") if tool_mode else None
+        self.calls: list[ToolCall] = []  # read from the answer once it ended
         self.text_offset = 0  # a text completion's logprobs count characters from the answer's start
 
     def log(self, outcome: str, error: str = "") -> None:
@@ -123,6 +133,29 @@ class Answer:
         finally:
             await self.events.aclose()  # a stop string or a client gone: abort both roles now
 
+    async def contents(self) -> AsyncIterator[tuple[str, list[dict], str]]:
+        """`texts` as (content, log-probability entries, reasoning): a chat's reasoning taken out
+        of its content, and what the tools' reader holds back as calls (read into `self.calls`
+        when the answer ends)."""
+        async with aclosing(self.texts()) as texts:
+            async for delta, entries in texts:
+                reasoning, content = self.reasoning_text.feed(delta) if self.reasoning_text else ("", delta)
+                if self.tool_text is not None:
+                    content = self.tool_text.feed(content)
+                if content or entries or reasoning:
+                    yield content, entries, reasoning
+        reasoning, content = self.reasoning_text.finish() if self.reasoning_text else ("", "")
+        if self.tool_text is not None:
+            content = self.tool_text.feed(content)
+            rest, self.calls = self.tool_text.finish()
+            content += rest
+        if content or reasoning:
+            yield content, [], reasoning
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.calls else self.stats.finish_reason or "stop"
+
     def usage(self) -> dict:
         done = self.stats.output_tokens
         return {
@@ -162,13 +195,19 @@ class Answer:
         choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self.head("text_completion"), "choices": [choice]}
 
+    def piece_chunk(self, content: str, entries: list[dict], reasoning: str) -> dict:
+        chunk = self.chunk(content if content or not reasoning else None, None, entries)
+        if reasoning:
+            chunk["choices"][0]["delta"]["reasoning_content"] = reasoning
+        return chunk
+
     async def respond(self):
         """The answer: a JSON body, or an SSE stream."""
         return await (self.streamed() if self.body.stream else self.whole())
 
     async def whole(self) -> dict:
         try:
-            pieces = [piece async for piece in self.texts()]
+            pieces = [piece async for piece in self.contents()]
         except RouteError as e:
             self.log("error", str(e))
             raise openai_error(e) from e
@@ -176,16 +215,17 @@ class Answer:
             self.log("cancelled")
             raise
         self.log("ok")
-        finish = self.stats.finish_reason or "stop"
-        text = "".join(delta for delta, _ in pieces)
-        logprobs = self.choice_logprobs([e for _, entries in pieces for e in entries])
+        finish = self.finish_reason
+        text = "".join(delta for delta, _, _ in pieces)
+        reasoning = "".join(r for _, _, r in pieces)
+        logprobs = self.choice_logprobs([e for _, entries, _ in pieces for e in entries])
+        message = {"role": "assistant", "content": text}
+        if self.calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": [c.openai() for c in self.calls]}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         choice = (
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
+            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
             if self.chat
             else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         )
@@ -194,7 +234,7 @@ class Answer:
 
     async def streamed(self) -> StreamingResponse:
         # Pull the first event before answering, so routing errors are real HTTP errors.
-        gen = self.texts()
+        gen = self.contents()
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:
@@ -210,7 +250,7 @@ class Answer:
             self.sse(gen, first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
-    async def sse(self, gen: AsyncIterator[tuple[str, list[dict]]], first: tuple | None) -> AsyncIterator[bytes]:
+    async def sse(self, gen: AsyncIterator[tuple[str, list[dict], str]], first: tuple | None) -> AsyncIterator[bytes]:
         outcome, error = "cancelled", ""
         try:
             if self.chat:
@@ -218,11 +258,14 @@ class Answer:
                 head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield sse(head)
             if first is not None:
-                delta, entries = first
-                yield sse(self.chunk(delta, None, entries))
-                async for delta, entries in gen:
-                    yield sse(self.chunk(delta, None, entries))
-            yield sse(self.chunk(None, self.stats.finish_reason or "stop"))
+                yield sse(self.piece_chunk(*first))
+                async for piece in gen:
+                    yield sse(self.piece_chunk(*piece))
+            for index, call in enumerate(self.calls):  # each whole, in one chunk: the SDK joins them as sent
+                chunk = self.chunk(None, None)
+                chunk["choices"][0]["delta"] = {"tool_calls": [call.openai(index)]}
+                yield sse(chunk)
+            yield sse(self.chunk(None, self.finish_reason))
             if self.body.stream_options and self.body.stream_options.include_usage:
                 obj = "chat.completion.chunk" if self.chat else "text_completion"
                 yield sse({**self.head(obj), "choices": [], "usage": self.usage()})

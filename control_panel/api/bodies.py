@@ -4,12 +4,14 @@ before any agent is asked anything."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tandem_protocol.grammar import ANY_JSON_OBJECT
+from tandem_protocol.grammar import ANY_JSON_OBJECT, json_schema_problem
 from tandem_protocol.sampling import MAX_TOP_LOGPROBS, SERVER_FIELDS, SamplingParams
+from tandem_protocol.tools import forced_schema
 
 from .errors import OpenAIError
 
@@ -42,14 +44,11 @@ class _Common(BaseModel):
 
     # parameters OpenAI defines that Tandem does not implement: refused, never silently ignored
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "tools",
-        "tool_choice",
         "functions",
         "function_call",
         "echo",
         "suffix",
         "best_of",
-        "parallel_tool_calls",
         "audio",
         "modalities",
         "prediction",
@@ -139,6 +138,27 @@ class ChatBody(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: passed to the template (enable_thinking)
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools, or `tool_choice` "none"), "auto" (the model may call: calls are read
+        out of its text) or "forced" ("required" or a named function: the output is the calls)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return "auto" if self.tool_choice in (None, "auto") else "forced"
+
+    def json_schema(self) -> str | None:
+        if self.tool_mode != "forced":
+            return super().json_schema()
+        if super().json_schema() is not None:
+            raise OpenAIError(
+                400, "`response_format` and a forced tool call cannot both shape the output", param="response_format"
+            )
+        return json.dumps(forced_schema(self.tools, self.tool_choice, self.parallel_tool_calls))
 
     def logprobs_asked(self) -> tuple[str, int | None]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -148,6 +168,72 @@ class ChatBody(_Common):
     def check(self) -> None:
         super().check()
         self.messages = [text_message(i, m) for i, m in enumerate(self.messages)]
+        check_tools(self.tools, self.tool_choice)
+        check_tool_messages(self.messages)
+
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_tools(tools: list[dict] | None, choice: str | dict | None) -> None:
+    """Each tool a function with a valid name and an arguments schema that can constrain an
+    output; `tool_choice` one of OpenAI's, naming an offered function."""
+    names = set()
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function") if tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]):
+            raise OpenAIError(
+                400,
+                f"tools[{i}]: a tool is {{type: function, function: {{name: [A-Za-z0-9_-]{{1,64}}, ...}}}}",
+                param="tools",
+            )
+        if fn["name"] in names:
+            raise OpenAIError(400, f"tools[{i}]: the function name {fn['name']!r} is given twice", param="tools")
+        names.add(fn["name"])
+        params = fn.get("parameters")
+        problem = (
+            "parameters must be a JSON schema object" if params is not None and not isinstance(params, dict) else None
+        )
+        problem = problem or (json_schema_problem(json.dumps(params)) if params else None)
+        if problem:
+            raise OpenAIError(400, f"tools[{i}] ({fn['name']}): {problem}", param="tools")
+    if choice in (None, "none"):
+        return
+    if not tools:
+        raise OpenAIError(400, "`tool_choice` needs `tools`", param="tool_choice")
+    if choice in ("auto", "required"):
+        return
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and name in names):
+        raise OpenAIError(
+            400,
+            "`tool_choice` must be none, auto, required or {type: function, function: {name}} naming one of `tools`"
+            f" (got {choice!r})",
+            param="tool_choice",
+        )
+
+
+def check_tool_messages(messages: list[dict]) -> None:
+    """A `tool` message answers a call an earlier assistant message made (by its tool_call_id)."""
+    calls = set()
+    for i, m in enumerate(messages):
+        made = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if made is not None and not isinstance(made, list):
+            raise OpenAIError(400, f"messages[{i}].tool_calls must be a list", param="messages")
+        for call in made or []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise OpenAIError(400, f"messages[{i}].tool_calls: each call needs function.name", param="messages")
+            if isinstance(call.get("id"), str):
+                calls.add(call["id"])
+        if m.get("role") == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"] in calls):
+            raise OpenAIError(
+                400,
+                f"messages[{i}]: a `tool` message must answer a call an earlier assistant message made "
+                f"(no call has tool_call_id {m.get('tool_call_id')!r})",
+                param="messages",
+            )
 
 
 def text_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
@@ -160,6 +246,12 @@ def text_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "image_url":
+            raise OpenAIError(
+                400,
+                f"messages[{index}].content: an `image_url` part needs a model with vision; this model reads text only",
+                param="messages",
+            )
         if kind != "text" or not isinstance(part.get("text"), str):
             raise OpenAIError(
                 400,

@@ -17,5 +17,11 @@ async def chat_completions(body: ChatBody, db: Db, agents: AgentRouter, request_
     body.check()
     sampling = body.sampling()  # refused here, before any agent is asked anything
     target = resolve_target(db, body.model)
-    ids = await agents.tokenize(target, body.messages, None)
-    return await Answer(body, True, ids, target, sampling, agents, request_log).respond()
+    prompt = await agents.tokenize(
+        target,
+        messages=body.messages,
+        tools=body.tools if body.tool_mode else None,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )
+    answer = Answer(body, True, prompt.token_ids, target, sampling, agents, request_log, reasoning=prompt.reasoning)
+    return await answer.respond()

@@ -20,7 +20,7 @@ async def prompt_ids(body: CompletionBody, agents: Router, target: Target) -> li
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1:
         raise OpenAIError(400, "exactly one prompt per request is supported", param="prompt")
-    return await agents.tokenize(target, None, prompts[0])
+    return (await agents.tokenize(target, prompt=prompts[0])).token_ids
 
 
 @router.post("/v1/completions")

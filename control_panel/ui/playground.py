@@ -62,7 +62,7 @@ async def answer(
     ids: list[int] = []
     outcome, error = "cancelled", ""
     try:
-        ids = await agents.tokenize(target, [{"role": "user", "content": message}], None)
+        ids = (await agents.tokenize(target, messages=[{"role": "user", "content": message}])).token_ids
         gen = agents.run(target, ids, sampling, stats)
         try:
             async for event in gen:

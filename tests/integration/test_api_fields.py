@@ -6,7 +6,8 @@ the tokens' bytes spelling the answer, streaming equal to not streaming. On a P/
 token's entry comes from the engine that sampled it (the prefiller for a commit-first decoder: over
 the wire in the final frame) and matches that engine alone. logit_bias: every token obeys it, a
 commit-first prefiller's first pick included. Structured outputs: `parse` with a pydantic model
-on the issue's routes, json_object and json_schema on every route, bad schemas refused."""
+on the issue's routes, json_object and json_schema on every route, bad schemas refused. Tools: a
+required call valid against its schema, streaming and not, and a whole call → result → answer loop."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import functools
 import json
 import math
 
+import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -219,3 +221,59 @@ def test_a_schema_that_cannot_compile_is_400_before_any_compute(cluster):
             )
         error = e.value.body
         assert error["param"] == "response_format" and words in error["message"], error
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASKS = [
+    "What is the weather in Oslo?",
+    "Is it raining in Lima?",
+    "How hot is Cairo today?",
+    "Weather for Tokyo, please.",
+    "Should I take a coat in Berlin?",
+]
+
+
+@pytest.mark.parametrize("route", PARSE_ROUTES, ids=[route_model(r) for r in PARSE_ROUTES])
+def test_a_required_tool_call_always_matches_its_schema_and_the_loop_completes(cluster, route):
+    """tool_choice="required": arguments valid against the tool's schema (jsonschema) every time,
+    streaming and not, as the SDK reassembles them; then the call's result as a `tool` message and
+    a final answer in text."""
+    model, schema = route_model(route), WEATHER["function"]["parameters"]
+    for ask_text in ASKS:
+        messages = [{"role": "user", "content": ask_text}]
+        args = dict(
+            model=model, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0
+        )
+        whole = cluster.client.chat.completions.create(**args).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None, whole
+        (call,) = whole.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+        with cluster.client.chat.completions.stream(**args) as s:
+            final = s.get_final_completion().choices[0]
+        (streamed,) = final.message.tool_calls
+        assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    # the loop: the call, its result, the answer
+    messages.append(whole.message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "12 degrees celsius, light rain"})
+    answer = cluster.client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], max_tokens=40, temperature=0
+    )
+    print(
+        f"\n{model}: {call.function.arguments} -> {answer.choices[0].message.content!r} ({answer.choices[0].finish_reason})"
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content, answer

@@ -277,6 +277,134 @@ def test_logit_bias_reaches_the_decoder_as_token_id_pairs(panel):
     assert agents.calls[-1][2]["sampling"]["logit_bias"] == [[7, 5.0], [11, -100.0]]
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def text_lines(text: str) -> list[dict]:
+    """An agent's token lines whose texts make up `text` (a few characters per token)."""
+    return [{"token": 100 + i, "text": text[i : i + 5]} for i in range(0, len(text), 5)] + [DONE]
+
+
+def sse_chunks(r: httpx.Response) -> list[dict]:
+    return [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "tools[0]"),
+        ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0]"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "given twice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]},
+            "tools",
+            "Invalid type: foo",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools",
+            "JSON schema object",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            "tool_choice",
+            "naming one of",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "must be none"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+            "cannot both",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]},
+            "messages",
+            "earlier assistant",
+        ),
+    ],
+)
+def test_bad_tools_and_tool_messages_are_400_before_any_call(panel, extra, param, words):
+    r, agents = ask(panel, chat(**extra))
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
+    assert agents.calls == []
+
+
+def test_a_forced_call_is_constrained_and_answered_as_tool_calls_whole_and_streamed(panel):
+    calls_json = '[{"name":"get_weather","parameters":{"city":"Oslo"}}]'
+    body = chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    r, agents = ask(panel, body, decode=lambda b: stream(text_lines(calls_json)))
+    assert r.status_code == 200, r.text
+    tokenize, decode = agents.calls[0][2], agents.calls[-1][2]
+    assert tokenize["tools"] == [WEATHER]  # the decoder's template (or Tandem's prompt) renders them
+    schema = json.loads(decode["sampling"]["json_schema"])
+    assert schema["type"] == "array" and schema["maxItems"] == 1
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'} and call["id"].startswith(
+        "call_"
+    )
+    r, _ = ask(panel, {**body, "stream": True}, decode=lambda b: stream(text_lines(calls_json)))
+    chunks = sse_chunks(r)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["get_weather"]
+    assert not any(d.get("content") for d in deltas) and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_reads_a_call_out_of_the_text_and_streams_the_text_before_it(panel):
+    text = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Lima"}}</tool_call>'
+    body = chat(tools=[WEATHER])
+    r, agents = ask(panel, body, decode=lambda b: stream(text_lines(text)))
+    assert agents.calls[-1][2]["sampling"].get("json_schema") is None  # auto: unconstrained
+    message = r.json()["choices"][0]["message"]
+    assert (
+        message["content"] == "Let me look." and message["tool_calls"][0]["function"]["arguments"] == '{"city": "Lima"}'
+    )
+    r, _ = ask(panel, {**body, "stream": True}, decode=lambda b: stream(text_lines(text)))
+    deltas = [c["choices"][0]["delta"] for c in sse_chunks(r)]
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me look."
+    assert sum("tool_calls" in d for d in deltas) == 1
+    # no call in the text: a plain answer; tool_choice none: tools are not even rendered
+    r, _ = ask(panel, body, decode=lambda b: stream(text_lines("It is sunny.")))
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
+    r, agents = ask(panel, chat(tools=[WEATHER], tool_choice="none"), decode=lambda b: stream(text_lines(text)))
+    assert "tools" not in agents.calls[0][2] and r.json()["choices"][0]["message"]["content"] == text
+
+
+def test_a_tool_message_answering_a_call_reaches_the_template(panel):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "sunny"}]},
+    ]
+    r, agents = ask(panel, chat(messages=messages, tools=[WEATHER]))
+    assert r.status_code == 200, r.text
+    assert agents.calls[0][2]["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+
+
+def test_reasoning_goes_to_reasoning_content_and_template_kwargs_reach_the_template(panel):
+    answer = "The user asks about France.</think>Paris."
+    body = chat(chat_template_kwargs={"enable_thinking": True})
+    opened = {"tokenize": lambda b: httpx.Response(200, json={"token_ids": PROMPT, "reasoning": True})}
+    r, agents = ask(panel, body, decode=lambda b: stream(text_lines(answer)), **opened)
+    assert agents.calls[0][2]["chat_template_kwargs"] == {"enable_thinking": True}
+    message = r.json()["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == ("Paris.", "The user asks about France.")
+    r, _ = ask(panel, {**body, "stream": True}, decode=lambda b: stream(text_lines(answer)), **opened)
+    deltas = [c["choices"][0]["delta"] for c in sse_chunks(r)]
+    assert "".join(d.get("content") or "" for d in deltas) == "Paris."
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "The user asks about France."
+
+
 def entry(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:
     def one(t, lp):
         return {"token": t, "logprob": lp, "bytes": list(t.encode())}
@@ -396,14 +524,22 @@ def test_text_content_parts_are_joined_and_ignore_eos_reaches_the_decoder(panel)
 
 @pytest.mark.parametrize(
     "part, kind",
-    [({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}, "image_url"), ("plain", "str")],
+    [
+        (
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+            "an `image_url` part needs a model with vision",
+        ),
+        ("plain", "a part of type `str`"),
+        ({"type": "input_audio"}, "a part of type `input_audio`"),
+    ],
 )
 def test_a_content_part_that_is_not_text_is_refused_by_name(panel, part, kind):
     content = [{"type": "text", "text": "look"}, part]
-    r, agents = ask(panel, chat(messages=[{"role": "user", "content": "hi"}, {"role": "user", "content": content}]))
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == "messages" and f"messages[1].content: a part of type `{kind}`" in error["message"]
+    for role in ("user", "system", "assistant"):
+        r, agents = ask(panel, chat(messages=[{"role": "user", "content": "hi"}, {"role": role, "content": content}]))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages" and f"messages[1].content: {kind}" in error["message"], error
     assert agents.paths == []
 
 

@@ -1,0 +1,62 @@
+"""A reasoning template keeps reasoning out of `content`, streaming and not, on a P/D pair of real
+agents (torch → MLX).
+
+The checkpoint is the embedded model with a thinking template in Qwen3's manner: the generation
+prompt opens a `<think>` block unless `enable_thinking` is false, when it is opened and closed
+empty. The embedded model never closes the block itself, so with thinking on its whole answer is
+reasoning; `chat_template_kwargs={"enable_thinking": false}` (passed to the template) makes it
+all content. The router's unit tests cover a block that closes mid-answer."""
+
+from __future__ import annotations
+
+import shutil
+
+import openai
+import pytest
+
+from .agents import AgentProcess, PanelProcess
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% else %}{{ '<think>\n' }}{% endif %}{% endif %}"
+)
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(smol_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("reasoning")
+    model = home / "smollm2-thinking"
+    model.mkdir()
+    for f in smol_dir.iterdir():
+        if f.suffix == ".safetensors":
+            (model / f.name).symlink_to(f)
+        elif f.name != "chat_template.jinja":
+            shutil.copy(f, model / f.name)
+    (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    with AgentProcess("torch", model, home / "p") as p, AgentProcess("mlx", model, home / "d") as d:
+        with PanelProcess(home / "panel", "--pair", f"think={p.url},{d.url},threshold=1") as panel:
+            yield openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)
+
+
+def ask(client, stream: bool, **extra) -> tuple[str, str]:
+    args = dict(model="think", messages=QUESTION, max_tokens=24, temperature=0, **extra)
+    if not stream:
+        message = client.chat.completions.create(**args).choices[0].message
+        return message.content or "", getattr(message, "reasoning_content", None) or ""
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **args) if c.choices]
+    return "".join(d.content or "" for d in deltas), "".join(
+        getattr(d, "reasoning_content", None) or "" for d in deltas
+    )
+
+
+def test_reasoning_stays_out_of_content_streaming_or_not(client):
+    content, reasoning = ask(client, False)
+    assert content == "" and reasoning.strip(), (content, reasoning)
+    assert ask(client, True) == (content, reasoning)
+    off = ask(client, False, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off[1] == "" and off[0].strip(), off
+    assert ask(client, True, extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == off
+    print(f"\nthinking: {reasoning!r}\nnot thinking: {off[0]!r}")
