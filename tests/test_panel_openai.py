@@ -67,7 +67,7 @@ def test_errors_have_openai_shape(cluster):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "model_not_found"
-    for extra in ({"n": 2}, {"logit_bias": {"50": 10}}, {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+    for extra in ({"n": 2}, {"modalities": ["audio"]}, {"functions": [{"name": "f"}]}, {"tools": [{"type": "x"}]}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="t2m", messages=[{"role": "user", "content": "hi"}], **extra)
     bad = openai.OpenAI(base_url=cluster["panel"].url + "/v1", api_key="wrong", max_retries=0)
