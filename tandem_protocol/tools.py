@@ -8,7 +8,8 @@ read back out of the text.
   assistant's text and results as `<tool_response>` blocks in a user turn.
 - **Forced calls.** `tool_choice` "required" or a named function constrains the output with a JSON
   schema (as vLLM does): "required" → a JSON array of {"name", "parameters"} objects, one of the
-  tools each (exactly one unless `parallel_tool_calls`); a named function → its arguments object.
+  tools each (exactly one unless `parallel_tool_calls`); a named function → its arguments object;
+  objects that list their properties are closed to others (`closed`).
   So a forced call is always valid JSON matching the tool's schema, even from a tiny model.
 - **Reading calls** (`tool_choice` "auto"): Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>`
   blocks anywhere in the answer (one left open at the end counts), or an answer that is, as a
@@ -63,16 +64,39 @@ def parameters(function: dict) -> dict:
     return function.get("parameters") or {"type": "object"}
 
 
+def closed(schema: object) -> object:
+    """`schema` with every object that lists its properties closed to others, unless it says
+    otherwise (`additionalProperties`), as OpenAI's strict mode requires and vLLM's
+    `disable_additional_properties` does: a forced call then holds the declared arguments only
+    (left open, a small model invents property after property until max_tokens)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        k: closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "$defs", "definitions") else v
+        for k, v in schema.items()
+    }
+    if isinstance(schema.get("properties"), dict):
+        out["properties"] = {name: closed(s) for name, s in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    if isinstance(out.get("$defs"), dict):
+        out["$defs"] = {name: closed(s) for name, s in schema["$defs"].items()}
+    if isinstance(out.get("definitions"), dict):
+        out["definitions"] = {name: closed(s) for name, s in schema["definitions"].items()}
+    return out
+
+
 def forced_schema(tools: list[dict], choice: str | dict, parallel: bool) -> dict:
     """The JSON schema a forced call's output follows: for "required", an array of calls of the
     offered tools (one unless `parallel`); for {"function": {"name"}}, that function's arguments."""
     fns = functions(tools)
     if isinstance(choice, dict):
-        return parameters(fns[choice["function"]["name"]])
+        return closed(parameters(fns[choice["function"]["name"]]))
     one_of = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, "parameters": parameters(fn)},
+            "properties": {"name": {"const": name}, "parameters": closed(parameters(fn))},
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }

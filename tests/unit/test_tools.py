@@ -39,6 +39,25 @@ def test_forced_schemas_compile_and_read_back():
     )
     (call,) = forced_calls('[{"name":"get_weather","parameters":{"city":"Oslo"}}]', TOOLS, "required")
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Oslo"}) and call.id.startswith("call_")
+    # objects that list properties are closed (nested, under items and $defs too) unless they say otherwise
+    open_tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "o": {"type": "object", "properties": {"a": {}}},
+                    "k": {"type": "object", "properties": {}, "additionalProperties": True},
+                },
+            },
+        },
+    }
+    args = forced_schema([open_tool], {"type": "function", "function": {"name": "f"}}, True)
+    assert args["additionalProperties"] is False and args["properties"]["o"]["additionalProperties"] is False
+    assert args["properties"]["k"]["additionalProperties"] is True
+    item = forced_schema([open_tool], "required", True)["items"]["properties"]["parameters"]
+    assert item["additionalProperties"] is False and json_schema_problem(json.dumps(item)) is None
     (call,) = forced_calls('{"city":"Lima"}', TOOLS, {"type": "function", "function": {"name": "get_weather"}})
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Lima"})
 
