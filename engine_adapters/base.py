@@ -235,8 +235,8 @@ class EngineAdapter(ABC):
         pieces = []
         for token_id, piece in zip(token_ids, self.tokenizer.convert_ids_to_tokens(token_ids), strict=True):
             text = self.tokenizer.decode([token_id])
-            raw = bytes(byte_of[c] for c in piece) if piece and all(c in byte_of for c in piece) else None
-            pieces.append((text, raw if raw is not None and self._byte_level else text.encode()))
+            own = self._byte_level and piece and all(c in byte_of for c in piece)
+            pieces.append((text, bytes(byte_of[c] for c in piece) if own else text.encode()))
         return pieces
 
     @functools.cached_property

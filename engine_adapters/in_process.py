@@ -160,8 +160,7 @@ class InProcessEngine(EngineAdapter):
                 while len(exports) > lag:
                     for page in await self.on_engine(self.export_finish, exports.popleft()):
                         yield page
-            logprobs: list = []
-            first = (await self._sampler(req, logprobs))(logits)
+            first = (await self._sampler(req, req.token_logprobs))(logits)
             self._remember(session, ids)
             yield PrefillDone(
                 first_token=first,
@@ -170,7 +169,7 @@ class InProcessEngine(EngineAdapter):
                 prefill_seconds=time.perf_counter() - t0,
                 finished_at=time.time(),
                 cached_tokens=req.cached_tokens,
-                first_logprobs=logprobs[0] if logprobs else None,
+                first_logprobs=req.token_logprobs[0] if req.token_logprobs else None,
             )
         finally:
             self._cancels.pop(req.request_id, None)

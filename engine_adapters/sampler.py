@@ -38,18 +38,20 @@ class Sampler:
         """Consume the draw of `token`, which another engine sampled (a prefiller's first), and
         move the grammar past it."""
         self._rng.random()
-        if self.matcher is not None:
-            self.matcher.consume_token(token)
-            self._consume_failed()
+        self._advance(token)
 
     def __call__(self, logits: np.ndarray) -> int:
         token = self._sample(logits if self.matcher is None else self._allowed(logits))
         if self.logprobs is not None:  # the model's own distribution, before the grammar's cut
             self.logprobs.append(token_logprobs(logits, token, self.params.logprobs))
+        self._advance(token)
+        return token
+
+    def _advance(self, token: int) -> None:
+        """Move the grammar, if any, past `token`."""
         if self.matcher is not None:
             self.matcher.consume_token(token)
             self._consume_failed()
-        return token
 
     def _allowed(self, logits: np.ndarray) -> np.ndarray:
         """The logits with every token the grammar forbids next at -inf."""
