@@ -110,19 +110,23 @@ def panel(tmp_path_factory):
     return app
 
 
-async def _post(app, body: bytes) -> httpx.Response:
+async def _post(app, body: bytes, path: str = "/v1/chat/completions") -> httpx.Response:
     transport = httpx.ASGITransport(app=app)
     headers = {"Authorization": f"Bearer {app.state.api_key}", "content-type": "application/json"}
     async with httpx.AsyncClient(transport=transport, base_url="http://panel", headers=headers) as client:
         try:
-            return await client.post("/v1/chat/completions", content=body)
+            return await client.post(path, content=body)
         finally:
             await app.state.router.aclose()  # its clients belong to this event loop
 
 
-def ask(panel, body: dict, **answers) -> tuple[httpx.Response, FakeAgents]:
+def ask(panel, body: dict, path: str = "/v1/chat/completions", **answers) -> tuple[httpx.Response, FakeAgents]:
     agents = panel.state.agents.reset(**answers)
-    return asyncio.run(_post(panel, json.dumps(body).encode())), agents  # NaN as Python's json sends it
+    return asyncio.run(_post(panel, json.dumps(body).encode(), path)), agents  # NaN as Python's json sends it
+
+
+def sse_chunks(r: httpx.Response) -> list[dict]:
+    return [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
 
 
 def chat(**extra) -> dict:
@@ -252,6 +256,11 @@ def test_openai_sampling_maps_onto_sampling_params():
     ],
 )
 def test_bad_logprobs_and_stop_lists_are_400_before_any_call(panel, extra, param, words):
+    refused_before_any_call(panel, extra, param, words)
+
+
+def refused_before_any_call(panel, extra: dict, param: str, words: str) -> None:
+    """A chat with `extra` is a 400 naming `param` and saying `words`, and no agent was asked."""
     r, agents = ask(panel, chat(**extra))
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
@@ -268,7 +277,7 @@ def test_response_format_reaches_the_decoder_as_a_json_schema(panel):
         r, agents = ask(panel, chat(response_format=fmt))
         assert r.status_code == 200, r.text
         sent = agents.calls[-1][2]["sampling"].get("json_schema")
-        assert (sent and json.loads(sent)) == expected or sent is expected, (fmt, sent)
+        assert (None if sent is None else json.loads(sent)) == expected, (fmt, sent)
 
 
 def test_logit_bias_reaches_the_decoder_as_token_id_pairs(panel):
@@ -289,10 +298,6 @@ WEATHER = {
 def text_lines(text: str) -> list[dict]:
     """An agent's token lines whose texts make up `text` (a few characters per token)."""
     return [{"token": 100 + i, "text": text[i : i + 5]} for i in range(0, len(text), 5)] + [DONE]
-
-
-def sse_chunks(r: httpx.Response) -> list[dict]:
-    return [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
 
 
 @pytest.mark.parametrize(
@@ -331,10 +336,7 @@ def sse_chunks(r: httpx.Response) -> list[dict]:
     ],
 )
 def test_bad_tools_and_tool_messages_are_400_before_any_call(panel, extra, param, words):
-    r, agents = ask(panel, chat(**extra))
-    error = r.json()["error"]
-    assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
-    assert agents.calls == []
+    refused_before_any_call(panel, extra, param, words)
 
 
 def test_a_forced_call_is_constrained_and_answered_as_tool_calls_whole_and_streamed(panel):
@@ -428,7 +430,7 @@ def test_logprobs_reach_the_decoder_and_come_back_in_openai_shape_whole_and_stre
     assert choice["message"]["content"] == " Paris. The"
     assert choice["logprobs"]["content"] == [line["logprobs"] for line in LOGPROB_LINES]
     r, _ = ask(panel, {**body, "stream": True}, decode=lambda body: stream([*LOGPROB_LINES, DONE]))
-    chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+    chunks = sse_chunks(r)
     got = [e for c in chunks for e in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]
     assert got == [line["logprobs"] for line in LOGPROB_LINES]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == " Paris. The"
@@ -444,7 +446,7 @@ def test_a_stop_string_keeps_the_logprobs_of_the_tokens_up_to_it(panel):
     for streamed in (False, True):
         r, _ = ask(panel, {**body, "stream": streamed}, decode=lambda body: stream([*LOGPROB_LINES, DONE]))
         if streamed:
-            chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+            chunks = sse_chunks(r)
             text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
             got = [e for c in chunks for e in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]
         else:
@@ -453,25 +455,15 @@ def test_a_stop_string_keeps_the_logprobs_of_the_tokens_up_to_it(panel):
 
 
 def test_text_completion_logprobs_are_the_legacy_shape(panel):
-    agents = panel.state.agents.reset(decode=lambda body: stream([*LOGPROB_LINES, DONE]))
-
-    async def post(body):
-        transport = httpx.ASGITransport(app=panel)
-        headers = {"Authorization": f"Bearer {panel.state.api_key}"}
-        async with httpx.AsyncClient(transport=transport, base_url="http://panel", headers=headers) as client:
-            try:
-                return await client.post("/v1/completions", json=body)
-            finally:
-                await panel.state.router.aclose()
-
-    r = asyncio.run(post({"model": "pd", "prompt": "The capital", "max_tokens": 4, "logprobs": 2, "temperature": 0}))
+    body = {"model": "pd", "prompt": "The capital", "max_tokens": 4, "logprobs": 2, "temperature": 0}
+    r, agents = ask(panel, body, "/v1/completions", decode=lambda body: stream([*LOGPROB_LINES, DONE]))
     assert r.status_code == 200, r.text
     assert agents.calls[-1][2]["sampling"]["logprobs"] == 2
     lp = r.json()["choices"][0]["logprobs"]
     assert lp["tokens"] == [" Par", "is", ".", " The"] and lp["text_offset"] == [0, 4, 6, 7]
     assert lp["token_logprobs"] == [line["logprobs"]["logprob"] for line in LOGPROB_LINES]
     assert lp["top_logprobs"][0] == {" Par": -0.1, "x": -3.0}
-    r = asyncio.run(post({"model": "pd", "prompt": "The capital", "max_tokens": 4, "logprobs": 21}))
+    r, _ = ask(panel, {**body, "logprobs": 21}, "/v1/completions")
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
 
 
