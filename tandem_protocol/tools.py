@@ -107,11 +107,36 @@ def forced_schema(tools: list[dict], choice: str | dict, parallel: bool) -> dict
 
 
 def forced_calls(text: str, tools: list[dict], choice: str | dict) -> list[ToolCall]:
-    """The calls in a forced call's output (JSON that followed `forced_schema`)."""
-    value = json.loads(text)
+    """The calls in a forced call's output (JSON that followed `forced_schema`). An array cut short
+    (max_tokens) gives the calls it finished."""
     if isinstance(choice, dict):
-        return [new_call(choice["function"]["name"], value)]
-    return [new_call(call["name"], call["parameters"]) for call in value]
+        return [new_call(choice["function"]["name"], json.loads(text))]
+    return [new_call(call["name"], call["parameters"]) for call in map(json.loads, array_items(text))]
+
+
+def array_items(text: str) -> list[str]:
+    """The whole object items at the start of a JSON array's text, which may be cut anywhere."""
+    items, depth, start, in_string, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            start = i if depth == 2 else start
+        elif ch in "]}":
+            if depth == 2:
+                items.append(text[start : i + 1])
+            depth -= 1
+            if depth == 0:
+                break
+    return items
+
+
+def call_key(call: ToolCall) -> tuple[str, str]:
+    """What makes two calls the same call: the function and its arguments, as values."""
+    return call.name, json.dumps(_loads(call.arguments), sort_keys=True)
 
 
 def parse_calls(text: str, tools: list[dict]) -> tuple[str, list[ToolCall]]:

@@ -144,6 +144,8 @@ class Answer:
                     content = self.tool_text.feed(content)
                 if content or entries or reasoning:
                     yield content, entries, reasoning
+                if self.tool_text is not None and self.tool_text.repeated:
+                    break  # closing `texts` aborts both roles now
         reasoning, content = self.reasoning_text.finish() if self.reasoning_text else ("", "")
         if self.tool_text is not None:
             content = self.tool_text.feed(content)

@@ -1,10 +1,16 @@
 """An answer that may call tools, as it streams: its text goes out as content until it may be a
 call, which is held back and read at the end (tandem_protocol/tools.py says what a call looks
-like). A forced call's answer is the calls alone."""
+like). A forced call's answer is the calls alone.
+
+A call that repeats an earlier one of the same answer (same function, same arguments) ends the
+answer there (`repeated`): a small model, once it has made a call, tends to make it again and
+again until max_tokens, and the same call twice in one turn gives its caller nothing new."""
 
 from __future__ import annotations
 
-from tandem_protocol.tools import OPEN, ToolCall, forced_calls, parse_calls
+import json
+
+from tandem_protocol.tools import CLOSE, OPEN, ToolCall, array_items, call_key, forced_calls, parse_calls
 
 
 def partial_tag(text: str, tag: str) -> int:
@@ -16,11 +22,15 @@ class ToolCallText:
     def __init__(self, tools: list[dict], choice: str | dict | None, forced: bool):
         self.tools, self.choice, self.forced = tools, choice, forced
         self.held, self.holding, self.sent_any = "", forced, False
+        self.repeated = False  # the answer made a call twice: it ends before the second
 
     def feed(self, text: str) -> str:
         """The content that can go out now."""
+        if self.repeated:
+            return ""
         self.held += text
         if self.holding:
+            self._cut_a_repeat(text)
             return ""
         start = self.held.lstrip()
         if not self.sent_any and start and start[0] == "{":  # Llama 3's call is the whole answer, as JSON
@@ -29,18 +39,45 @@ class ToolCallText:
         at = self.held.find(OPEN)
         if at >= 0:
             out, self.held, self.holding = self.held[:at], self.held[at:], True
+            self._cut_a_repeat(self.held)
         else:  # keep back what could be the start of a call's opening tag
             cut = len(self.held) - partial_tag(self.held, OPEN)
             out, self.held = self.held[:cut], self.held[cut:]
         self.sent_any = self.sent_any or bool(out.strip())
         return out
 
+    def _cut_a_repeat(self, text: str) -> None:
+        """Keep the held text up to the call that repeats an earlier one, if one just ended."""
+        if self.forced and isinstance(self.choice, dict):  # one arguments object: nothing to repeat
+            return
+        if ("}" if self.forced else ">") not in text:
+            return
+        seen, kept = set(), []
+        if self.forced:
+            for item in array_items(self.held):
+                call = json.loads(item)
+                key = (call["name"], json.dumps(call["parameters"], sort_keys=True))
+                if key in seen:
+                    self.held, self.repeated = "[" + ",".join(kept) + "]", True
+                    return
+                seen.add(key)
+                kept.append(item)
+            return
+        end = 0
+        while (close := self.held.find(CLOSE, end)) >= 0:
+            _, calls = parse_calls(self.held[: close + len(CLOSE)], self.tools)
+            if calls and call_key(calls[-1]) in {call_key(c) for c in calls[:-1]}:
+                self.held, self.repeated = self.held[:end], True
+                return
+            end = close + len(CLOSE)
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content still held, and the calls read from it."""
         held, self.held = self.held, ""
         if self.forced:
             try:
-                return "", forced_calls(held, self.tools, self.choice)
+                calls = forced_calls(held, self.tools, self.choice)
             except (ValueError, KeyError, TypeError):  # cut short (max_tokens): not a whole call
-                return held, []
+                calls = []
+            return ("", calls) if calls else (held, [])
         return parse_calls(held, self.tools)

@@ -229,3 +229,39 @@ def test_reasoning_is_kept_out_of_the_content_whatever_the_pieces(open_in_prompt
             got_r, got_c = got_r + r, got_c + c
         r, c = reader.finish()
         assert (got_r + r, got_c + c) == (reasoning, content), size
+
+
+def test_a_repeated_call_ends_the_answer_and_a_cut_array_keeps_its_whole_calls():
+    oslo = '{"name":"get_weather","parameters":{"city":"Oslo"}}'
+    lima = '{"name":"get_weather","parameters":{"city":"Lima"}}'
+    text = f"[{oslo},{lima},{oslo},{lima}"
+    for size in (1, 5, len(text)):
+        reader = ToolCallText(TOOLS, "required", forced=True)
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        fed = 0
+        for piece in pieces:
+            reader.feed(piece)
+            fed += len(piece)
+            if reader.repeated:
+                break
+        assert reader.repeated and (fed < len(text) or size == len(text)), size
+        reader = ToolCallText(TOOLS, "required", forced=True)
+        sent, rest, calls = stream(reader, pieces)
+        assert (sent, rest, calls) == ("", "", [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Lima"})])
+    # cut short by max_tokens: the whole calls before the cut
+    assert stream(ToolCallText(TOOLS, "required", True), [f"[{oslo},{lima[:20]}"])[2] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    # the same arguments in another order are the same call; "auto" blocks repeat too
+    block = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>'
+    again = '<tool_call>{"name": "get_weather", "arguments": {"unit": "c", "city": "Oslo"}}</tool_call>'
+    reader = ToolCallText(TOOLS, "auto", forced=False)
+    assert stream(reader, ["Sure. ", block, "\n", again, "\n", block]) == (
+        "Sure. ",
+        "",
+        [("get_weather", {"city": "Oslo", "unit": "c"})],
+    )
+    assert reader.repeated
+    # different calls do not end it
+    reader = ToolCallText(TOOLS, "auto", forced=False)
+    assert len(stream(reader, [block, block.replace("Oslo", "Lima")])[2]) == 2 and not reader.repeated
