@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from .api import chat, completions, models
+from .api import chat, completions, models, responses
 from .api.errors import OpenAIError
 from .body_limit import MAX_BODY_BYTES, BodyLimit, BodyTooLarge, too_large
 from .deps import LoginRequired, login_required
@@ -25,7 +25,7 @@ from .state import PanelState, open_state
 from .ui import discovered, help, login, nodes, playground, pools, requests, settings
 from .ui.render import STATIC_DIR
 
-API_ROUTERS = (models, chat, completions)
+API_ROUTERS = (models, chat, completions, responses)
 UI_ROUTERS = (login, nodes, discovered, pools, playground, requests, settings, help)
 
 

@@ -89,3 +89,14 @@ class RequestLog(SQLModel, table=True):
 class Setting(SQLModel, table=True):
     key: str = Field(primary_key=True)
     value: str
+
+
+class StoredResponse(SQLModel, table=True):
+    """A /v1/responses answer, kept (unless the request said `store: false`) for a later request's
+    `previous_response_id` and for GET /v1/responses/{id}, until it expires."""
+
+    id: str = Field(primary_key=True)  # resp_…
+    created: float = Field(default_factory=time.time)
+    expires: float = Field(index=True)
+    conversation: str  # JSON: the chat messages up to and with this answer, its instructions left out
+    response: str  # JSON: the response object as it was returned

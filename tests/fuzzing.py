@@ -75,6 +75,8 @@ def runs_long(label: str, body, context: int) -> bool:
         return False
     if label in ("POST /v1/chat/completions", "POST /v1/completions"):  # absent: 256, beyond the context
         values = [body.get("max_tokens"), body.get("max_completion_tokens")]
+    elif label == "POST /v1/responses":
+        values = [body.get("max_output_tokens")]
     elif label in ("POST /v1/generate", "POST /v1/decode"):  # the agent's routes that generate
         sampling = body.get("sampling", {})
         values = [sampling.get("max_tokens", 16) if isinstance(sampling, dict) else None]  # 16: the default
@@ -220,13 +222,19 @@ def media_type(response) -> str:
 
 
 def panel_answer(response) -> None:
-    """A refusal is OpenAI's error object; a stream ends with [DONE] and carries no error event
-    (schemathesis reads at most 20 events of a stream: a longer one is not checked)."""
+    """A refusal is OpenAI's error object; a stream ends with [DONE] (a Responses stream with its
+    completed or incomplete event) and carries no error event (schemathesis reads at most 20
+    events of a stream: a longer one is not checked)."""
     if 400 <= response.status_code < 500:
         error = response.json()["error"]
         assert error["message"] and error["type"] and {"param", "code"} <= set(error), error
     elif media_type(response) == "text/event-stream" and not response.stream_cut_short:
-        assert response.text.endswith("data: [DONE]\n\n") and '"error"' not in response.text, response.text[-500:]
+        text = response.text
+        if text.startswith("event: "):
+            last = text.rstrip("\n").rsplit("\n\n", 1)[-1]
+            assert last.split("\n", 1)[0] in ("event: response.completed", "event: response.incomplete"), text[-500:]
+        else:
+            assert text.endswith("data: [DONE]\n\n") and '"error"' not in text, text[-500:]
 
 
 def agent_answer(response) -> None:

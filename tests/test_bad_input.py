@@ -23,7 +23,16 @@ import pytest
 
 from .agents import AgentProcess, PanelProcess, settle
 from .conftest import write_report
-from .fuzzing import CALL_TIMEOUT, VOCAB, fuzz, fuzz_agent, narrowed, panel_answer, without_headers
+from .fuzzing import (
+    CALL_TIMEOUT,
+    VOCAB,
+    fuzz,
+    fuzz_agent,
+    narrowed,
+    panel_answer,
+    path_parameter,
+    without_headers,
+)
 
 CONTEXT = 64  # tokens: the agents' context length (see the module docstring)
 COUNTS: dict[str, dict] = {}  # schemathesis cases and 5xx per API, written to reports/bad_input.json
@@ -127,13 +136,25 @@ def test_schemathesis_panel_openai_api(cluster):
             ("CompletionBody", "max_tokens"): small,
             ("ChatBody", "max_completion_tokens"): small,
             ("CompletionBody", "max_completion_tokens"): small,
+            ("ResponsesBody", "model"): model,
+            ("ResponsesBody", "input"): {
+                "anyOf": [{"type": "string", "maxLength": 20}, {"type": "array", "maxItems": 2, "items": message}]
+            },
+            ("ResponsesBody", "max_output_tokens"): small,
             # the API takes some parameters it does not declare (and refuses unknown ones): valid cases send none
             ("ChatBody", None): False,
             ("CompletionBody", None): False,
+            ("ResponsesBody", None): False,
         },
     )
-    for body in ("ChatBody", "CompletionBody"):  # without it: 256 tokens, more than this context holds
-        doc["components"]["schemas"][body]["required"].append("max_tokens")
+    # any text is a response id the panel looks up: invalid ids are those of another shape
+    doc = path_parameter(doc, "response_id", {"type": "string", "pattern": "^resp_[0-9a-f]{32}$"})
+    for body, field in (
+        ("ChatBody", "max_tokens"),
+        ("CompletionBody", "max_tokens"),
+        ("ResponsesBody", "max_output_tokens"),
+    ):
+        doc["components"]["schemas"][body]["required"].append(field)  # without it: 256 tokens, more than fits
     COUNTS["panel"] = fuzz(cluster["panel"].url, doc, dict(api.headers), panel_answer, CONTEXT)
     alive_and_idle(cluster)
 

@@ -5,7 +5,8 @@ The checkpoint is the embedded model with a thinking template in Qwen3's manner:
 prompt opens a `<think>` block unless `enable_thinking` is false, when it is opened and closed
 empty. The embedded model never closes the block itself, so with thinking on its whole answer is
 reasoning; `chat_template_kwargs={"enable_thinking": false}` (passed to the template) makes it
-all content. The router's unit tests cover a block that closes mid-answer."""
+all content. The router's unit tests cover a block that closes mid-answer. Through /v1/responses the
+reasoning is a reasoning item, its tokens counted as reasoning tokens."""
 
 from __future__ import annotations
 
@@ -60,3 +61,19 @@ def test_reasoning_stays_out_of_content_streaming_or_not(client):
     assert off[1] == "" and off[0].strip(), off
     assert ask(client, True, extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == off
     print(f"\nthinking: {reasoning!r}\nnot thinking: {off[0]!r}")
+
+
+def test_the_responses_api_returns_reasoning_as_a_reasoning_item(client):
+    args = dict(model="think", input=QUESTION[0]["content"], max_output_tokens=24, temperature=0)
+    whole = client.responses.create(**args)
+    (item,) = whole.output
+    assert item.type == "reasoning" and item.content[0].text.strip() and whole.output_text == ""
+    usage = whole.usage  # every token is reasoning but a stop token, which has no text
+    assert usage.output_tokens_details.reasoning_tokens == usage.output_tokens - (whole.status == "completed") > 0
+    events = list(client.responses.create(stream=True, **args))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == item.content[0].text and events[-1].response.output[0].content[0].text == deltas
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    off = client.responses.create(**args, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert [i.type for i in off.output] == ["message"] and off.output_text.strip()
+    assert off.usage.output_tokens_details.reasoning_tokens == 0

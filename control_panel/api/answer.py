@@ -72,11 +72,13 @@ class Answer:
         agents: Router,
         request_log: RequestLogWriter,
         reasoning: bool = False,
+        rid: str | None = None,
     ):
-        """`reasoning`: the chat template left a reasoning block open, so the answer begins in it."""
+        """`reasoning`: the chat template left a reasoning block open, so the answer begins in it.
+        `rid`: the answer's id (default: a new chatcmpl-… or cmpl-…)."""
         self.body, self.chat, self.ids, self.request_log = body, chat, ids, request_log
         self.stats = RouteStats()
-        self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.logged = request_log.start(
             RequestLog(model=body.model, request_id=self.rid, route="", prompt_tokens=len(ids))
@@ -89,6 +91,8 @@ class Answer:
         self.tool_text = ToolCallText(body.tools, body.tool_choice, tool_mode == "forced") if tool_mode else None
         self.calls: list[ToolCall] = []  # read from the answer once it ended
         self.text_offset = 0  # a text completion's logprobs count characters from the answer's start
+        self.delivered = 0  # tokens that have arrived
+        self.reasoning_tokens = 0  # of them, those whose text was all reasoning
 
     def log(self, outcome: str, error: str = "") -> None:
         stats = self.stats
@@ -118,6 +122,7 @@ class Answer:
                 if "error" in event:
                     raise RouteError(event["error"]["message"], 503)
                 if "token" in event:
+                    self.delivered += 1
                     if "logprobs" in event:
                         entries.append(event["logprobs"])
                     delta = self.scanner.feed(event["text"])
@@ -137,9 +142,13 @@ class Answer:
         """`texts` as (content, log-probability entries, reasoning): a chat's reasoning taken out
         of its content, and what the tools' reader holds back as calls (read into `self.calls`
         when the answer ends)."""
+        counted = 0
         async with aclosing(self.texts()) as texts:
             async for delta, entries in texts:
                 reasoning, content = self.reasoning_text.feed(delta) if self.reasoning_text else ("", delta)
+                if reasoning or content:  # held text counts with what it comes out with
+                    self.reasoning_tokens += 0 if content else self.delivered - counted
+                    counted = self.delivered
                 if self.tool_text is not None:
                     content = self.tool_text.feed(content)
                 if content or entries or reasoning:
@@ -207,7 +216,8 @@ class Answer:
         """The answer: a JSON body, or an SSE stream."""
         return await (self.streamed() if self.body.stream else self.whole())
 
-    async def whole(self) -> dict:
+    async def pieces(self) -> list[tuple[str, list[dict], str]]:
+        """All of `contents`, logged; a routing error raised as an OpenAIError."""
         try:
             pieces = [piece async for piece in self.contents()]
         except RouteError as e:
@@ -217,6 +227,10 @@ class Answer:
             self.log("cancelled")
             raise
         self.log("ok")
+        return pieces
+
+    async def whole(self) -> dict:
+        pieces = await self.pieces()
         finish = self.finish_reason
         text = "".join(delta for delta, _, _ in pieces)
         reasoning = "".join(r for _, _, r in pieces)
@@ -234,7 +248,9 @@ class Answer:
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self.head(obj), "choices": [choice], "usage": self.usage()}
 
-    async def streamed(self) -> StreamingResponse:
+    async def streamed(self, render=None) -> StreamingResponse:
+        """The answer as SSE: `render(pieces, first)` makes the events of `contents`' pieces (the
+        first one given apart), by default chat or completion chunks (`sse`)."""
         # Pull the first event before answering, so routing errors are real HTTP errors.
         gen = self.contents()
         try:
@@ -249,7 +265,7 @@ class Answer:
             self.log("cancelled")
             raise
         return StreamingResponse(
-            self.sse(gen, first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            (render or self.sse)(gen, first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
     async def sse(self, gen: AsyncIterator[tuple[str, list[dict], str]], first: tuple | None) -> AsyncIterator[bytes]:

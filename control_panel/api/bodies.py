@@ -238,28 +238,29 @@ def check_tool_messages(messages: list[dict]) -> None:
 
 def text_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
     """A message whose `content` is an array of parts (OpenAI's format, which vLLM's and OpenAI's
-    own clients send) as the one string a chat template renders: its text parts joined by
-    newlines, as vLLM joins them. Any other part (an image, audio, a file) is refused by name."""
+    own clients send) as the one string a chat template renders (`parts_text`)."""
     content = message.get("content")
     if not isinstance(content, list):
         return message
+    return {**message, "content": parts_text(f"messages[{index}].content", content, ("text",), "image_url", "messages")}
+
+
+def parts_text(where: str, parts: list, text_kinds: tuple[str, ...], image_kind: str, param: str) -> str:
+    """Content parts as one string: their text parts joined by newlines, as vLLM joins them. Any
+    other part (an image, audio, a file) is refused by name."""
     texts = []
-    for part in content:
+    for part in parts:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind == "image_url":
+        if kind == image_kind:
             raise OpenAIError(
-                400,
-                f"messages[{index}].content: an `image_url` part needs a model with vision; this model reads text only",
-                param="messages",
+                400, f"{where}: an `{kind}` part needs a model with vision; this model reads text only", param=param
             )
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind not in text_kinds or not isinstance(part.get("text"), str):
             raise OpenAIError(
-                400,
-                f"messages[{index}].content: a part of type `{kind}` is not supported: Tandem takes text parts only",
-                param="messages",
+                400, f"{where}: a part of type `{kind}` is not supported: Tandem takes text parts only", param=param
             )
         texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+    return "\n".join(texts)
 
 
 class CompletionBody(_Common):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from sqlalchemy import Engine
 
 from ..deps import API_KEY, AgentRouter, Db, RequestLogs
+from ..request_log import RequestLogWriter
+from ..router import Router
 from ..targets import resolve_target
 from .answer import Answer
 from .bodies import ChatBody
@@ -12,8 +15,10 @@ from .bodies import ChatBody
 router = APIRouter(dependencies=API_KEY)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatBody, db: Db, agents: AgentRouter, request_log: RequestLogs):
+async def chat_answer(
+    body: ChatBody, db: Engine, agents: Router, request_log: RequestLogWriter, rid: str | None = None
+) -> Answer:
+    """The answer to a chat body, checked, routed and tokenized (what /v1/responses runs too)."""
     body.check()
     sampling = body.sampling()  # refused here, before any agent is asked anything
     target = resolve_target(db, body.model)
@@ -23,5 +28,11 @@ async def chat_completions(body: ChatBody, db: Db, agents: AgentRouter, request_
         tools=body.tools if body.tool_mode else None,
         chat_template_kwargs=body.chat_template_kwargs,
     )
-    answer = Answer(body, True, prompt.token_ids, target, sampling, agents, request_log, reasoning=prompt.reasoning)
-    return await answer.respond()
+    return Answer(
+        body, True, prompt.token_ids, target, sampling, agents, request_log, reasoning=prompt.reasoning, rid=rid
+    )
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatBody, db: Db, agents: AgentRouter, request_log: RequestLogs):
+    return await (await chat_answer(body, db, agents, request_log)).respond()

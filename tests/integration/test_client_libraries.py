@@ -1,7 +1,8 @@
 """Three agent frameworks pointed at the panel as at any OpenAI-compatible server, on a P/D pair
 (torch → MLX, the product's default) and a vLLM → SGLang pair: LangChain's ChatOpenAI
 (`bind_tools`, `with_structured_output`), pydantic-ai (an agent with one tool and a typed result)
-and the OpenAI Agents SDK (an agent that must call its tool, then answers). Pinned in the test
+and the OpenAI Agents SDK (an agent that must call its tool, then answers; through Chat
+Completions and through the Responses API). Pinned in the test
 dependencies; nothing here reaches outside this machine."""
 
 from __future__ import annotations
@@ -89,21 +90,35 @@ def test_pydantic_ai_agent_with_a_tool_and_a_typed_result(cluster, route):
     assert CALLED and isinstance(result.output, Weather)
 
 
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
 @pytest.mark.parametrize("route", ROUTES, ids=IDS)
-def test_openai_agents_sdk_calls_its_tool_then_answers(cluster, route):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+def test_openai_agents_sdk_calls_its_tool_then_answers(cluster, route, api):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # no traces leave this machine
-    client = AsyncOpenAI(base_url=cluster.panel.url + "/v1", api_key=cluster.api_key, max_retries=0)
-    agent = Agent(
-        name="weather",
-        instructions="Answer questions about the weather.",
-        tools=[function_tool(get_weather)],
-        model=OpenAIChatCompletionsModel(model=pair_name(*route), openai_client=client),
-        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60),
-    )
+
+    async def run():
+        client = AsyncOpenAI(base_url=cluster.panel.url + "/v1", api_key=cluster.api_key, max_retries=0)
+        model = {"chat_completions": OpenAIChatCompletionsModel, "responses": OpenAIResponsesModel}[api]
+        agent = Agent(
+            name="weather",
+            instructions="Answer questions about the weather.",
+            tools=[function_tool(get_weather)],
+            model=model(model=pair_name(*route), openai_client=client),
+            model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60),
+        )
+        return await Runner.run(agent, "What is the weather in Oslo?", max_turns=4)
+
     CALLED.clear()
-    result = asyncio.run(Runner.run(agent, "What is the weather in Oslo?", max_turns=4))
-    print(f"\nAgents SDK on {pair_name(*route)}: tool calls {CALLED}, answer {result.final_output!r}")
-    assert CALLED and isinstance(result.final_output, str) and result.final_output
+    result = asyncio.run(run())
+    print(f"\nAgents SDK ({api}) on {pair_name(*route)}: tool calls {CALLED}, answer {result.final_output!r}")
+    assert CALLED == ["Oslo"] and isinstance(result.final_output, str) and result.final_output
