@@ -128,8 +128,8 @@ def test_schemathesis_panel_openai_api(cluster):
         {
             ("ChatBody", "model"): model,
             ("CompletionBody", "model"): model,
-            ("ChatBody", "n"): {"enum": [1]},
-            ("CompletionBody", "n"): {"enum": [1]},
+            ("ChatBody", "n"): {"type": "integer", "minimum": 1, "maximum": 2},
+            ("CompletionBody", "n"): {"type": "integer", "minimum": 1, "maximum": 2},
             ("ChatBody", "messages"): {"type": "array", "minItems": 1, "maxItems": 2, "items": message},
             ("CompletionBody", "prompt"): prompt,
             ("ChatBody", "max_tokens"): small,
@@ -213,7 +213,7 @@ def test_bad_sampling_values(cluster, path, stream):
         ("seed", 2**64),
         ("seed", "x"),
         ("presence_penalty", "x"),
-        ("n", 2),
+        ("n", 17),
         ("stop", 3),
         ("stop", ["a", "b", "c", "d", "e"]),  # OpenAI's bound: 4
         ("top_logprobs", 21),  # on chat: needs logprobs (below: past its bound); on completions: not a field

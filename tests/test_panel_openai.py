@@ -67,9 +67,42 @@ def test_errors_have_openai_shape(cluster):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "model_not_found"
-    for extra in ({"n": 2}, {"modalities": ["audio"]}, {"functions": [{"name": "f"}]}, {"tools": [{"type": "x"}]}):
+    for extra in (
+        {"n": 17},
+        {"n": 0},
+        {"modalities": ["audio"]},
+        {"functions": [{"name": "f"}]},
+        {"tools": [{"type": "x"}]},
+    ):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="t2m", messages=[{"role": "user", "content": "hi"}], **extra)
     bad = openai.OpenAI(base_url=cluster["panel"].url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+@pytest.mark.parametrize("pair", ["t2m", "m2t"])
+def test_n_choices_are_sampled_apart_streaming_or_not(cluster, pair):
+    """n choices of one request: indices 0..n-1, choice i seeded seed + i (its first token is the
+    one a request seeded so samples alone: later ones read logits of a batch of n rows, which
+    round apart from one row's and can tip a draw at temperature 1), usage summed over the
+    choices, streamed chunks interleaved by index; greedy choices are alike."""
+    client = cluster["client"]
+    messages = [{"role": "user", "content": "Write a word."}]
+    args = dict(model=pair, messages=messages, max_tokens=8, temperature=1.0, logprobs=True)
+    whole = client.chat.completions.create(n=3, seed=7, **args)
+    choices = sorted(whole.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1, 2] and len({c.message.content for c in choices}) > 1, choices
+    alone = [client.chat.completions.create(seed=7 + i, **args).choices[0] for i in range(3)]
+    assert [c.logprobs.content[0].token for c in choices] == [a.logprobs.content[0].token for a in alone]
+    assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in choices)
+    chunks = list(
+        client.chat.completions.create(n=3, seed=7, stream=True, stream_options={"include_usage": True}, **args)
+    )
+    by_index = [[c.choices[0] for c in chunks if c.choices and c.choices[0].index == i] for i in range(3)]
+    for streamed in by_index:
+        assert "".join(c.delta.content or "" for c in streamed) and [c.finish_reason for c in streamed][-1]
+    entries = sum(len(c.logprobs.content) for choice in by_index for c in choice if c.logprobs)
+    assert chunks[-1].usage.completion_tokens == entries
+    greedy = client.completions.create(model=pair, prompt="The capital of France is", n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in greedy.choices] == [0, 1] and greedy.choices[0].text == greedy.choices[1].text

@@ -33,10 +33,14 @@ def cluster(smol_dir, tmp_path_factory):
             }
 
 
-def test_client_disconnect_aborts_both_roles(cluster):
+@pytest.mark.parametrize("n", [1, 2])
+def test_client_disconnect_aborts_both_roles(cluster, n):
+    """A client gone mid-stream: every choice's roles stop and release, and each is logged."""
+    before = len(log_rows(cluster["home"]))
     stream = cluster["client"].chat.completions.create(
         model="pd",
         stream=True,
+        n=n,
         max_tokens=500,
         temperature=0,
         messages=[{"role": "user", "content": "Write a very long story about a lighthouse."}],
@@ -47,10 +51,14 @@ def test_client_disconnect_aborts_both_roles(cluster):
     stream.close()
     settle(cluster["p"], cluster["d"])
     deadline = time.monotonic() + 10
-    while not log_rows(cluster["home"]) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # each choice's row is written as running, then as it ended
+        if all(r.outcome != "running" for r in log_rows(cluster["home"])[before:]):
+            break
         time.sleep(0.1)
-    row = log_rows(cluster["home"])[-1]
-    assert row.route == "pd" and row.outcome == "cancelled" and row.output_tokens < 500
+    rows = log_rows(cluster["home"])[before:]
+    assert len(rows) == n, rows
+    for row in rows:
+        assert row.route == "pd" and row.outcome == "cancelled" and row.output_tokens < 500, row
 
 
 def test_a_pair_with_compressed_pages_answers_the_same_with_fewer_bytes(cluster):

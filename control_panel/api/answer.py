@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
@@ -73,10 +73,11 @@ class Answer:
         request_log: RequestLogWriter,
         reasoning: bool = False,
         rid: str | None = None,
+        index: int = 0,
     ):
         """`reasoning`: the chat template left a reasoning block open, so the answer begins in it.
-        `rid`: the answer's id (default: a new chatcmpl-… or cmpl-…)."""
-        self.body, self.chat, self.ids, self.request_log = body, chat, ids, request_log
+        `rid`: the answer's id (default: a new chatcmpl-… or cmpl-…). `index`: its choice's."""
+        self.body, self.chat, self.ids, self.request_log, self.index = body, chat, ids, request_log, index
         self.stats = RouteStats()
         self.rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -201,9 +202,9 @@ class Answer:
         logprobs = self.choice_logprobs(entries) if entries else None
         if self.chat:
             d = {} if delta is None else {"content": delta}
-            choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
             return {**self.head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": self.index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self.head("text_completion"), "choices": [choice]}
 
     def piece_chunk(self, content: str, entries: list[dict], reasoning: str) -> dict:
@@ -241,9 +242,9 @@ class Answer:
         if reasoning:
             message["reasoning_content"] = reasoning
         choice = (
-            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
             if self.chat
-            else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            else {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         )
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self.head(obj), "choices": [choice], "usage": self.usage()}
@@ -268,33 +269,92 @@ class Answer:
             (render or self.sse)(gen, first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
-    async def sse(self, gen: AsyncIterator[tuple[str, list[dict], str]], first: tuple | None) -> AsyncIterator[bytes]:
-        outcome, error = "cancelled", ""
+    async def chunks(self, gen: AsyncIterator[tuple[str, list[dict], str]], first: tuple | None) -> AsyncIterator[dict]:
+        """The stream's chunks, from the role's to the finish reason's; a routing error raised."""
+        if self.chat:
+            head = self.chunk(None, None)
+            head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            yield head
+        if first is not None:
+            yield self.piece_chunk(*first)
+            async for piece in gen:
+                yield self.piece_chunk(*piece)
+        for index, call in enumerate(self.calls):  # each whole, in one chunk: the SDK joins them as sent
+            chunk = self.chunk(None, None)
+            chunk["choices"][0]["delta"] = {"tool_calls": [call.openai(index)]}
+            yield chunk
+        yield self.chunk(None, self.finish_reason)
+
+    def usage_chunk(self, usage: dict) -> bytes | None:
+        """The final usage chunk, when the request asked for it."""
+        if not (self.body.stream_options and self.body.stream_options.include_usage):
+            return None
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self.head(obj), "choices": [], "usage": usage})
+
+    def sse(self, gen: AsyncIterator[tuple[str, list[dict], str]], first: tuple | None) -> AsyncIterator[bytes]:
+        return stream_choices([self], [gen], [first], self.usage)
+
+
+async def stream_choices(
+    answers: list[Answer], gens: list[AsyncIterator], firsts: list[tuple | None], usage: Callable[[], dict]
+) -> AsyncIterator[bytes]:
+    """The SSE stream of one or more answers (`n` choices) whose first pieces were pulled: their
+    chunks as they come, interleaved, then the usage chunk if asked and [DONE]; a routing error in
+    any ends the stream with an error event and stops the others. Each answer is logged."""
+    chunks: asyncio.Queue = asyncio.Queue()  # chunks, then None from each answer (or its error)
+
+    async def pump(answer: Answer, gen: AsyncIterator, first: tuple | None) -> None:
         try:
-            if self.chat:
-                head = self.chunk(None, None)
-                head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield sse(head)
-            if first is not None:
-                yield sse(self.piece_chunk(*first))
-                async for piece in gen:
-                    yield sse(self.piece_chunk(*piece))
-            for index, call in enumerate(self.calls):  # each whole, in one chunk: the SDK joins them as sent
-                chunk = self.chunk(None, None)
-                chunk["choices"][0]["delta"] = {"tool_calls": [call.openai(index)]}
-                yield sse(chunk)
-            yield sse(self.chunk(None, self.finish_reason))
-            if self.body.stream_options and self.body.stream_options.include_usage:
-                obj = "chat.completion.chunk" if self.chat else "text_completion"
-                yield sse({**self.head(obj), "choices": [], "usage": self.usage()})
-            yield DONE
-            outcome = "ok"
-        except RouteError as e:
-            outcome, error = "error", str(e)
-            yield sse({"error": {"message": str(e), "type": e.kind, "param": None, "code": None}})
-            yield DONE
-        finally:
-            try:
-                await gen.aclose()
-            finally:  # logged even when closing fails (the panel shutting down under it)
-                self.log(outcome, error)
+            async for chunk in answer.chunks(gen, first):
+                await chunks.put(chunk)
+            await chunks.put(None)
+        except Exception as e:  # noqa: BLE001 -- raised where the stream is written
+            await chunks.put(e)
+
+    outcome, error = "cancelled", ""
+    tasks = [asyncio.create_task(pump(*args)) for args in zip(answers, gens, firsts, strict=True)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await chunks.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield sse(item)
+        if usage_chunk := answers[0].usage_chunk(usage()):
+            yield usage_chunk
+        yield DONE
+        outcome = "ok"
+    except RouteError as e:
+        outcome, error = "error", str(e)
+        yield error_event(e)
+    finally:
+        # A client gone cancels this stream's task for good (anyio's cancel scope: every later
+        # await here is cancelled too), so the closing runs as a task of its own, to its end.
+        closing = asyncio.ensure_future(_close(answers, gens, tasks, outcome, error))
+        _CLOSING.add(closing)
+        closing.add_done_callback(_CLOSING.discard)
+        await asyncio.shield(closing)
+
+
+_CLOSING: set[asyncio.Task] = set()  # closings under way (the loop keeps only weak references)
+
+
+async def _close(answers: list[Answer], gens: list[AsyncIterator], tasks: list[asyncio.Task], outcome: str, error: str):
+    """Stop the answers' pumps, close their streams (aborting both roles of each) and log them."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for answer, gen in zip(answers, gens, strict=True):
+        try:
+            await gen.aclose()
+        finally:  # logged even when closing fails (the panel shutting down under it)
+            answer.log(outcome, error)
+
+
+def error_event(e: RouteError) -> bytes:
+    """A routing error in the middle of a stream, and the stream's end."""
+    return sse({"error": {"message": str(e), "type": e.kind, "param": None, "code": None}}) + DONE

@@ -27,6 +27,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "ignore_eos", *SERVE
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default (Tandem's own is greedy)
 DEFAULT_MAX_TOKENS = 256
 MAX_STOPS = 4  # OpenAI's bound on stop strings
+MAX_CHOICES = 16  # `n`: each choice is a request on the route (control_panel/api/choices.py)
 
 
 class _Common(BaseModel):
@@ -55,8 +56,8 @@ class _Common(BaseModel):
     )
 
     def check(self) -> None:
-        if self.n != 1:
-            raise OpenAIError(400, "n must be 1: Tandem returns one choice per request", param="n")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise OpenAIError(400, f"`n`: 1 to {MAX_CHOICES} choices (got {self.n})", param="n")
         if len(self.stops) > MAX_STOPS:
             raise OpenAIError(400, f"`stop`: at most {MAX_STOPS} stop strings (got {len(self.stops)})", param="stop")
         extra = self.model_extra or {}

@@ -11,13 +11,14 @@ from ..router import Router
 from ..targets import resolve_target
 from .answer import Answer
 from .bodies import ChatBody
+from .choices import Choices, answer_or_choices
 
 router = APIRouter(dependencies=API_KEY)
 
 
 async def chat_answer(
     body: ChatBody, db: Engine, agents: Router, request_log: RequestLogWriter, rid: str | None = None
-) -> Answer:
+) -> Answer | Choices:
     """The answer to a chat body, checked, routed and tokenized (what /v1/responses runs too)."""
     body.check()
     sampling = body.sampling()  # refused here, before any agent is asked anything
@@ -28,8 +29,16 @@ async def chat_answer(
         tools=body.tools if body.tool_mode else None,
         chat_template_kwargs=body.chat_template_kwargs,
     )
-    return Answer(
-        body, True, prompt.token_ids, target, sampling, agents, request_log, reasoning=prompt.reasoning, rid=rid
+    return answer_or_choices(
+        body,
+        True,
+        prompt.token_ids,
+        target,
+        sampling,
+        agents=agents,
+        request_log=request_log,
+        reasoning=prompt.reasoning,
+        rid=rid,
     )
 
 

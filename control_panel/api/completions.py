@@ -7,8 +7,8 @@ from fastapi import APIRouter
 from ..deps import API_KEY, AgentRouter, Db, RequestLogs
 from ..router import Router, Target
 from ..targets import resolve_target
-from .answer import Answer
 from .bodies import CompletionBody
+from .choices import answer_or_choices
 from .errors import OpenAIError
 
 router = APIRouter(dependencies=API_KEY)
@@ -29,4 +29,4 @@ async def completions(body: CompletionBody, db: Db, agents: AgentRouter, request
     sampling = body.sampling()  # refused here, before any agent is asked anything
     target = resolve_target(db, body.model)
     ids = await prompt_ids(body, agents, target)
-    return await Answer(body, False, ids, target, sampling, agents, request_log).respond()
+    return await answer_or_choices(body, False, ids, target, sampling, agents=agents, request_log=request_log).respond()

@@ -79,6 +79,7 @@ class ResponsesBody(BaseModel):
         "max_tool_calls",
         "context_management",
         "stream_options",
+        "n",  # one output per response: a chat's `n` has no place in it
     )
 
     def check(self) -> None:
