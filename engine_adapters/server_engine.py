@@ -122,7 +122,10 @@ class ServerEngine(EngineAdapter):
         loop = asyncio.get_running_loop()
         if self._http is None or self._http.closed or self._http_loop is not loop:
             # a session belongs to one event loop (tests drive adapters from several)
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                headers={"Authorization": f"Bearer {self.server.api_key}"},  # the server's own key
+            )
             self._http_loop = loop
         return self._http
 

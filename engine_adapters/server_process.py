@@ -7,6 +7,8 @@ Subclasses say how to start it (`command`, `environment`) and where its health c
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -20,6 +22,7 @@ from tandem_protocol.errors import TandemError
 from tandem_protocol.page_memory import malloc_env
 
 REPO = Path(__file__).resolve().parent.parent
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)  # not passed on
 
 
 def engine_python(engine: str, explicit: Path | None, env_var: str, venv: str, make_target: str) -> Path:
@@ -62,7 +65,8 @@ class ServerProcess:
     """One engine server process, restarted if it dies (a crash fails the requests in flight)."""
 
     engine = "engine"
-    health_path = "/health"
+    health_path = "/health"  # open without the key, on both engines
+    api_key_env = "ENGINE_SERVER_KEY"  # where the server finds its key
     # A port found free can be taken by another process before the server binds it (engines
     # starting side by side pick theirs the same way): a start that fails on a port in use picks
     # new ports and tries again, this many times in all.
@@ -70,6 +74,10 @@ class ServerProcess:
 
     def __init__(self, log_path: Path, start_timeout: float):
         self.log_path, self.start_timeout = log_path, start_timeout
+        # The server listens on loopback, where any local user or web page can reach it: it takes
+        # requests with this key only, which its agent alone holds (given in its environment,
+        # which other users cannot read, never on its command line, which they can)
+        self.api_key = secrets.token_urlsafe(32)
         self.pick_ports()
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
@@ -82,11 +90,13 @@ class ServerProcess:
         raise NotImplementedError
 
     def environment(self) -> dict[str, str]:
-        # the engine never downloads weights or tokenizers either
-        # and keeps freed page buffers for the next request (tandem_protocol/page_memory.py)
+        """The agent's environment less its secrets (the cluster key, any other key, token or
+        password; `start` adds the server's own key, as `api_key_env`); the engine never downloads weights
+        or tokenizers either, and keeps freed page buffers for the next request
+        (tandem_protocol/page_memory.py)."""
         return {
             **malloc_env(),
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if not SECRET_NAME.search(k)},
             "PYTHONPATH": str(REPO),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -103,7 +113,7 @@ class ServerProcess:
             logged_before = log.tell()
             self.proc = subprocess.Popen(
                 self.command(),
-                env=self.environment(),
+                env={**self.environment(), self.api_key_env: self.api_key},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -107,11 +107,13 @@ class SGLangProcess(ServerProcess):
         cmd = [
             str(sglang_python(self.settings)),
             "-m",
-            "sglang.launch_server",
+            "engine_adapters.sglang_launch",  # sglang.launch_server, given its key from the environment
             "--model-path",
             str(self.model_dir),
             "--served-model-name",
             "tandem",
+            "--load-format",
+            "safetensors",  # weights as data only, never a pickle
             "--dtype",
             "float16",
             "--page-size",

@@ -67,6 +67,7 @@ class VLLMProcess(ServerProcess):
     """vLLM's OpenAI server with Tandem's connector loaded."""
 
     engine = "vLLM"
+    api_key_env = "VLLM_API_KEY"  # vLLM's own: its /v1 routes then need the key
 
     def __init__(self, model_dir: Path, context_length: int, bridge: Path, log_path: Path, settings: EngineSettings):
         super().__init__(log_path, settings.vllm_start_timeout)
@@ -97,6 +98,10 @@ class VLLMProcess(ServerProcess):
             "--enable-prefix-caching" if self.settings.prefix_caching else "--no-enable-prefix-caching",
             "--enable-prompt-tokens-details",  # the prompt tokens its cache served, in `usage`
             "--enforce-eager",
+            "--load-format",
+            "safetensors",  # weights as data only, never a pickle
+            "--allowed-origins",
+            "[]",  # no web page may read its answers (vLLM allows any origin by default)
             # structured outputs with llguidance, as the in-process engines and SGLang (tandem_protocol/grammar.py)
             "--structured-outputs-config",
             json.dumps({"backend": "guidance", "disable_any_whitespace": True}),

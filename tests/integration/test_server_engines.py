@@ -10,6 +10,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -104,3 +105,27 @@ def test_sampling_a_prefiller_cannot_honour_is_refused_before_anything_runs(clus
         model="sglang-to-sglang2", messages=QUESTION, max_tokens=20, temperature=0, extra_body=extra
     )
     assert "Paris" in answer.choices[0].message.content
+
+
+@pytest.mark.parametrize("name, path", [("vllm", "/v1/completions"), ("sglang2", "/generate")])
+def test_the_engine_servers_answer_their_agent_alone(cluster, name, path):
+    """Issue 22: vLLM's and SGLang's servers listen on loopback, where any local user or web page
+    reaches them: without the key their agent made for them they refuse a request; the key is in
+    neither their command line (which `ps` shows every user) nor, with the cluster key, anywhere in
+    their environment."""
+    agent = cluster[name]
+    pid = agent.status()["engine_stats"]["pid"]
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    port = int(argv[argv.index(b"--port") + 1])
+    assert b"--api-key" not in argv and b"--load-format" in argv, argv
+    environ = Path(f"/proc/{pid}/environ").read_bytes()
+    assert agent.key.encode() not in environ and b"TANDEM_CLUSTER_KEY" not in environ
+    body = (
+        {"prompt": "Hi", "max_tokens": 1}
+        if name == "vllm"
+        else {"text": "Hi", "sampling_params": {"max_new_tokens": 1}}
+    )
+    for headers in ({}, {"Authorization": f"Bearer {agent.key}"}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"http://127.0.0.1:{port}{path}", json={"model": "tandem", **body}, headers=headers, timeout=30)
+        assert r.status_code in (401, 403), (headers, r.status_code, r.text[:200])
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200  # what the agent polls
