@@ -61,6 +61,48 @@ def _http_error(status: int, where: str, body: bytes, retry_after: str | None = 
     return AgentHTTPError(status, f"{where} answered {status} {kind}: {message}", kind, err, retry)
 
 
+# A peer's answers are read up to these sizes, no further (the connection is closed past them): a
+# hostile or broken peer cannot make the reader hold what it sends.
+MAX_JSON = 1 << 20  # a JSON answer (status, info, a handoff)
+MAX_ERROR = 64 * 1024  # an error's body
+MAX_LINE = 1 << 20  # one line of a token stream
+
+
+class AnswerTooLarge(TandemError, ConnectionError):
+    """A peer's answer (or one line of it) is larger than the reader takes: a broken link to that
+    peer, as TransportError counts it."""
+
+
+async def read_capped(response: httpx.Response, limit: int) -> bytes:
+    """The response's body, or AnswerTooLarge once it passes `limit` bytes (whatever its
+    Content-Length claims: only what arrives counts)."""
+    if response.status_code >= 400:
+        limit = min(limit, MAX_ERROR)
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > limit:
+            if response.status_code >= 400:  # the error's start says enough
+                return bytes(body[:limit])
+            where = f"{response.url.host}:{response.url.port}"
+            raise AnswerTooLarge(f"{where} answered more than {limit} bytes to {response.url.path}")
+    return bytes(body)
+
+
+async def capped_lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The response's lines, none longer than MAX_LINE."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line
+        if len(pending) > MAX_LINE:
+            where = f"{response.url.host}:{response.url.port}"
+            raise AnswerTooLarge(f"{where} sent a line longer than {MAX_LINE} bytes on {response.url.path}")
+    if pending:
+        yield pending
+
+
 def _raise_for(response: httpx.Response, body: bytes) -> None:
     if response.status_code >= 400:
         where = f"{response.url.host}:{response.url.port}"
@@ -119,9 +161,10 @@ class AgentClient:
             await self._http.aclose()
 
     async def _json(self, method: str, path: str, **kwargs) -> dict:
-        response = await self.http.request(method, path, **kwargs)
-        _raise_for(response, response.content)
-        return response.json()
+        async with self.http.stream(method, path, **kwargs) as response:
+            body = await read_capped(response, MAX_JSON)
+        _raise_for(response, body)
+        return json.loads(body)
 
     async def healthz(self) -> dict:
         """Liveness (the one route that needs no key)."""
@@ -180,7 +223,7 @@ class AgentClient:
         line) raises AgentHTTPError."""
         async with self.http.stream("POST", path, json=body) as response:
             if response.status_code >= 400:
-                _raise_for(response, await response.aread())
-            async for line in response.aiter_lines():
+                _raise_for(response, await read_capped(response, MAX_ERROR))
+            async for line in capped_lines(response):
                 if line.strip():
                     yield json.loads(line)

@@ -27,6 +27,7 @@ from .pages import FrameExpectation, KVPage
 from .wire import FrameReader
 
 MAX_HEAD = 64 * 1024  # status line + headers
+MAX_ERROR_BODY = 64 * 1024  # of an error's body, what is kept (the rest is not read: the connection closes)
 SMALL_READ = 256  # how much to read while expecting a chunk-size line
 QUEUE_PAGES = 8  # pages received but not yet taken by the decoder before reading pauses
 # Payload reads stop at 512 KiB so that each piece is hashed while the kernel's copy of it is
@@ -148,7 +149,7 @@ class _Receiver(asyncio.BufferedProtocol):
                 take = min(self._length - len(self._body), self._used - pos)
                 self._body += buf[pos : pos + take]
                 pos += take
-                if len(self._body) == self._length:
+                if len(self._body) == self._length or len(self._body) >= MAX_ERROR_BODY:
                     self._finish_error()
             else:  # chunk data through the scratch buffer (frame heads, small chunks, error bodies)
                 take = min(self._chunk_left, self._used - pos)
@@ -160,6 +161,8 @@ class _Receiver(asyncio.BufferedProtocol):
                 pos += take
                 if self._chunk_left == 0:
                     self._state = "crlf"
+                if len(self._body) >= MAX_ERROR_BODY:
+                    self._finish_error()
         # keep what is left (a partial line) at the front
         self._small[: self._used - pos] = bytes(buf[pos : self._used])
         self._used -= pos
@@ -209,8 +212,13 @@ class _Receiver(asyncio.BufferedProtocol):
                 self._wake.set()
 
     def _finish_error(self) -> None:
+        """The error, with its body's first MAX_ERROR_BODY bytes; a longer body is not read on
+        (however long it claims to be): the connection closes."""
         self.complete = True
-        self._fail(HTTPStatusError(self._status, bytes(self._body)))
+        if len(self._body) >= MAX_ERROR_BODY and len(self._body) != self._length:
+            self.keep_alive = False
+            self.transport.close()
+        self._fail(HTTPStatusError(self._status, bytes(self._body[:MAX_ERROR_BODY])))
 
     def _deliver(self, items: list) -> None:
         if items:

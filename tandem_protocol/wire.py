@@ -32,6 +32,7 @@ from .pages import (
     FrameExpectation,
     FrameHeader,
     KVPage,
+    check_expectation,
     checksum_finish,
     decode_payload,
     parse_header,
@@ -161,6 +162,10 @@ class FrameReader:
         magic = head[:4]
         if magic == MAGIC:
             self._header = header = parse_header(head)
+            # what the header claims is checked against what this stream expects (its geometry
+            # above all) before anything is allocated for it: a hostile peer's header claiming a
+            # 1 GiB page ends the stream here
+            check_expectation(header, self.expect)
             # np.empty, not bytearray: the socket fills every byte, so zero-filling 1.5 MB per page
             # first (what bytearray does) was pure cost on the hot path
             self._frame = np.empty(HEADER_SIZE + header.payload_size, dtype=np.uint8)

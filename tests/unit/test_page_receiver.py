@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 
 import numpy as np
 import pytest
 
+from tandem_protocol import pages
 from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.errors import FrameError
 from tandem_protocol.handoff import PrefillDone
-from tandem_protocol.pages import FrameExpectation, KVPage, PageGeometry, frame_bytes, make_page
+from tandem_protocol.pages import (
+    HEADER_SIZE,
+    MAGIC,
+    PROTOCOL_VERSION,
+    RAW,
+    FrameExpectation,
+    KVPage,
+    PageGeometry,
+    frame_bytes,
+    make_page,
+)
 from tandem_protocol.wire import HEARTBEAT_FRAME, done_frame
 
 GEOMETRY = PageGeometry(layers=2, kv_heads=1, head_dim=8)
@@ -317,3 +329,56 @@ def test_page_response_sends_one_chunk_per_frame_on_the_agent_server_and_joins_e
             await task
 
     asyncio.run(main())
+
+
+class Flood(Server):
+    """Answers one request with `head`, then `size` zero bytes, 1 MiB at a time from one buffer
+    (so that only the reader's memory grows with what it takes)."""
+
+    def __init__(self, head: bytes, size: int):
+        super().__init__([])
+        self.head, self.size = head, size
+
+    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        block = bytes(1 << 20)
+        try:
+            await r.readuntil(b"\r\n\r\n")
+            w.write(self.head)
+            for _ in range(self.size // len(block)):
+                w.write(block)
+                await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        w.close()
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def test_a_hostile_peer_cannot_make_the_decoder_hold_what_it_claims():
+    """Issue 22: a frame header claiming a 1 GiB page (a geometry other than the stream's), then
+    64 MiB of it; an error claiming a 20 GB body, then 64 MiB of it. Each ends the stream with a
+    clear error at once; the reader's peak RSS grows by less than 16 MiB."""
+    huge = PageGeometry(layers=4096, kv_heads=8, head_dim=128)  # a consistent header, 1 GiB a page
+    header = pages._HEADER.pack(
+        MAGIC, PROTOCOL_VERSION, HEADER_SIZE, CONTRACT, HANDOFF_ID, TOKENS, 0, 64, 64,
+        huge.layers, huge.kv_heads, huge.head_dim, RAW, huge.page_bytes, 0,
+    )  # fmt: skip
+    assert huge.page_bytes == 1 << 30 and pages.parse_header(header).payload_size == 1 << 30
+    page_claim = ok(b"%x\r\n" % (HEADER_SIZE + huge.page_bytes) + header)
+    error_claim = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 21474836480\r\n\r\n"
+
+    async def main():
+        before = peak_rss()
+        for answer, says in ((page_claim, "geometry"), (error_claim, "500")):
+            async with Flood(answer, 64 << 20) as url:
+                client = AgentClient(url, "k")
+                with pytest.raises((FrameError, AgentHTTPError)) as e:
+                    await pull(client)
+                assert says in str(e.value), e.value
+                await client.aclose()
+        return (peak_rss() - before) / (1 << 20)
+
+    grown = asyncio.run(main())
+    assert grown < 16, f"peak RSS grew {grown:.1f} MiB"
