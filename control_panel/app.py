@@ -15,10 +15,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from tandem_protocol.gate import BodyTooLarge
+
 from .api import chat, completions, models, responses
 from .api.errors import OpenAIError
-from .body_limit import MAX_BODY_BYTES, BodyLimit, BodyTooLarge, too_large
 from .deps import LoginRequired, login_required
+from .gate import panel_gate, too_large
 from .login_limit import LoginLimiter
 from .router import RouteError
 from .state import PanelState, open_state
@@ -52,7 +54,7 @@ def create_app(state: PanelState) -> FastAPI:
             await state.aclose()
 
     app = FastAPI(title="Tandem panel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(panel_gate, db=state.db)  # the API key and the body's size, before the body
     app.state.panel = state
     app.state.db, app.state.router = state.db, state.router  # what the CLI and tests reach for
     add_error_handlers(app)

@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 
 console = Console()
+# Connections and requests at once; past it a new one gets 503 at once (uvicorn), not memory.
+MAX_CONNECTIONS = 1024
 
 
 def issue_credentials(data_dir: Path, api_key_name: str) -> tuple[str | None, str]:
@@ -32,7 +34,6 @@ def panel(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on (0 picks a free one)."),
     data_dir: Path = typer.Option(None, help="Where the panel keeps panel.db (default: $TANDEM_HOME/panel)."),
-    cluster_key: str = typer.Option(None, help="The cluster key of your agents (default: $TANDEM_CLUSTER_KEY)."),
     node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
     pair: list[str] = typer.Option(
         None,
@@ -62,7 +63,9 @@ def panel(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     data_dir = data_dir or settings().data_dir / "panel"
-    cluster_key = cluster_key or settings().cluster_key
+    # the agents' cluster key: $TANDEM_CLUSTER_KEY, else the one the panel keeps (never an
+    # argument: a command line is there for every local user to read)
+    cluster_key = settings().cluster_key
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -101,6 +104,9 @@ def panel(
     # The agent's HTTP protocol (uvicorn's, plus a stall timeout): a client that stops reading its
     # answer without hanging up would otherwise hold a decode on the agents for as long as TCP waits.
     http = PageStreamProtocol.with_stall_timeout(stall_timeout)
-    config = uvicorn.Config(web, log_level="warning", timeout_graceful_shutdown=5, http=http)
+    # past MAX_CONNECTIONS connections and requests at once, a new one gets 503 at once
+    config = uvicorn.Config(
+        web, log_level="warning", timeout_graceful_shutdown=5, http=http, limit_concurrency=MAX_CONNECTIONS
+    )
     quiet_shutdown_cancels()  # after the Config, which sets up uvicorn's loggers
     uvicorn.Server(config).run(sockets=[sock])

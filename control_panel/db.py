@@ -29,11 +29,14 @@ def alembic_config(url: str) -> Config:
 
 def open_db(path: Path, revision: str = "head") -> Engine:
     """Open (creating if needed) and migrate the database at `path` to `revision`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     url = f"sqlite:///{path}"
     command.upgrade(alembic_config(url), revision)
     engine = create_engine(url, connect_args={"check_same_thread": False})
     event.listen(engine, "connect", _fast_commits)
+    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if f.exists():  # it holds the cluster key, the session secret, the password's hash
+            f.chmod(0o600)
     return engine
 
 

@@ -1,55 +1,55 @@
-"""The panel's limit on request bodies: over MAX_BODY_BYTES is a 413, decided before the body is read."""
+"""The panel's gate (tandem_protocol/gate.py): the Host and Origin, the OpenAI API's key and a
+body over MAX_BODY_BYTES are checked before any of the body is read; refusals in the API's error
+shape (the web UI's in plain text: its forms carry a session and a CSRF token, checked by its
+routes)."""
 
 from __future__ import annotations
 
-from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
+from sqlalchemy import Engine
 from starlette.responses import PlainTextResponse, Response
 
+from tandem_protocol.gate import Gate
+
 from .api.errors import OpenAIError
+from .security import api_key_valid
 
 # A request body over this is refused with 413. An OpenAI request is text or token ids: 4 MiB holds
 # a prompt far longer than any context a desk machine serves.
 MAX_BODY_BYTES = 4 << 20
 
 
-class BodyTooLarge(HTTPException):
-    def __init__(self) -> None:
-        super().__init__(413, "Content Too Large")
+# The UI's scripts are files of its own (no inline script, no eval); styles may be inline (the
+# gauges' widths, htmx's indicator rule); nothing is framed, fetched or posted elsewhere.
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+HEADERS = {"Content-Security-Policy": CSP, "Referrer-Policy": "same-origin", "X-Frame-Options": "DENY"}
 
 
-class BodyLimit:
-    """Refuses a body over `limit` bytes: from its Content-Length, before any of it is read, or as
-    soon as a chunked body grows past it (an HTTPException from `receive`, which FastAPI passes on
-    to the handlers). Starlette's own limit answers an announced length in plain text, whatever
-    the app's handlers say, so the panel has this one."""
+def panel_gate(app, db: Engine) -> Gate:
+    return Gate(
+        app,
+        limit=MAX_BODY_BYTES,
+        keyed=lambda path: path.startswith("/v1/"),
+        key_valid=lambda token: api_key_valid(db, token),
+        refusal=refusal,
+        headers=HEADERS,
+    )
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = Headers(scope=scope).get("content-length", "")
-        if length.isdigit() and int(length) > self.limit:
-            return await too_large(scope["path"])(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise BodyTooLarge()
-            return message
-
-        await self.app(scope, limited, send)
+def refusal(status: int, path: str, message: str) -> Response:
+    if not path.startswith("/v1/"):
+        return PlainTextResponse(message, status_code=status)
+    if status == 401:
+        return OpenAIError(
+            401,
+            "missing or wrong API key (create one in the panel's Settings)",
+            kind="invalid_request_error",
+            code="invalid_api_key",
+        ).response()
+    return OpenAIError(status, message, code="request_too_large" if status == 413 else None).response()
 
 
 def too_large(path: str) -> Response:
-    if not path.startswith("/v1/"):
-        return PlainTextResponse("Content Too Large", status_code=413)
-    return OpenAIError(
-        413, f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes", code="request_too_large"
-    ).response()
+    return refusal(413, path, f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes")

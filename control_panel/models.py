@@ -100,3 +100,12 @@ class StoredResponse(SQLModel, table=True):
     expires: float = Field(index=True)
     conversation: str  # JSON: the chat messages up to and with this answer, its instructions left out
     response: str  # JSON: the response object as it was returned
+
+
+class UiSession(SQLModel, table=True):
+    """A signed-in browser's session, live until it signs out, idles out or the password changes
+    (its cookie names it by `sid`: a cookie whose row is gone opens nothing)."""
+
+    sid: str = Field(primary_key=True)
+    created: float = Field(default_factory=time.time)
+    last_seen: float = Field(default_factory=time.time)

@@ -30,6 +30,11 @@ from .models import Node, Pool, PoolMember
 
 log = logging.getLogger("tandem.panel")
 IDENTITY_TIMEOUT = 10.0
+# Unpaired nodes found by mDNS: at most this many are kept (the least recently seen goes first),
+# and one not seen for FOUND_EXPIRE_SECONDS is forgotten. mDNS is unauthenticated: anyone on the
+# LAN can announce as many nodes as they like.
+MAX_FOUND = 64
+FOUND_EXPIRE_SECONDS = 3600.0
 
 
 class PanelError(Exception):
@@ -373,7 +378,25 @@ async def note_discovered(engine: Engine, peer: Peer, present: bool, cluster_key
             node.contract, node.last_error = peer.properties.get("contract", ""), ""
         node.last_seen = time.time()
         s.add(node)
+        s.flush()
+        _bound_found(s, keep=node.id)
         s.commit()
+
+
+def _bound_found(s: Session, keep: int) -> None:
+    """Forget unpaired mDNS nodes that are stale or past MAX_FOUND (least recently seen first),
+    but never `keep` (the one just announced)."""
+    found = s.exec(
+        select(Node)
+        .where(Node.source == "mdns", Node.paired == False, Node.id != keep)  # noqa: E712 (SQL)
+        .order_by(Node.last_seen.desc())
+    ).all()
+    stale = time.time() - FOUND_EXPIRE_SECONDS
+    for i, node in enumerate(found):
+        if i >= MAX_FOUND - 1 or (node.last_seen or 0) < stale:
+            in_pools = s.exec(select(PoolMember).where(PoolMember.node_id == node.id)).first()
+            if in_pools is None:
+                s.delete(node)
 
 
 def remove_node(engine: Engine, node_id: int) -> tuple[str, list[str]] | None:

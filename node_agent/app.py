@@ -36,14 +36,21 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from engine_adapters.base import EngineAdapter
+from tandem_protocol.auth import key_matches
+from tandem_protocol.gate import Gate
 from tandem_protocol.pages import PROTOCOL_VERSION
 
 from .api import bench, config, decode, handoffs, info, tokenize
 from .engine_slot import Loader
-from .errors import add_error_handlers
+from .errors import add_error_handlers, refusal
 from .state import AgentConfig, AgentState
 
 log = logging.getLogger("tandem.agent")
+
+# A control request is JSON (token ids, settings): 8 MiB holds a prompt of over a million tokens.
+# Pages never travel in a request body (the decoder pulls them with a GET).
+MAX_BODY_BYTES = 8 << 20
+OPEN_PATHS = ("/healthz", "/v1/identity")  # the routes that need no cluster key
 
 # The order of the routes in the OpenAPI document
 ROUTERS = (info.open_router, info.router, config.router, tokenize.router, handoffs.router, decode.router, bench.router)
@@ -73,6 +80,14 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
         openapi_url=None,
     )
     app.state.agent = state
+    # the cluster key and the body's size, checked before a byte of the body is read
+    app.add_middleware(
+        Gate,
+        limit=MAX_BODY_BYTES,
+        keyed=lambda path: path not in OPEN_PATHS,
+        key_valid=lambda token: key_matches(token, config.cluster_key),
+        refusal=refusal,
+    )
     add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

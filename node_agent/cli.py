@@ -7,6 +7,7 @@ import logging
 import re
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from .identity import NodeIdInUse, claim_node_id, cluster_key, key_path, known_n
 # On Ctrl-C or SIGTERM, requests still streaming after this long are cancelled (each releases what
 # it holds on the way out) instead of being waited for: a token stream can run for minutes.
 GRACEFUL_SHUTDOWN_SECONDS = 5.0
+# Connections and requests at once; past it a new one gets 503 at once (uvicorn), not memory.
+# A desk's agent serves a few panels' polls, its peers' page streams and its decodes.
+MAX_CONNECTIONS = 256
 
 app = typer.Typer(help="Run and diagnose a node agent.", no_args_is_help=True)
 console = Console()
@@ -216,6 +220,7 @@ def serve(
                 log_level="warning",
                 http=PageStreamProtocol.with_stall_timeout(stall_timeout),
                 timeout_keep_alive=75,
+                limit_concurrency=MAX_CONNECTIONS,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
                 ssl_certfile=str(tls_cert) if tls_cert else None,
                 ssl_keyfile=str(tls_key) if tls_key else None,
@@ -230,12 +235,21 @@ def serve(
 
 @app.command()
 def key(
-    set_: str = typer.Option(None, "--set", help="Use this cluster key (share one key across a cluster)."),
+    set_: bool = typer.Option(
+        False,
+        "--set",
+        help="Set this node's cluster key (share one key across a cluster): paste it when asked, or give it "
+        "on standard input (`tandem agent key --set < file`). Never as an argument, which any local user can read.",
+    ),
     path_only: bool = typer.Option(False, "--path", help="Print where the key is kept."),
 ) -> None:
     """Show (or set) this node's cluster key."""
     if set_:
-        set_cluster_key(set_)
+        given = typer.prompt("cluster key", hide_input=True) if sys.stdin.isatty() else sys.stdin.readline()
+        try:
+            set_cluster_key(given.strip())
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--set") from None
     print(key_path() if path_only else cluster_key())
 
 

@@ -80,7 +80,7 @@ async def peer_http_error(request: Request, e: AgentHTTPError) -> JSONResponse:
 async def framework_error(request: Request, e: HTTPException) -> JSONResponse:
     # What FastAPI raises itself (a body that is not UTF-8, an unknown path or method): the
     # agent's error shape, like every other refusal, instead of FastAPI's {"detail": ...}
-    kind = "RequestError" if e.status_code == 400 else "HTTPError"
+    kind = GATE_ERRORS.get(e.status_code, "HTTPError")
     return JSONResponse(
         {"error": {"type": kind, "message": str(e.detail)}}, status_code=e.status_code, headers=e.headers
     )
@@ -92,11 +92,23 @@ async def invalid_body(request: Request, e: RequestValidationError) -> JSONRespo
 
 
 async def unauthorized(request: Request, e: Unauthorized) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"type": "Unauthorized", "message": "missing or wrong cluster key"}},
-        status_code=401,
-        headers={"WWW-Authenticate": "Bearer"},
-    )
+    return refusal(401, request.url.path, "")
+
+
+GATE_ERRORS = {400: "RequestError", 403: "Forbidden", 413: "RequestTooLarge"}
+
+
+def refusal(status: int, path: str, message: str) -> JSONResponse:
+    """What the gate (tandem_protocol/gate.py) answers before the app: a Host that is not this
+    machine's (400), a foreign page's Origin (403), a missing or wrong cluster key (401), a body
+    over the limit (413)."""
+    if status == 401:
+        return JSONResponse(
+            {"error": {"type": "Unauthorized", "message": "missing or wrong cluster key"}},
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return JSONResponse({"error": {"type": GATE_ERRORS[status], "message": message}}, status_code=status)
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from control_panel import cli as panel_cli
@@ -26,6 +28,8 @@ app.add_typer(bench, name="bench")
 
 
 def main() -> None:
+    # What Tandem writes (keys, the panel's database, identities, logs) is its user's alone
+    os.umask(0o077)
     try:
         app()
     except SettingsError as e:  # read at the start of a command: say which variable, no traceback

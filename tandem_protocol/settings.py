@@ -10,6 +10,7 @@ and `tandem agent doctor`.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import TypeVar
 
@@ -37,11 +38,19 @@ class TandemSettings(BaseSettings):
     cluster_key: str | None = Field(
         None, description="the cluster key (default: the key file in the data dir, created on first use)"
     )
+    allowed_hosts: str = Field(
+        "",
+        description="more names (comma-separated) the panel and agents answer to, beside IP addresses, "
+        "localhost and this machine's own names",
+    )
 
     @property
     def data_dir(self) -> Path:
+        """The data dir, created private (0700); one made open by an older Tandem is closed."""
         path = self.home.expanduser()
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.stat().st_mode & 0o077 and path.stat().st_uid == os.getuid():
+            path.chmod(0o700)
         return path
 
 

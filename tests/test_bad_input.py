@@ -14,6 +14,8 @@ counts (cases, statuses, 5xx per operation) go to reports/bad_input.json.
 from __future__ import annotations
 
 import contextlib
+import re
+import select
 import socket
 import time
 from urllib.parse import urlsplit
@@ -318,7 +320,7 @@ def head_for(cluster, path: str, length: int | None, close: bool = True) -> byte
 
 
 def test_oversized_bodies_are_refused_without_being_read(cluster):
-    from control_panel.body_limit import MAX_BODY_BYTES
+    from control_panel.gate import MAX_BODY_BYTES
 
     # announced as 1 GiB, of which 1 KiB is ever sent: the answer comes from the header alone
     t0 = time.monotonic()
@@ -346,7 +348,7 @@ def test_oversized_bodies_are_refused_without_being_read(cluster):
         head, body = read_one(s)
         assert head.startswith(b"HTTP/1.1 413") and b"larger than the limit" in body, (head, body)
         s.sendall(
-            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n\r\n"
+            b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\n\r\n"
             % cluster["panel"].api_key.encode()
         )
         head, body = read_one(s)
@@ -355,6 +357,73 @@ def test_oversized_bodies_are_refused_without_being_read(cluster):
     big = {"model": "pd", "prompt": "x" * (MAX_BODY_BYTES + 1), "max_tokens": 1}
     for path in ("/v1/completions", "/v1/chat/completions"):
         refused(cluster["api"].post(path, json=big), 413, "larger than the limit")
+    alive_and_idle(cluster)
+
+
+FLOOD = 256 << 20  # bytes a flood offers (issue 22's measured attack: 1.5 GB of an agent's RSS)
+MIB = 1 << 20
+
+
+def flood(url: str, method: str, path: str, key: str | None) -> tuple[bytes, int]:
+    """Offer a FLOOD-byte chunked body, 1 MiB a chunk, until the server answers or stops reading:
+    (the answer's status line, the bytes sent by then)."""
+    u = urlsplit(url)
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: {u.netloc}\r\n{auth}Content-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    chunk = b"%x\r\n%s\r\n" % (MIB, b" " * MIB)
+    sent = 0
+    with socket.create_connection((u.hostname, u.port), timeout=CALL_TIMEOUT) as s:
+        s.sendall(head)
+        s.settimeout(1)  # a server that stops reading: stop sending, read its answer
+        try:
+            while sent < FLOOD and not select.select([s], [], [], 0)[0]:
+                s.sendall(chunk)
+                sent += MIB
+        except (TimeoutError, BrokenPipeError, ConnectionResetError):
+            pass
+        s.settimeout(CALL_TIMEOUT)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while b"\r\n" not in answer and (data := s.recv(65536)):
+                answer += data
+    return answer.split(b"\r\n", 1)[0], sent
+
+
+def peak_rss(process) -> int:
+    """The process's peak resident set so far (VmHWM), in bytes."""
+    status = open(f"/proc/{process.proc.pid}/status").read()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
+
+
+def test_a_flood_of_body_is_refused_before_it_is_read(cluster):
+    """Issue 22: a 256 MiB chunked body to every agent route and to the panel's API. Without the
+    credential: 401 before any of the body is read; with it: 413 once past the limit (8 MiB on an
+    agent, 4 MiB on the panel). No process's peak RSS grows by 16 MiB."""
+    d, panel = cluster["d"], cluster["panel"]
+    with d.client() as c:
+        doc = c.get("/v1/openapi.json").json()
+    routes = [
+        (method.upper(), re.sub(r"\{[^}]+\}", "0" * 32, path)) for path, ops in doc["paths"].items() for method in ops
+    ]
+    assert len(routes) >= 12, routes
+    before = {name: peak_rss(cluster[name]) for name in ("p", "d", "panel")}
+    for method, path in routes:
+        status, sent = flood(d.url, method, path, None)
+        assert status.startswith(b"HTTP/1.1 401"), (method, path, status)
+        if method == "POST":
+            status, sent = flood(d.url, method, path, d.key)
+            assert status.startswith(b"HTTP/1.1 413"), (method, path, status)
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        status, _ = flood(panel.url, "POST", path, None)
+        assert status.startswith(b"HTTP/1.1 401"), (path, status)
+        status, _ = flood(panel.url, "POST", path, panel.api_key)
+        assert status.startswith(b"HTTP/1.1 413"), (path, status)
+    grown = {name: (peak_rss(cluster[name]) - before[name]) / MIB for name in before}
+    print(f"\npeak RSS growth under {len(routes)} agent routes and 3 panel routes flooded (MiB): {grown}")
+    assert all(g < 16 for g in grown.values()), grown
     alive_and_idle(cluster)
 
 

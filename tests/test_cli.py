@@ -69,7 +69,7 @@ def test_every_variable_is_documented_and_printed_by_the_doctor(tmp_path):
     named |= {var for cls in (TandemSettings, EngineSettings) for var, _, _ in env_table(cls)}
     readme = (REPO / "README.md").read_text()
     table = set(re.findall(r"^\| `(TANDEM_[A-Z0-9_]+)` \|", readme, re.MULTILINE))
-    assert table == named and len(table) == 24, sorted(table ^ named)
+    assert table == named and len(table) == 25, sorted(table ^ named)
     env = {"TANDEM_HOME": str(tmp_path / "home"), "TANDEM_VLLM_THREADS": "3", "TANDEM_CLUSTER_KEY": "k" * 20}
     result = tandem("agent", "doctor", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -84,3 +84,21 @@ def test_a_bad_setting_is_refused_at_start(tmp_path):
     result = tandem("agent", "doctor", env={"TANDEM_HOME": str(tmp_path), "TANDEM_SGLANG_ROLE": "both"})
     assert result.returncode == 1, result.stdout + result.stderr
     assert "bad environment variable: TANDEM_SGLANG_ROLE='both': Input should be" in result.stderr
+
+
+def test_the_cluster_key_is_set_from_standard_input_never_an_argument(tmp_path):
+    """Issue 22: a command line is there for every local user to read (`ps`)."""
+    env = {"TANDEM_HOME": str(tmp_path / "home")}
+    key = "tdm_" + "q" * 30
+    r = subprocess.run(
+        [TANDEM, "agent", "key", "--set"], input=key + "\n", capture_output=True, text=True, env={**os.environ, **env}
+    )
+    assert r.returncode == 0 and r.stdout.strip() == key, r.stdout + r.stderr
+    path = tmp_path / "home" / "cluster-key"
+    assert path.read_text().strip() == key and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "home").stat().st_mode & 0o777) == "0o700"
+    assert tandem("agent", "key", "--set", key, env=env).returncode != 0  # no value on the command line
+    short = subprocess.run(
+        [TANDEM, "agent", "key", "--set"], input="short\n", capture_output=True, text=True, env={**os.environ, **env}
+    )
+    assert short.returncode != 0 and "16 characters" in short.stdout + short.stderr

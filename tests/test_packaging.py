@@ -16,7 +16,7 @@ import control_panel, pathlib, sys
 from fastapi.testclient import TestClient
 from control_panel.app import create_panel_app
 app = create_panel_app(pathlib.Path(sys.argv[1]))
-with TestClient(app) as c:
+with TestClient(app, base_url="http://127.0.0.1") as c:
     page = c.get("/login", headers={"Accept-Language": "ja"})
     assert page.status_code == 200 and "ログイン" in page.text, page.text[:500]
     assert c.get("/static/htmx.min.js").status_code == 200

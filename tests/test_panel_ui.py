@@ -149,6 +149,8 @@ def test_browser_flow(cluster, browser):
     context = browser.new_context(viewport={"width": 1400, "height": 900}, locale="en-US")
     page = context.new_page()
     page.set_default_timeout(60_000)
+    refused = []  # what the panel's CSP blocked: nothing may be (every script is a file of its own)
+    page.on("console", lambda m: "Content Security Policy" in m.text and refused.append(m.text))
     try:
         # log in (a page asked for first sends the browser to /login and back)
         page.goto(panel.url + "/nodes")
@@ -318,6 +320,7 @@ def test_browser_flow(cluster, browser):
         page.wait_for_url(re.compile(r"/login"))
         page.goto(panel.url + "/requests")
         assert "/login" in page.url and page.locator("html").get_attribute("lang") == "ja"
+        assert not refused, refused
     finally:
         context.close()
 

@@ -62,7 +62,8 @@ async def login(
 
 
 @router.post("/logout")
-async def logout(_csrf: CsrfForm):
+async def logout(request: Request, panel: Panel, _csrf: CsrfForm):
+    panel.sessions.end(request)  # the cookie, copied or not, opens nothing from now on
     response = RedirectResponse("/login", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response

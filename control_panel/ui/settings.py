@@ -77,6 +77,7 @@ async def settings_password(
     if error := password_problem(panel.db, current, new, confirm, t):
         return render("settings.html", status_code=400, **settings_context(panel, pw_error=error))
     set_admin_password(panel.db, new)
+    panel.sessions.end_all()
     # the old session is now invalid: sign a new one for this browser, and render the page with
     # its CSRF token (the forms on it must work without a reload)
     data = panel.sessions.new_session()

@@ -18,7 +18,7 @@ KEY = "tdm_right-key-for-the-auth-test-0001"
 @pytest.fixture(scope="module")
 def client(engines):
     app = create_app(engines["torch"], AgentConfig(node_id="n" * 32, name="auth", cluster_key=KEY))
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:
         yield c
 
 
@@ -82,8 +82,8 @@ def test_the_key_opens_them(client):
     assert client.get("/v1/info", headers=headers).status_code == 200
     assert client.get("/v1/openapi.json", headers=headers).json()["info"]["title"] == "Tandem node agent"
     assert "tandem_budget_capacity_bytes" in client.get("/metrics", headers=headers).text
-    for path in ("/docs", "/redoc", "/openapi.json"):
-        assert client.get(path).status_code == 404
+    for path in ("/docs", "/redoc", "/openapi.json"):  # none served; without the key, not even that is said
+        assert client.get(path, headers=headers).status_code == 404 and client.get(path).status_code == 401
 
 
 def test_bad_bodies_get_clear_400s(client):
@@ -103,11 +103,11 @@ def test_an_agent_signs_only_addresses_its_operator_advertised(engines):
     from tandem_protocol.auth import new_nonce, proof_matches
 
     config = AgentConfig(node_id="a" * 32, name="fwd", cluster_key=KEY, advertised=frozenset({"192.0.2.7:7411"}))
-    with TestClient(create_app(engines["torch"], config)) as c:
+    with TestClient(create_app(engines["torch"], config), base_url="http://127.0.0.1") as c:
         for asked, signed in (
             ("192.0.2.7:7411", "192.0.2.7:7411"),
-            ("198.51.100.9:80", "testserver:80"),
-            (None, "testserver:80"),
+            ("198.51.100.9:80", "127.0.0.1:80"),
+            (None, "127.0.0.1:80"),
         ):
             nonce = new_nonce()
             answer = IdentityAnswer.model_validate(
@@ -115,3 +115,20 @@ def test_an_agent_signs_only_addresses_its_operator_advertised(engines):
             )
             assert answer.address == signed, (asked, answer)
             assert proof_matches(answer, KEY, nonce, "a" * 32, signed)
+
+
+def test_foreign_hosts_and_origins_are_refused(client):
+    """Issue 22: a name that is not this machine's (DNS rebinding) and a page of another site."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example"):
+        r = client.get("/healthz", headers={"Host": host})
+        assert r.status_code == 400 and "TANDEM_ALLOWED_HOSTS" in r.json()["error"]["message"], (host, r.text)
+    for host in ("127.0.0.1:9", "[::1]:9", "localhost", "LOCALHOST:1"):
+        assert client.get("/healthz", headers={"Host": host}).status_code == 200, host
+    r = client.post("/v1/tokenize", headers={**headers, "Origin": "http://evil.example"}, json={"text": "hi"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "Forbidden", r.text
+    same = client.post("/v1/tokenize", headers={**headers, "Origin": "http://127.0.0.1"}, json={"text": "hi"})
+    assert (
+        same.status_code != 403
+        and client.get("/v1/info", headers={**headers, "Origin": "http://x.example"}).status_code == 200
+    )

@@ -158,7 +158,7 @@ def stored_pair(app, name: str) -> StoredPair:
 
 async def _signed_in_calls(app, calls: list[tuple[str, str, dict]], lang: str) -> list[httpx.Response]:
     """Sign in, then make each (method, path, form) call; a form gets the session's CSRF token."""
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://panel") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
         login = await c.get("/login")
         token = re.search(r'name="csrf" value="([^"]+)"', login.text).group(1)
         assert (await c.post("/login", data={"password": PASSWORD, "csrf": token})).status_code == 303

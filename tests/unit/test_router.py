@@ -113,7 +113,7 @@ def panel(tmp_path_factory):
 async def _post(app, body: bytes, path: str = "/v1/chat/completions") -> httpx.Response:
     transport = httpx.ASGITransport(app=app)
     headers = {"Authorization": f"Bearer {app.state.api_key}", "content-type": "application/json"}
-    async with httpx.AsyncClient(transport=transport, base_url="http://panel", headers=headers) as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", headers=headers) as client:
         try:
             return await client.post(path, content=body)
         finally:
