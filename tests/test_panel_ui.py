@@ -264,7 +264,8 @@ def test_browser_flow(cluster, browser):
             new MutationObserver(() => window.__updates++).observe(document.getElementById('answer'),
                 {childList: true, characterData: true, subtree: true}); }""")
         page.click("#send")
-        page.wait_for_function("document.getElementById('s-ttft').textContent.endsWith('ms')", timeout=120_000)
+        # (a locator waits; wait_for_function would evaluate a string in the page, which its CSP forbids)
+        page.locator("#s-ttft", has_text=re.compile(r"ms$")).wait_for(timeout=120_000)
         answer = page.locator("#answer").inner_text()
         assert "Paris" in answer, answer
         assert page.evaluate("window.__updates") > 3  # many deltas, not one final blob
@@ -288,7 +289,7 @@ def test_browser_flow(cluster, browser):
         # switch to Japanese: the UI and the Help page are translated
         page.select_option("#lang-select", "ja")
         page.wait_for_load_state()
-        page.wait_for_function("document.documentElement.lang === 'ja'")
+        page.locator("html[lang='ja']").wait_for(state="attached")
         assert "/requests" in page.url
         nav = page.locator("header nav").inner_text()
         for word in ("ノード", "モデル", "プレイグラウンド", "リクエスト", "ヘルプ", "設定"):
