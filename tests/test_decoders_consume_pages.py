@@ -317,7 +317,9 @@ def plain_generate(plain: PlainSGLangServer, ids: list[int], max_tokens: int, to
     }
     if top:
         body.update(return_logprob=True, top_logprobs_num=top)
-    r = httpx.post(plain.url + "/generate", json=body, timeout=300)
+    r = httpx.post(
+        plain.url + "/generate", json=body, headers={"Authorization": f"Bearer {plain.api_key}"}, timeout=300
+    )
     r.raise_for_status()
     return r.json()
 
