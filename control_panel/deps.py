@@ -16,6 +16,8 @@ from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import Engine
 from sqlmodel import Session
 
+from tandem_protocol.auth import bearer_token
+
 from .api.errors import OpenAIError
 from .i18n import COOKIE as LANG_COOKIE
 from .i18n import Translator, pick_language
@@ -119,17 +121,10 @@ RequestLogs = Annotated[RequestLogWriter, Depends(request_log_writer)]
 
 
 async def api_key(panel: Panel, authorization: Annotated[str | None, Header()] = None) -> None:
-    """A valid API key as a bearer token. A dependency runs before the body is validated, so a bad
-    key is a 401 whatever the body holds (only a body too large, or not JSON at all, is refused
-    before the key is read)."""
-    token = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
-    if not api_key_valid(panel.db, token):
-        raise OpenAIError(
-            401,
-            "missing or wrong API key (create one in the panel's Settings)",
-            kind="invalid_request_error",
-            code="invalid_api_key",
-        )
+    """A valid API key as a bearer token: the route's declared credential (the panel's gate,
+    control_panel/gate.py, has already refused a request without one, before reading its body)."""
+    if not api_key_valid(panel.db, bearer_token(authorization)):
+        raise OpenAIError.bad_api_key()
 
 
 async def json_only(request: Request) -> None:

@@ -42,12 +42,7 @@ def refusal(status: int, path: str, message: str) -> Response:
     if not path.startswith("/v1/"):
         return PlainTextResponse(message, status_code=status)
     if status == 401:
-        return OpenAIError(
-            401,
-            "missing or wrong API key (create one in the panel's Settings)",
-            kind="invalid_request_error",
-            code="invalid_api_key",
-        ).response()
+        return OpenAIError.bad_api_key().response()
     return OpenAIError(status, message, code="request_too_large" if status == 413 else None).response()
 
 

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from tandem_protocol.auth import key_matches
+from tandem_protocol.auth import bearer_token, key_matches
 from tandem_protocol.errors import RequestError
 from tandem_protocol.pages import PROTOCOL_VERSION
 
@@ -62,8 +62,7 @@ AgentMetrics = Annotated[Metrics, Depends(agent_metrics)]
 async def cluster_key(
     config: Config, authorization: str | None = Header(None), x_tandem_protocol: int | None = Header(None)
 ) -> None:
-    token = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
-    if not key_matches(token, config.cluster_key):
+    if not key_matches(bearer_token(authorization), config.cluster_key):
         raise Unauthorized()
     if x_tandem_protocol is not None and x_tandem_protocol != PROTOCOL_VERSION:
         raise RequestError(

@@ -26,6 +26,11 @@ IDENTITY_PATH = "/v1/identity"
 _DOMAIN = b"tandem-identity-v1"
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header (None without one)."""
+    return authorization[7:] if authorization and authorization.startswith("Bearer ") else None
+
+
 def key_matches(presented: str | None, key: str) -> bool:
     """Constant-time comparison, so response timing reveals nothing about the key."""
     return presented is not None and hmac.compare_digest(presented.encode(), key.encode())

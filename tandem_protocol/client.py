@@ -24,7 +24,7 @@ import httpx
 
 from .api import TokenizeAnswer, TokenizeBody
 from .errors import TandemError
-from .page_receiver import HTTPStatusError, PageStream, ReceiverPool
+from .page_receiver import MAX_ERROR_BODY, HTTPStatusError, PageStream, ReceiverPool
 from .pages import PROTOCOL_VERSION, FrameExpectation
 from .settings import settings
 
@@ -63,8 +63,7 @@ def _http_error(status: int, where: str, body: bytes, retry_after: str | None = 
 
 # A peer's answers are read up to these sizes, no further (the connection is closed past them): a
 # hostile or broken peer cannot make the reader hold what it sends.
-MAX_JSON = 1 << 20  # a JSON answer (status, info, a handoff)
-MAX_ERROR = 64 * 1024  # an error's body
+MAX_JSON = 1 << 20  # a JSON answer (status, info, a handoff); an error's body: MAX_ERROR_BODY
 MAX_LINE = 1 << 20  # one line of a token stream
 
 
@@ -77,15 +76,14 @@ async def read_capped(response: httpx.Response, limit: int) -> bytes:
     """The response's body, or AnswerTooLarge once it passes `limit` bytes (whatever its
     Content-Length claims: only what arrives counts)."""
     if response.status_code >= 400:
-        limit = min(limit, MAX_ERROR)
+        limit = min(limit, MAX_ERROR_BODY)
     body = bytearray()
     async for chunk in response.aiter_bytes():
         body += chunk
         if len(body) > limit:
             if response.status_code >= 400:  # the error's start says enough
                 return bytes(body[:limit])
-            where = f"{response.url.host}:{response.url.port}"
-            raise AnswerTooLarge(f"{where} answered more than {limit} bytes to {response.url.path}")
+            raise AnswerTooLarge(f"{_peer(response)} answered more than {limit} bytes to {response.url.path}")
     return bytes(body)
 
 
@@ -97,16 +95,18 @@ async def capped_lines(response: httpx.Response) -> AsyncIterator[bytes]:
         for line in lines:
             yield line
         if len(pending) > MAX_LINE:
-            where = f"{response.url.host}:{response.url.port}"
-            raise AnswerTooLarge(f"{where} sent a line longer than {MAX_LINE} bytes on {response.url.path}")
+            raise AnswerTooLarge(f"{_peer(response)} sent a line longer than {MAX_LINE} bytes on {response.url.path}")
     if pending:
         yield pending
 
 
+def _peer(response: httpx.Response) -> str:
+    return f"{response.url.host}:{response.url.port}"
+
+
 def _raise_for(response: httpx.Response, body: bytes) -> None:
     if response.status_code >= 400:
-        where = f"{response.url.host}:{response.url.port}"
-        raise _http_error(response.status_code, where, body, response.headers.get("retry-after"))
+        raise _http_error(response.status_code, _peer(response), body, response.headers.get("retry-after"))
 
 
 class AgentClient:
@@ -223,7 +223,7 @@ class AgentClient:
         line) raises AgentHTTPError."""
         async with self.http.stream("POST", path, json=body) as response:
             if response.status_code >= 400:
-                _raise_for(response, await read_capped(response, MAX_ERROR))
+                _raise_for(response, await read_capped(response, MAX_ERROR_BODY))
             async for line in capped_lines(response):
                 if line.strip():
                     yield json.loads(line)

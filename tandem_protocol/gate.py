@@ -29,6 +29,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from .auth import bearer_token
 from .settings import settings
 
 Refusal = Callable[[int, str, str], Response]  # (status, path, message) -> the app's own error
@@ -67,11 +68,6 @@ class BodyTooLarge(HTTPException):
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
-
-
-def bearer(headers: Headers) -> str | None:
-    value = headers.get("authorization", "")
-    return value[7:] if value.startswith("Bearer ") else None
 
 
 class Gate:
@@ -116,7 +112,7 @@ class Gate:
         ):
             message = f"a request from the page of another site ({origin}) is refused"
             return await self.refusal(403, path, message)(scope, receive, send)
-        if self.keyed(path) and not self.key_valid(bearer(headers)):
+        if self.keyed(path) and not self.key_valid(bearer_token(headers.get("authorization"))):
             return await self.refusal(401, path, "missing or wrong credential")(scope, receive, send)
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.limit:

@@ -252,19 +252,7 @@ class Answer:
     async def streamed(self, render=None) -> StreamingResponse:
         """The answer as SSE: `render(pieces, first)` makes the events of `contents`' pieces (the
         first one given apart), by default chat or completion chunks (`sse`)."""
-        # Pull the first event before answering, so routing errors are real HTTP errors.
-        gen = self.contents()
-        try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except RouteError as e:
-            self.log("error", str(e))
-            raise openai_error(e) from e
-        except asyncio.CancelledError:
-            await gen.aclose()
-            self.log("cancelled")
-            raise
+        (gen,), (first,) = await first_pieces([self])
         return StreamingResponse(
             (render or self.sse)(gen, first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -294,6 +282,34 @@ class Answer:
 
     def sse(self, gen: AsyncIterator[tuple[str, list[dict], str]], first: tuple | None) -> AsyncIterator[bytes]:
         return stream_choices([self], [gen], [first], self.usage)
+
+
+async def first_pieces(answers: list[Answer]) -> tuple[list[AsyncIterator], list[tuple | None]]:
+    """Each answer's `contents` and its first piece, pulled at once before anything is sent, so
+    that a routing error is a real HTTP error; if one fails, or the client goes, every answer is
+    closed and logged."""
+    gens = [a.contents() for a in answers]
+
+    async def first(gen: AsyncIterator) -> tuple | None:
+        try:
+            return await gen.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(first(g)) for g in gens]
+    except BaseException as e:  # a routing error (in a group), or the client gone
+        route_error = next((x for x in getattr(e, "exceptions", ()) if isinstance(x, RouteError)), None)
+        for answer, gen in zip(answers, gens, strict=True):
+            try:
+                await gen.aclose()
+            finally:
+                answer.log("error" if route_error else "cancelled", str(route_error or ""))
+        if route_error is not None:
+            raise openai_error(route_error) from route_error
+        raise
+    return gens, [t.result() for t in tasks]
 
 
 async def stream_choices(

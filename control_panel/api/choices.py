@@ -14,8 +14,8 @@ from fastapi.responses import StreamingResponse
 
 from tandem_protocol.sampling import SamplingParams
 
-from ..router import RouteError, Target
-from .answer import Answer, openai_error, stream_choices
+from ..router import Target
+from .answer import Answer, first_pieces, stream_choices
 from .bodies import _Common
 
 
@@ -47,29 +47,7 @@ class Choices:
         return {**wholes[0], "choices": [w["choices"][0] for w in wholes], "usage": self.usage()}
 
     async def streamed(self) -> StreamingResponse:
-        """Every choice's first piece before answering, so routing errors are real HTTP errors."""
-        gens = [a.contents() for a in self.answers]
-
-        async def first(gen: AsyncIterator) -> tuple | None:
-            try:
-                return await gen.__anext__()
-            except StopAsyncIteration:
-                return None
-
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(first(g)) for g in gens]
-        except BaseException as e:  # a routing error (in a group), or the client gone
-            route_error = next((x for x in getattr(e, "exceptions", ()) if isinstance(x, RouteError)), None)
-            for answer, gen in zip(self.answers, gens, strict=True):
-                try:
-                    await gen.aclose()
-                finally:
-                    answer.log("error" if route_error else "cancelled", str(route_error or ""))
-            if route_error is not None:
-                raise openai_error(route_error) from route_error
-            raise
-        firsts = [t.result() for t in tasks]
+        gens, firsts = await first_pieces(self.answers)
         return StreamingResponse(
             self.sse(gens, firsts), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )

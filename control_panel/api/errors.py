@@ -18,6 +18,15 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.kind, self.param, self.code, self.retry_after = status, kind, param, code, retry_after
 
+    @classmethod
+    def bad_api_key(cls) -> OpenAIError:
+        return cls(
+            401,
+            "missing or wrong API key (create one in the panel's Settings)",
+            kind="invalid_request_error",
+            code="invalid_api_key",
+        )
+
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(int(self.retry_after))} if self.retry_after else None
         return JSONResponse(

@@ -56,7 +56,7 @@ class ToolCallText:
         if self.forced:
             for item in array_items(self.held):
                 call = json.loads(item)
-                key = (call["name"], json.dumps(call["parameters"], sort_keys=True))
+                key = call_key(ToolCall(call["name"], json.dumps(call["parameters"])))
                 if key in seen:
                     self.held, self.repeated = "[" + ",".join(kept) + "]", True
                     return
