@@ -29,6 +29,8 @@ class Node(SQLModel, table=True):
     contract: str = ""
     last_seen: float | None = None
     last_error: str = ""
+    # SHA-256 of the TLS certificate the node proved at pairing, checked on every connection ("" over plain HTTP)
+    tls_fingerprint: str = ""
 
 
 class Pool(SQLModel, table=True):

@@ -22,6 +22,7 @@ from tandem_protocol.api import PREFILLER_FAILED, DecodeBody, GenerateBody, Toke
 from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.sampling import SamplingParams
 
+from . import pins
 from .planner import Plan, Planner
 from .prefix_index import hashes_of
 
@@ -119,9 +120,12 @@ class Router:
         self.cluster_key = key
 
     def client(self, url: str) -> AgentClient:
-        if url not in self._clients:
-            self._clients[url] = AgentClient(url, self.cluster_key, transport=self._transport)
-        return self._clients[url]
+        client = self._clients.get(url)
+        if client is None or client.pin != pins.pinned(url):  # new, or paired again with another certificate
+            if client is not None:
+                self.forget(url)
+            client = self._clients[url] = pins.agent_client(url, self.cluster_key, transport=self._transport)
+        return client
 
     async def aclose(self) -> None:
         for task in list(self._measuring.values()):
@@ -267,7 +271,7 @@ class Router:
     async def _probe_link(self, p: str, d: str) -> None:
         self.planner.figures.link_tried[(p, d)] = time.monotonic()
         try:
-            m = await self.client(d).bench_link(p, LINK_PROBE_MEGABYTES)
+            m = await self.client(d).bench_link(p, LINK_PROBE_MEGABYTES, pins.pinned(p))
         except (AgentHTTPError, TransportError):
             return  # tried again after LINK_STALE_SECONDS; until then the rule in tokens
         self.planner.figures.linked(p, d, m["bytes_per_second"], m["rtt_seconds"], m.get("page_bytes", 0))
@@ -282,7 +286,11 @@ class Router:
             body = GenerateBody(token_ids=token_ids, sampling=sampling)
             return self._stream(plan.decode_url, "/v1/generate", body, stats)
         body = DecodeBody(
-            token_ids=token_ids, sampling=sampling, prefill_url=plan.prefill_url, page_encoding=target.page_encoding
+            token_ids=token_ids,
+            sampling=sampling,
+            prefill_url=plan.prefill_url,
+            prefill_fingerprint=pins.pinned(plan.prefill_url),
+            page_encoding=target.page_encoding,
         )
         return self._stream(plan.decode_url, "/v1/decode", body, stats)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -21,11 +20,13 @@ from sqlalchemy import Engine
 from sqlmodel import Session, select
 
 from tandem_protocol.auth import IDENTITY_PATH, IdentityAnswer, canonical_address, new_nonce, proof_matches
-from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
+from tandem_protocol.client import AgentHTTPError, TransportError
 from tandem_protocol.contract import ModelContract
 from tandem_protocol.discovery import Peer
 from tandem_protocol.pages import ENCODINGS
+from tandem_protocol.tls import client_context
 
+from . import pins
 from .models import Node, Pool, PoolMember
 
 log = logging.getLogger("tandem.panel")
@@ -47,7 +48,7 @@ class PanelError(Exception):
 
 async def agent_status(url: str, cluster_key: str) -> dict:
     """The agent's /v1/status (its /v1/info plus budget and totals), errors as PanelError."""
-    client = AgentClient(url, cluster_key)
+    client = pins.agent_client(url, cluster_key)
     try:
         return await client.status()
     except AgentHTTPError as e:
@@ -77,18 +78,39 @@ def _reached(url: str) -> str:
     return canonical_address(parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
 
 
-async def verify_identity(url: str, cluster_key: str, expect_node_id: str | None = None) -> str:
-    """The node id of the agent at `url` once it has proved, for a fresh nonce and at this very
-    address, that it holds `cluster_key` (tandem_protocol/auth.py). The key itself is not sent,
-    so an impostor at `url` learns nothing. `expect_node_id`: it must also be this node."""
+@dataclass(frozen=True)
+class Proved:
+    """What an agent proved to hold the cluster key: its node id and the TLS certificate it serves."""
+
+    node_id: str
+    tls_fingerprint: str  # "" over plain HTTP
+
+
+async def verify_identity(
+    url: str, cluster_key: str, expect_node_id: str | None = None, expect_fingerprint: str | None = None
+) -> Proved:
+    """The node id and certificate of the agent at `url` once it has proved, for a fresh nonce,
+    at this very address and over this very TLS connection, that it holds `cluster_key`
+    (tandem_protocol/auth.py). The key itself is not sent, so an impostor at `url` learns
+    nothing. `expect_node_id`: it must also be this node; `expect_fingerprint`: a known node's
+    pinned certificate, which it must present again (plain HTTP included: a downgrade is refused)."""
     if not cluster_key:
         raise PanelError("the panel has no cluster key yet: pair a node with it first")
     nonce = new_nonce()
+    https = urlsplit(url).scheme == "https"
+    # First contact trusts no CA: the certificate is whatever the agent presents, accepted only
+    # if the proof below names it. A known node's pin is checked in the handshake, before the challenge.
+    context = client_context(expect_fingerprint or None) if https else None
     try:
-        async with httpx.AsyncClient(verify=os.environ.get("TANDEM_CA_FILE") or True, timeout=IDENTITY_TIMEOUT) as c:
+        async with httpx.AsyncClient(verify=context or True, timeout=IDENTITY_TIMEOUT) as c:
             r = await c.post(url + IDENTITY_PATH, json={"nonce": nonce, "address": _reached(url)})
     except httpx.HTTPError as e:
+        if "pinned" in str(e):  # tls.PinMismatch, under httpx's ConnectError
+            raise PanelError(f"{url} presented another TLS certificate than the node's, pinned at pairing") from e
         raise PanelError(f"{url} is not reachable ({type(e).__name__})") from e
+    seen = (context.seen or "") if context is not None else ""
+    if expect_fingerprint and seen != expect_fingerprint:
+        raise PanelError(f"{url} does not serve the TLS certificate pinned for the node (plain HTTP?)")
     if r.status_code == 404:
         raise PanelError(f"{url} cannot prove its identity: update Tandem on that machine")
     if r.status_code != 200:
@@ -102,10 +124,22 @@ async def verify_identity(url: str, cluster_key: str, expect_node_id: str | None
             f"{url} answered as {answer.address}: not the address reached (a relay, or a port forward, "
             "which the identity check does not pass)"
         )
-    if not proof_matches(answer, cluster_key, nonce, expect_node_id or answer.node_id, answer.address):
+    if https and answer.tls_fingerprint != seen:
+        raise PanelError(
+            f"{url} signed for TLS certificate {answer.tls_fingerprint[:16] or 'none'}… but the connection "
+            f"presented {seen[:16]}…: something between the panel and the agent (refused)"
+        )
+    if not proof_matches(answer, cluster_key, nonce, expect_node_id or answer.node_id, answer.address, seen):
         who = f"node {expect_node_id[:8]}" if expect_node_id else "an agent"
         raise PanelError(f"{url} could not prove it is {who} holding the panel's cluster key")
-    return answer.node_id
+    return Proved(answer.node_id, seen)
+
+
+async def prove(url: str, cluster_key: str) -> None:
+    """The node at `url` proves itself before it is sent the key: a known one with the
+    certificate pinned for it, a new one with the certificate it then gets pinned with."""
+    proved = await verify_identity(url, cluster_key, expect_fingerprint=pins.pinned(url))
+    pins.pin(url, proved.tls_fingerprint)
 
 
 def _place(s: Session, node_id: str, url: str, name: str, source: str) -> Node:
@@ -130,12 +164,14 @@ async def add_node(engine: Engine, url: str, cluster_key: str, source: str = "ma
     cluster key, and only then is the key sent to it."""
     url = url.rstrip("/")
     proved = await verify_identity(url, cluster_key)
+    pins.pin(url, proved.tls_fingerprint)  # before the key is sent: only to the certificate that proved it
     info = await agent_status(url, cluster_key)
-    if info["node_id"] != proved:
-        raise PanelError(f"{url} proved to be node {proved[:8]} but reports {info['node_id'][:8]}: try again")
+    if info["node_id"] != proved.node_id:
+        raise PanelError(f"{url} proved to be node {proved.node_id[:8]} but reports {info['node_id'][:8]}: try again")
     with Session(engine) as s:
-        node = _place(s, proved, url, info["name"], source)
+        node = _place(s, proved.node_id, url, info["name"], source)
         node.name, node.source, node.paired = info["name"], source, True
+        node.tls_fingerprint = proved.tls_fingerprint
         node.engine, node.model, node.contract = info["engine"], info["model"], info["contract"]["fingerprint"]
         node.last_seen, node.last_error = time.time(), ""
         s.add(node)
@@ -158,7 +194,7 @@ async def configure_node(
     """Check (dry_run) or apply one node's part of a pair; returns the contract it would have (or
     has). Errors name the form field at fault (`prefill_model_path`, `decode_engine`, …).
     `decode_kv_bytes` (the decoder's KV budget) is sent only when given, to the decode node."""
-    client = AgentClient(url, cluster_key)
+    client = pins.agent_client(url, cluster_key)
     try:
         current = await (client.info() if decode_kv_bytes is None else client.status())
         if decode_kv_bytes is not None and "decode" not in current:  # an older agent would drop the budget
@@ -221,7 +257,7 @@ async def create_pool(
         raise PanelError("a model needs a decode node", ["decode"])
     for m in members:  # before any is sent the key
         try:
-            await verify_identity(m.url.rstrip("/"), cluster_key)
+            await prove(m.url.rstrip("/"), cluster_key)
         except PanelError as e:
             raise PanelError(f"{m.role} node: {e}", [m.role]) from e
     for dry_run in (True, False):  # check every node, and their contracts, before any loads anything
@@ -257,7 +293,7 @@ async def add_member(engine: Engine, cluster_key: str, pool_id: int, m: MemberSp
         if any(x.role == m.role for x in _members_at(s, pool_id, m.url)):
             raise PanelError(f"this node is already a {m.role} node of {pool.name}", ["node"])
     try:
-        await verify_identity(m.url.rstrip("/"), cluster_key)
+        await prove(m.url.rstrip("/"), cluster_key)
     except PanelError as e:
         raise PanelError(str(e), ["node"]) from e
     pool_contract = ModelContract.from_dict((await agent_status(peer.url, cluster_key))["contract"]) if peer else None
@@ -367,10 +403,14 @@ async def note_discovered(engine: Engine, peer: Peer, present: bool, cluster_key
         return
     if (node is not None and node.url != url) or (at_url is not None and at_url is not node):
         try:
-            await verify_identity(url, cluster_key, expect_node_id=node_id)
+            pinned = node.tls_fingerprint if node is not None and node.paired else None
+            proved = await verify_identity(url, cluster_key, expect_node_id=node_id, expect_fingerprint=pinned)
         except PanelError as e:
             log.warning("announcement of node %s at %s not followed: %s", node_id[:8], url, e)
             return
+        if node is not None and node.paired:
+            pins.unpin(node.url)
+            pins.pin(url, proved.tls_fingerprint)
     with Session(engine) as s:  # read again: the check above let other work run
         node = _place(s, node_id, url, peer.properties.get("name") or peer.service.split(".")[0], "mdns")
         if not node.paired:  # a paired node's facts come from its authenticated /v1/status
@@ -422,6 +462,7 @@ def remove_node(engine: Engine, node_id: int) -> tuple[str, list[str]] | None:
         s.flush()  # the members' foreign keys go before the node they point at
         s.delete(node)
         s.commit()
+    pins.unpin(url)
     return url, removed
 
 

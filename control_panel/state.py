@@ -10,6 +10,7 @@ from sqlalchemy import Engine
 
 from tandem_protocol.discovery import Watcher
 
+from . import pins
 from .db import get_setting, open_db, set_setting
 from .i18n import load_all
 from .login_limit import LoginLimiter
@@ -53,6 +54,7 @@ def open_state(
     if cluster_key:
         set_setting(db, "cluster_key", cluster_key)
     mark_interrupted(db)  # requests that were running when the panel last stopped
+    pins.load(db)
     router = Router(get_setting(db, "cluster_key") or "")
     watcher = (
         Watcher(mdns_interfaces, lambda peer, present: note_discovered(db, peer, present, router.cluster_key))

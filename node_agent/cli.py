@@ -20,10 +20,21 @@ from tandem_protocol.auth import canonical_address
 from tandem_protocol.page_memory import keep_freed_pages
 from tandem_protocol.pages import PROTOCOL_VERSION
 from tandem_protocol.settings import data_dir, hash_cache_path
+from tandem_protocol.tls import certificate_fingerprint, ensure_certificate, spaced
 from tandem_protocol.wire import HEARTBEAT_SECONDS
 
 from .admission import MAX_SEQUENCES, WAIT_SECONDS
-from .identity import NodeIdInUse, claim_node_id, cluster_key, key_path, known_node_ids, node_id_path, set_cluster_key
+from .identity import (
+    NodeIdInUse,
+    claim_node_id,
+    cluster_key,
+    key_path,
+    known_certificates,
+    known_node_ids,
+    node_id_path,
+    set_cluster_key,
+    tls_dir,
+)
 
 # On Ctrl-C or SIGTERM, requests still streaming after this long are cancelled (each releases what
 # it holds on the way out) instead of being waited for: a token stream can run for minutes.
@@ -132,8 +143,16 @@ def serve(
         "its identity there too. Without it a panel can only add it by an address it listens on.",
     ),
     device: str = typer.Option(None, help="torch only: cuda, cuda:N or cpu."),
-    tls_cert: Path = typer.Option(None, help="TLS certificate (PEM) to serve HTTPS."),
-    tls_key: Path = typer.Option(None, help="TLS private key (PEM)."),
+    tls_cert: Path = typer.Option(
+        None, help="TLS certificate (PEM) to serve HTTPS with (default: this node's own, made on first start)."
+    ),
+    tls_key: Path = typer.Option(None, help="TLS private key (PEM) of --tls-cert."),
+    insecure_http: bool = typer.Option(
+        False,
+        "--insecure-http",
+        help="Serve plain HTTP: anyone on the network can read the prompts, pages and cluster key. "
+        "Only for a link nobody else can reach; the panel shows such nodes with a warning.",
+    ),
     model_root: list[Path] = typer.Option(
         None,
         help="Directory a panel may load models from (repeatable; "
@@ -156,12 +175,17 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
+    if insecure_http and tls_cert:
+        raise typer.BadParameter("--insecure-http serves no certificate: drop --tls-cert/--tls-key, or it")
     path = resolve_model(model)
     name = name or socket.gethostname()
     try:  # the lock is held until the process exits
         own_id, _id_lock = claim_node_id(node_id_file.expanduser() if node_id_file else node_id_path(name))
     except NodeIdInUse as e:
         raise typer.BadParameter(str(e)) from None
+    if not insecure_http and tls_cert is None:
+        tls_cert, tls_key = ensure_certificate(tls_dir(), own_id)
+    fingerprint = certificate_fingerprint(tls_cert) if tls_cert else ""
     # Bind before loading anything: a taken port fails at once, `--port 0` picks a free one, and
     # the "ready" line is only logged once connections can be accepted.
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -198,20 +222,23 @@ def serve(
         stall_timeout=stall_timeout,
         advertised=frozenset(_host_port(a) for a in advertise_address or []),
         url=f"{'https' if tls_cert else 'http'}://{host}:{port}",
+        tls_fingerprint=fingerprint,
         model_roots=default_roots(path) + [p.expanduser().resolve() for p in model_root or []],
     )
     announcer = None
     if mdns:
         addresses = [host] if host not in ("0.0.0.0", "") else lan_addresses()
-        announcer = Announcer(
-            announced_properties(config, adapter, tls_cert is not None), port, addresses, mdns_interface or None
-        )
+        announcer = Announcer(announced_properties(config, adapter), port, addresses, mdns_interface or None)
     scheme = "https" if tls_cert else "http"
     console.print(
         f"[bold]Tandem agent[/] {config.name} ({config.node_id[:8]}) · {adapter.name} · {path.name} · "
         f"contract {adapter.contract.fingerprint[:16]} · {scheme}://{host}:{port} · "
         f"key: `tandem agent key`" + (" · mDNS on" if mdns else "")
     )
+    if fingerprint:
+        console.print(f"TLS certificate SHA-256 {spaced(fingerprint)}")
+    else:
+        console.print("[bold red]plain HTTP[/]: prompts, pages and the cluster key cross the network readable")
     agent = create_app(adapter, config, announcer, loader)
     try:
         server = uvicorn.Server(
@@ -251,6 +278,9 @@ def key(
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--set") from None
     print(key_path() if path_only else cluster_key())
+    # on stderr: `$(tandem agent key)` stays the key alone
+    for name, fp in known_certificates().items():
+        print(f"TLS certificate of agent {name}: SHA-256 {spaced(fp)}", file=sys.stderr)
 
 
 def _client(url: str) -> httpx.Client:
@@ -423,6 +453,7 @@ def doctor(
         [
             ("data dir", str(data_dir())),
             *((f"node id of {n}", i) for n, i in known_node_ids().items()),
+            *((f"TLS certificate of {n}", spaced(fp)) for n, fp in known_certificates().items()),
             ("cluster key file", str(key_path())),
             (f"port {port}", port_state),
             ("mDNS interfaces", ", ".join(lan_addresses()) or "none"),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from tandem_protocol.settings import data_dir, settings
+from tandem_protocol.tls import certificate_fingerprint
 
 
 def _read_or_create(path: Path, make) -> str:
@@ -80,6 +81,19 @@ def known_node_ids(home: Path | None = None) -> dict[str, str]:
     """The node ids kept in a data dir, by file name (what `tandem agent doctor` shows)."""
     folder = (home or data_dir()) / "node-ids"
     return {p.name: p.read_text().strip() for p in sorted(folder.glob("*"))} if folder.is_dir() else {}
+
+
+def tls_dir(home: Path | None = None) -> Path:
+    """Where each agent keeps its TLS certificate and key, by node id (tandem_protocol/tls.py)."""
+    return (home or data_dir()) / "tls"
+
+
+def known_certificates(home: Path | None = None) -> dict[str, str]:
+    """The TLS certificate fingerprint of each agent of a data dir that has one, by agent name:
+    what a user compares with the fingerprint a panel shows when pairing."""
+    folder = tls_dir(home)
+    found = {name: folder / f"{node_id}.pem" for name, node_id in known_node_ids(home).items()}
+    return {name: certificate_fingerprint(path) for name, path in found.items() if path.is_file()}
 
 
 def key_path(home: Path | None = None) -> Path:

@@ -40,6 +40,7 @@ class AgentConfig:
     # host:port addresses (canonical) this agent is also reached at — a port forward or a proxy in
     # front of it — which it signs in an identity proof when a caller names one of them
     advertised: frozenset[str] = frozenset()
+    tls_fingerprint: str = ""  # SHA-256 of the certificate this agent serves ("" over plain HTTP)
 
 
 class AgentState:
@@ -65,14 +66,18 @@ class AgentState:
             admission=self.admission,
             prefix_cache=lambda: (self.slot.adapter.prefix_cache_status() if self.slot.ready else None) or {},
         )
-        self.peers: dict[str, AgentClient] = {}  # one pooled HTTP client per prefiller: connections are reused
+        # one pooled HTTP client per prefiller (and the certificate pinned for it): connections are reused
+        self.peers: dict[tuple[str, str | None], AgentClient] = {}
         self.started = time.time()
 
-    def peer(self, url: str) -> AgentClient:
-        url = url.rstrip("/")
-        if url not in self.peers:
-            self.peers[url] = AgentClient(url, self.config.cluster_key, stall_timeout=self.config.stall_timeout)
-        return self.peers[url]
+    def peer(self, url: str, tls_fingerprint: str | None = None) -> AgentClient:
+        """The client for the prefiller at `url`; over HTTPS it must present the certificate
+        `tls_fingerprint` (what the panel pinned at pairing and sends with each request)."""
+        key = (url.rstrip("/"), tls_fingerprint)
+        if key not in self.peers:
+            config = self.config
+            self.peers[key] = AgentClient(key[0], config.cluster_key, stall_timeout=config.stall_timeout, pin=key[1])
+        return self.peers[key]
 
     def idle(self) -> bool:
         return (
@@ -94,6 +99,7 @@ class AgentState:
             "state": "ready" if slot.ready else "loading",
             "model_roots": [str(r) for r in config.model_roots],
             "switchable": self.loader is not None,
+            "tls_fingerprint": config.tls_fingerprint,
         }
         if not slot.ready:
             return {

@@ -17,10 +17,15 @@ from pathlib import Path
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
 
-def agent_serve_args(engine: str, model: Path | str, *extra: str, host: str = "127.0.0.1", port: int = 0) -> list[str]:
+def agent_serve_args(
+    engine: str, model: Path | str, *extra: str, host: str = "127.0.0.1", port: int = 0, tls: bool = False
+) -> list[str]:
     """`tandem agent serve` for one engine on one model: what `tandem up`, the benchmarks and the
-    tests start (mDNS off unless `extra` asks for it)."""
+    tests start (mDNS off unless `extra` asks for it). `tls`: HTTPS with the agent's own
+    certificate, as a user's agent serves; without it (benchmarks, tests that talk to an agent
+    directly) plain HTTP on loopback, unless `extra` gives a certificate."""
     mdns = [] if "--mdns" in extra else ["--no-mdns"]
+    plain = [] if tls or "--tls-cert" in extra else ["--insecure-http"]
     return [
         "agent",
         "serve",
@@ -34,6 +39,7 @@ def agent_serve_args(engine: str, model: Path | str, *extra: str, host: str = "1
         str(port),
         *extra,
         *mdns,
+        *plain,
     ]
 
 

@@ -48,7 +48,7 @@ def up(
         with console.status(f"starting the {prefill} and {decode} agents…"):
             agents = [
                 ServiceProcess(
-                    agent_serve_args(engine, model, "--name", f"{role}-{engine}"),
+                    agent_serve_args(engine, model, "--name", f"{role}-{engine}", tls=True),
                     env={**env, "TANDEM_HOME": str(home / "agents" / role)},
                 )
                 for role, engine in (("prefill", prefill), ("decode", decode))

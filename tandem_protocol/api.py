@@ -14,6 +14,7 @@ from .sampling import SamplingParams
 
 PageEncoding = Literal["raw", "zstd"]
 _URL = r"^https?://[^\s/]+(/.*)?$"
+_FINGERPRINT = r"^[0-9a-f]{64}$"
 
 # The key in a decoder's error object (an answer before the stream, or the stream's error line)
 # that says the prefiller's side failed before any token left: P unreachable, P failed, the page
@@ -40,6 +41,9 @@ class DecodeBody(GenerateBody):
     streams tokens. No `prefill_url`: this engine alone, as /v1/generate."""
 
     prefill_url: str | None = Field(None, description="base URL of the prefiller agent", pattern=_URL)
+    prefill_fingerprint: str | None = Field(
+        None, description="SHA-256 of the TLS certificate the prefiller must present (its pin)", pattern=_FINGERPRINT
+    )
     page_encoding: PageEncoding = Field(
         "raw", description="how pages should travel: raw FP16, or byte planes + zstd (lossless)"
     )
@@ -99,4 +103,7 @@ class ConfigBody(BaseModel):
 
 class BenchLinkBody(_Body):
     peer: str = Field(description="base URL of the agent to pull from (it shares this cluster key)", pattern=_URL)
+    peer_fingerprint: str | None = Field(
+        None, description="SHA-256 of the TLS certificate the peer must present (its pin)", pattern=_FINGERPRINT
+    )
     megabytes: int = Field(64, ge=1, le=4096, description="how much to pull, in MB (10^6 bytes)")

@@ -4,13 +4,16 @@ Identity proof (`POST /v1/identity`, the one agent route besides /healthz that n
 panel sends a fresh random nonce and no key; the agent answers its node id, the address the
 connection reached (its own socket's, which a client cannot choose — a Host header it could) and
 
-    proof = HMAC-SHA256(cluster key, "tandem-identity-v1" | nonce | node id | address)
+    proof = HMAC-SHA256(cluster key, "tandem-identity-v2" | nonce | node id | address | TLS fingerprint)
 
-The panel recomputes it with its own key. A match shows the answer came, for this nonce, from a
-holder of the cluster key who is this node at this address, so the panel may then move a known
-node's row there and send it the key. An impostor gets no key out of it (none was sent), cannot
-replay an old answer (the nonce is new every time) and cannot relay the challenge to the real
-agent (who would sign its own address, not the impostor's).
+The TLS fingerprint is the SHA-256 of the agent's own certificate ("" over plain HTTP). The panel
+recomputes the proof with its own key and the fingerprint of the certificate its connection was
+actually given. A match shows the answer came, for this nonce, from a holder of the cluster key
+who is this node at this address and serves this certificate, so the panel may pin that
+certificate, move a known node's row there and send it the key. An impostor gets no key out of it
+(none was sent), cannot replay an old answer (the nonce is new every time) and cannot relay the
+challenge to the real agent (who would sign its own address and certificate, not the impostor's:
+a man in the middle must present a certificate of his own).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import secrets
 from pydantic import BaseModel, Field
 
 IDENTITY_PATH = "/v1/identity"
-_DOMAIN = b"tandem-identity-v1"
+_DOMAIN = b"tandem-identity-v2"
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -49,7 +52,8 @@ class IdentityChallenge(BaseModel):
 class IdentityAnswer(BaseModel):
     node_id: str
     address: str = Field(description="host:port the connection reached, as the agent's socket saw it")
-    proof: str = Field(description="hex HMAC-SHA256 of the cluster key over nonce, node id and address")
+    tls_fingerprint: str = Field("", description='SHA-256 of the agent\'s TLS certificate (hex; "" over plain HTTP)')
+    proof: str = Field(description="hex HMAC-SHA256 of the cluster key over nonce, node id, address and fingerprint")
 
 
 def new_nonce() -> str:
@@ -67,18 +71,23 @@ def canonical_address(host: str, port: int) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
-def identity_proof(key: str, nonce: str, node_id: str, address: str) -> str:
-    # Each part length-prefixed, so no two different (nonce, id, address) read as the same bytes.
-    message = _DOMAIN + b"".join(len(p).to_bytes(4, "big") + p for p in (s.encode() for s in (nonce, node_id, address)))
+def identity_proof(key: str, nonce: str, node_id: str, address: str, tls_fingerprint: str = "") -> str:
+    # Each part length-prefixed, so no two different (nonce, id, address, fingerprint) read as the same bytes.
+    parts = (nonce, node_id, address, tls_fingerprint)
+    message = _DOMAIN + b"".join(len(p).to_bytes(4, "big") + p for p in (s.encode() for s in parts))
     return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
 
 
-def identity_answer(key: str, nonce: str, node_id: str, address: str) -> IdentityAnswer:
-    return IdentityAnswer(node_id=node_id, address=address, proof=identity_proof(key, nonce, node_id, address))
+def identity_answer(key: str, nonce: str, node_id: str, address: str, tls_fingerprint: str = "") -> IdentityAnswer:
+    proof = identity_proof(key, nonce, node_id, address, tls_fingerprint)
+    return IdentityAnswer(node_id=node_id, address=address, tls_fingerprint=tls_fingerprint, proof=proof)
 
 
-def proof_matches(answer: IdentityAnswer, key: str, nonce: str, node_id: str, address: str) -> bool:
+def proof_matches(
+    answer: IdentityAnswer, key: str, nonce: str, node_id: str, address: str, tls_fingerprint: str = ""
+) -> bool:
     """Whether `answer` proves holding `key`, for this nonce, as `node_id` reached at `address`
-    (constant time in the proof)."""
-    expected = identity_proof(key, nonce, node_id, address)
-    return answer.node_id == node_id and answer.address == address and hmac.compare_digest(answer.proof, expected)
+    serving the certificate `tls_fingerprint` (constant time in the proof)."""
+    expected = identity_proof(key, nonce, node_id, address, tls_fingerprint)
+    same = answer.node_id == node_id and answer.address == address and answer.tls_fingerprint == tls_fingerprint
+    return same and hmac.compare_digest(answer.proof, expected)

@@ -27,6 +27,7 @@ from .errors import TandemError
 from .page_receiver import MAX_ERROR_BODY, HTTPStatusError, PageStream, ReceiverPool
 from .pages import PROTOCOL_VERSION, FrameExpectation
 from .settings import settings
+from .tls import client_context
 
 # The client side of the wire, for the callers that catch transport failures.
 TransportError = (httpx.TransportError, ConnectionError, TimeoutError)  # StreamBroken is a ConnectionError
@@ -118,20 +119,27 @@ class AgentClient:
         timeout: float = 30.0,
         stall_timeout: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        pin: str | None = None,
     ):
-        """`verify`: True (system CAs), False (no check), a CA bundle path, or None for the
-        TANDEM_CA_FILE environment variable when set (how a cluster with self-signed agent
-        certificates is trusted) and the system CAs otherwise. `transport`: an httpx transport
-        for control calls and token streams (a unit test's fake agent); page streams never use it."""
+        """`pin`: the SHA-256 fingerprint of the certificate the agent must present over HTTPS
+        (tandem_protocol/tls.py), checked before anything is sent — how agents' self-signed
+        certificates are trusted. Without one, `verify`: True (system CAs), False (no check), a CA
+        bundle path, or None for the TANDEM_CA_FILE environment variable when set and the system
+        CAs otherwise. `transport`: an httpx transport for control calls and token streams (a unit
+        test's fake agent); page streams never use it."""
         if verify is None:
             ca_file = settings().ca_file
             verify = str(ca_file) if ca_file else True
-        self.base_url = base_url.rstrip("/")
+        self.base_url, self.pin = base_url.rstrip("/"), pin
         self._headers = {"X-Tandem-Protocol": str(PROTOCOL_VERSION)}
         if key:  # a keyless client (liveness only) sends none: "Bearer " alone is an illegal header
             self._headers["Authorization"] = f"Bearer {key}"
         self._ssl: ssl.SSLContext | bool | None = (
-            ssl.create_default_context(cafile=verify) if isinstance(verify, str) else (None if verify else False)
+            client_context(pin)
+            if pin
+            else ssl.create_default_context(cafile=verify)
+            if isinstance(verify, str)
+            else (None if verify else False)
         )
         self._connect_timeout = timeout
         self._transport = transport
@@ -188,10 +196,12 @@ class AgentClient:
     async def local_models(self) -> dict:
         return await self._json("GET", "/v1/models/local")
 
-    async def bench_link(self, peer: str, megabytes: int) -> dict:
+    async def bench_link(self, peer: str, megabytes: int, peer_fingerprint: str | None = None) -> dict:
         """POST /v1/bench/link: this node pulls `megabytes` of synthetic pages from `peer` (the link
-        from that prefiller to this decoder): bytes_per_second, rtt_seconds, page_bytes."""
-        return await self._json("POST", "/v1/bench/link", json={"peer": peer, "megabytes": megabytes})
+        from that prefiller to this decoder; over HTTPS it must present `peer_fingerprint`):
+        bytes_per_second, rtt_seconds, page_bytes."""
+        body = {"peer": peer, "megabytes": megabytes, "peer_fingerprint": peer_fingerprint}
+        return await self._json("POST", "/v1/bench/link", json={k: v for k, v in body.items() if v is not None})
 
     async def create_handoff(self, **body) -> dict:
         return await self._json("POST", "/v1/handoffs", json=body)

@@ -4,7 +4,8 @@ An agent announces `<name>-<id8>._tandem._tcp.local.` with TXT properties that l
 peer decide whether to talk to it — never a secret:
 
     node_id, name, engine, model, contract (fingerprint), proto (protocol version),
-    accel (cuda|metal|cpu), accel_name, tls ("1" when the agent serves HTTPS)
+    accel (cuda|metal|cpu), accel_name, tls ("1" when the agent serves HTTPS), tls_fp (its
+    certificate's SHA-256)
 
 The announcement is updated when these change and withdrawn on shutdown. `browse` lists the
 agents that answer within a time window; `Watcher` keeps a live list.
@@ -25,7 +26,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 from .pages import PROTOCOL_VERSION
 
 SERVICE_TYPE = "_tandem._tcp.local."
-ANNOUNCED_KEYS = ("node_id", "name", "engine", "model", "contract", "proto", "accel", "accel_name", "tls")
+ANNOUNCED_KEYS = ("node_id", "name", "engine", "model", "contract", "proto", "accel", "accel_name", "tls", "tls_fp")
 
 
 def lan_addresses(include_loopback: bool = False) -> list[str]:
@@ -43,9 +44,10 @@ def service_name(name: str, node_id: str) -> str:
     return f"{safe}-{node_id[:8]}.{SERVICE_TYPE}"
 
 
-def announced_properties(config, adapter, tls: bool) -> dict[str, str]:
+def announced_properties(config, adapter) -> dict[str, str]:
     """What an agent announces, from its config (which also holds the cluster key: only the public
-    fields are read) and the engine it serves."""
+    fields are read) and the engine it serves. The TLS fingerprint is public: a user compares it
+    with what `tandem agent key` prints on that machine; the panel pins the one the agent proves."""
     accel = adapter.accelerator()
     return {
         "node_id": config.node_id,
@@ -56,7 +58,8 @@ def announced_properties(config, adapter, tls: bool) -> dict[str, str]:
         "proto": str(PROTOCOL_VERSION),
         "accel": accel["kind"],
         "accel_name": accel.get("name", ""),
-        "tls": "1" if tls else "0",
+        "tls": "1" if config.tls_fingerprint else "0",
+        "tls_fp": config.tls_fingerprint,
     }
 
 

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import httpx
 
+from node_agent.identity import known_certificates
 from tandem_cli.processes import TANDEM, ServiceProcess, agent_serve_args  # noqa: F401  (TANDEM is used by tests)
+from tandem_protocol.tls import client_context
 
 TEST_KEY = "tdm_test-cluster-key-0123456789abcdef"
 
@@ -36,15 +38,17 @@ class AgentProcess(ServiceProcess):
         env: dict[str, str] | None = None,
         port: int = 0,
         prefix_cache: str = "0",
+        tls: bool = False,
     ):
         home.mkdir(parents=True, exist_ok=True)
         if prefix_cache != "default" and "--prefix-cache-bytes" not in args:
             args = (*args, "--prefix-cache-bytes", prefix_cache)
-        self.engine, self.host, self.key = engine, host, key
+        self.engine, self.host, self.key, self.home, self.tls = engine, host, key, home, tls
+        self.name = f"{engine}-{home.name}"
         ca = (env or {}).get("TANDEM_CA_FILE")
-        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca) if ca else True
+        self._verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca) if ca else True
         super().__init__(
-            agent_serve_args(engine, model, "--name", f"{engine}-{home.name}", *args, host=host, port=port),
+            agent_serve_args(engine, model, "--name", self.name, *args, host=host, port=port, tls=tls),
             env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, **(env or {})},
             netns=netns,
         )
@@ -52,6 +56,16 @@ class AgentProcess(ServiceProcess):
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The SHA-256 of the certificate the agent serves (`tls`: its own, made at its first start)."""
+        return known_certificates(self.home).get(self.name) if self.tls else None
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """How a test's client trusts this agent: its pinned certificate, as a panel would."""
+        return client_context(self.fingerprint) if self.tls else self._verify
 
     def client(self) -> httpx.Client:
         return httpx.Client(
@@ -135,15 +149,19 @@ async def pd_request(
     key: str = TEST_KEY,
     prefill_url: str | None = None,
     page_encoding: str = "raw",
+    d_pin: str | None = None,
+    prefill_fingerprint: str | None = None,
 ) -> list[dict]:
     """One P/D request the way the panel sends it: one POST /v1/decode to D, which creates the
     handoff on P (at `prefill_url`, P's own URL unless a proxy sits between) and pulls its pages.
+    Over TLS: `d_pin` is D's certificate, `prefill_fingerprint` P's, as the panel pins them.
     Returns D's NDJSON lines; an answer before the stream (4xx, 502) raises AgentHTTPError."""
     from tandem_protocol.client import AgentClient
 
-    d = AgentClient(d_url, key)
+    d = AgentClient(d_url, key, pin=d_pin)
     body = {"token_ids": token_ids, "sampling": sampling, "prefill_url": prefill_url or p_url}
     body |= {"page_encoding": page_encoding} | ({"mode": mode} if mode else {})
+    body |= {"prefill_fingerprint": prefill_fingerprint} if prefill_fingerprint else {}
     try:
         return [line async for line in d.lines("/v1/decode", body)]
     finally:
@@ -245,8 +263,9 @@ class TamperProxy:
     test may change them between requests. `hold_pages()`: page streams opened from then on
     are read from the upstream at once but kept back until `release_pages()` (a prefiller
     that has staged every page before its reader sees one). `replace`: (old, new) byte strings of equal length
-    replaced in what the client sends (a request rewritten on its way). Runs its own event loop
-    in a thread."""
+    replaced in what the client sends (a request rewritten on its way). `recorded`: every byte
+    that crossed it, both ways (what an eavesdropper on the link would have). Runs its own event
+    loop in a thread."""
 
     def __init__(
         self,
@@ -257,8 +276,10 @@ class TamperProxy:
         host: str = "127.0.0.1",
         port: int = 0,
         replace: list[tuple[bytes, bytes]] = (),
+        scheme: str = "http",
     ):
         assert all(len(old) == len(new) for old, new in replace), "a rewrite keeps the Content-Length"
+        self.scheme, self.recorded = scheme, bytearray()
         self.upstream_port, self.flip_at, self.cut_at, self.replace = upstream_port, flip_at, cut_at, replace
         self.freeze_at: int | None = None
         self.rate: float | None = None
@@ -271,7 +292,7 @@ class TamperProxy:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -292,12 +313,14 @@ class TamperProxy:
             while data:
                 for old, new in self.replace:
                     data = data.replace(old, new)
+                self.recorded += data
                 up_w.write(data)
                 await up_w.drain()
                 data = await client_r.read(65536)
 
         async def stage() -> None:
             while data := await up_r.read(65536):
+                self.recorded += data
                 chunks.put_nowait(data)
             chunks.put_nowait(b"")
 
@@ -319,6 +342,7 @@ class TamperProxy:
         async def downstream() -> None:
             sent, t0 = 0, time.monotonic()
             while data := await up_r.read(16384 if rate else 65536):
+                self.recorded += data
                 data = bytearray(data)
                 if flip_at is not None and sent <= flip_at < sent + len(data):
                     data[flip_at - sent] ^= 0x04

@@ -18,26 +18,31 @@ from .agents import TEST_KEY, AgentProcess
 
 @pytest.fixture(scope="module")
 def agent(smol_dir, tmp_path_factory):
-    with AgentProcess("torch", smol_dir, tmp_path_factory.mktemp("a")) as a:
+    with AgentProcess("torch", smol_dir, tmp_path_factory.mktemp("a"), tls=True) as a:
         yield a
 
 
 def _peer(url: str, node_id: str) -> Peer:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return Peer("x._tandem._tcp.local.", [host], int(port), {"node_id": node_id, "name": "announced"})
+    host, port = url.removeprefix("https://").rsplit(":", 1)
+    return Peer("x._tandem._tcp.local.", [host], int(port), {"node_id": node_id, "name": "announced", "tls": "1"})
 
 
 def test_a_node_moves_only_for_a_proof_at_its_new_address(agent, tmp_path):
     engine = open_db(tmp_path / "panel.db")
     node_id = agent.status()["node_id"]
-    assert asyncio.run(verify_identity(agent.url, TEST_KEY)) == node_id
+    proved = asyncio.run(verify_identity(agent.url, TEST_KEY))
+    assert proved.node_id == node_id and proved.tls_fingerprint == agent.fingerprint
+    assert len(agent.fingerprint) == 64
+    # a known node must present the certificate pinned for it, checked before the challenge is sent
+    with pytest.raises(PanelError, match="another TLS certificate"):
+        asyncio.run(verify_identity(agent.url, TEST_KEY, expect_fingerprint="0" * 64))
     with pytest.raises(PanelError, match="could not prove"):
         asyncio.run(verify_identity(agent.url, "tdm_wrong-key-of-another-cluster"))
     with pytest.raises(PanelError, match="could not prove it is node bbbbbbbb"):
         asyncio.run(verify_identity(agent.url, TEST_KEY, expect_node_id="b" * 32))
     # "localhost" reaches the agent at 127.0.0.1 (or ::1, where it does not listen): the name's
     # addresses count, and the agent signs the one it was reached at
-    assert asyncio.run(verify_identity(agent.url.replace("127.0.0.1", "localhost"), TEST_KEY)) == node_id
+    assert asyncio.run(verify_identity(agent.url.replace("127.0.0.1", "localhost"), TEST_KEY)).node_id == node_id
 
     stale = "http://127.0.0.1:9"  # where the node was before its restart
     with Session(engine) as s:
@@ -65,6 +70,7 @@ def test_a_node_moves_only_for_a_proof_at_its_new_address(agent, tmp_path):
     added = asyncio.run(add_node(engine, agent.url, TEST_KEY))
     with Session(engine) as s:
         assert {n.node_id: n.url for n in s.exec(select(Node))} == {node_id: agent.url, "c" * 32: ""}
+    assert added.tls_fingerprint == agent.fingerprint  # pinned from the proof
     assert added.node_id == node_id and model_names(engine) == [
         f"node/{added.name}"
     ]  # the address-less one is not served

@@ -320,7 +320,7 @@ def test_mdns_announces_no_secret(engines):
     from tandem_protocol.discovery import ANNOUNCED_KEYS, Announcer, announced_properties
 
     config = AgentConfig(node_id="a" * 32, name="desk-pc", cluster_key=CLUSTER_KEY, model_name="smollm2")
-    announcer = Announcer(announced_properties(config, engines["torch"], tls=False), 7411, ["127.0.0.1"])
+    announcer = Announcer(announced_properties(config, engines["torch"]), 7411, ["127.0.0.1"])
     txt = announcer._service_info().text  # the record's bytes as zeroconf sends them
     assert set(announcer.properties) == set(ANNOUNCED_KEYS)
     assert b"engine=torch" in txt and b"node_id=" + b"a" * 32 in txt

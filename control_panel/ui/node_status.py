@@ -7,7 +7,8 @@ import asyncio
 from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.pages import PROTOCOL_VERSION
 
-from ..services import PanelError, verify_identity
+from .. import pins
+from ..services import PanelError, prove
 
 STATUS_TIMEOUT = 3.0
 
@@ -15,7 +16,8 @@ STATUS_TIMEOUT = 3.0
 async def probe(url: str, key: str | None) -> dict:
     """An agent's /v1/status, or why it failed: {"health": ok|timeout|key_rejected|protocol|unreachable|error}.
     With no key (a node not paired yet is sent none), only its liveness: "unpaired" when it is up."""
-    client = AgentClient(url, key or "", timeout=STATUS_TIMEOUT)
+    # Liveness sends nothing secret, so it needs no pin (a node not paired yet has none).
+    client = pins.agent_client(url, key, timeout=STATUS_TIMEOUT) if key else AgentClient(url, "", verify=False)
     try:
         if key is None:
             await asyncio.wait_for(client.healthz(), STATUS_TIMEOUT)
@@ -43,13 +45,13 @@ async def probe(url: str, key: str | None) -> dict:
 
 
 async def probe_proved(url: str, key: str) -> dict:
-    """`probe`, but only once the agent at `url` has proved it holds `key` (`verify_identity` sends
+    """`probe`, but only once the agent at `url` has proved it holds `key` (`services.prove` sends
     no key): a typed or discovered URL may be an impostor, which must never be handed the key.
     A failed proof: {"health": "unproved", "detail": why}; one not up says so first (no key sent)."""
     if (alive := await probe(url, None))["health"] != "unpaired":
         return alive
     try:
-        await verify_identity(url, key)
+        await prove(url, key)
     except PanelError as e:
         return {"health": "unproved", "detail": str(e)}
     return await probe(url, key)
@@ -57,7 +59,7 @@ async def probe_proved(url: str, key: str) -> dict:
 
 async def node_models(url: str, key: str) -> list[dict]:
     """The checkpoints a node offers (for the pair form's model-path suggestions); [] if it does not answer."""
-    client = AgentClient(url, key, timeout=STATUS_TIMEOUT)
+    client = pins.agent_client(url, key, timeout=STATUS_TIMEOUT)
     try:
         return (await asyncio.wait_for(client.local_models(), STATUS_TIMEOUT))["models"]
     except (TimeoutError, AgentHTTPError, *TransportError):

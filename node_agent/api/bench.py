@@ -62,7 +62,7 @@ async def bench_link(body: BenchLinkBody, agent: Agent):
     checked), as a decode pulls a handoff's pages: the link from that prefiller to this decoder."""
     adapter = agent.slot.adapter
     g = adapter.geometry
-    client = agent.peer(body.peer)
+    client = agent.peer(body.peer, body.peer_fingerprint)
     expect = FrameExpectation(adapter.contract.fingerprint_bytes, b"\0" * 16, b"\0" * 16, g)
     try:
         rtt = await round_trip(client)

@@ -57,7 +57,9 @@ async def decode(body: DecodeBody, agent: Agent):
     if body.prefill_url is None:
         return alone(agent, req, ticket)
     t0 = time.perf_counter()
-    handshake = Handshake(adapter, agent.peer(body.prefill_url), body.prefill_url, agent.metrics)
+    handshake = Handshake(
+        adapter, agent.peer(body.prefill_url, body.prefill_fingerprint), body.prefill_url, agent.metrics
+    )
     try:
         await adapter.hold_prefix(req)  # pages this engine kept are not sent again (a delta handoff)
         await handshake.open(req, body.page_encoding)  # a 4xx/429/502 here, before any stream

@@ -29,7 +29,7 @@ async def identity(body: IdentityChallenge, request: Request, config: Config) ->
     """No key: a panel checks, before it sends the key here, that this is the node it knows."""
     host, port = request.scope["server"][:2]  # this connection's own socket: a client cannot choose it
     address = body.address if body.address in config.advertised else canonical_address(host, port)
-    return identity_answer(config.cluster_key, body.nonce, config.node_id, address)
+    return identity_answer(config.cluster_key, body.nonce, config.node_id, address, config.tls_fingerprint)
 
 
 @router.get("/v1/info")

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from alembic import command
 from sqlmodel import Session, select
 
-from control_panel import services
+from control_panel import pins, services
 from control_panel.app import create_app
 from control_panel.db import alembic_config, open_db
 from control_panel.models import Node, Pool, PoolMember
@@ -114,11 +114,11 @@ def panel(tmp_path, monkeypatch):
     """The panel app with nodes "p", "d" and "e" paired, every agent call going to `panel.state.agents`."""
     agents = FakeNodes()
     client = functools.partial(AgentClient, transport=agents)
-    monkeypatch.setattr(services, "AgentClient", client)
+    monkeypatch.setattr(pins, "AgentClient", client)
     monkeypatch.setattr(node_status, "AgentClient", client)
 
-    async def proved(url: str, _key: str, expect_node_id: str | None = None) -> str:
-        return {P: "P", D: "D", E: "E"}[url.rstrip("/")] * 32
+    async def proved(url: str, _key: str, expect_node_id=None, expect_fingerprint=None) -> services.Proved:
+        return services.Proved({P: "P", D: "D", E: "E"}[url.rstrip("/")] * 32, "")
 
     monkeypatch.setattr(services, "verify_identity", proved)
     state = open_state(tmp_path, KEY)

@@ -1,0 +1,23 @@
+"""Each node's pinned TLS certificate: the SHA-256 fingerprint it proved at pairing.
+
+Revision ID: 0010
+Revises: 0009
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0010"
+down_revision = "0009"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("node") as batch:
+        batch.add_column(sa.Column("tls_fingerprint", sa.String(), nullable=False, server_default=""))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("node") as batch:
+        batch.drop_column("tls_fingerprint")
