@@ -50,19 +50,33 @@ def panel(
     stall_timeout: float = typer.Option(
         60.0, help="Seconds a client may take no data of its answer before the panel hangs up and frees the request."
     ),
+    tls: bool = typer.Option(
+        False,
+        "--tls",
+        help="Serve HTTPS with the panel's own self-signed certificate (made on first start; its SHA-256 "
+        "fingerprint is printed, for clients to pin or trust once). For a panel other machines reach.",
+    ),
+    tls_cert: Path = typer.Option(None, help="Serve HTTPS with this certificate (PEM), e.g. one a CA signed."),
+    tls_key: Path = typer.Option(None, help="The private key (PEM) of --tls-cert."),
 ) -> None:
     """Serve the panel: add agents, pair them, and answer OpenAI API requests."""
     import uvicorn
 
     from tandem_protocol.http_server import PageStreamProtocol, quiet_shutdown_cancels
     from tandem_protocol.settings import settings
+    from tandem_protocol.tls import certificate_fingerprint, ensure_certificate, spaced
 
     from .app import create_panel_app
     from .security import create_api_key, ensure_admin_password, set_admin_password
     from .services import MemberSpec, add_node, create_pool
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
     data_dir = data_dir or settings().data_dir / "panel"
+    if tls and tls_cert is None:
+        tls_cert, tls_key = ensure_certificate(data_dir / "tls", "panel")
+    scheme = "https" if tls_cert else "http"
     # the agents' cluster key: $TANDEM_CLUSTER_KEY, else the one the panel keeps (never an
     # argument: a command line is there for every local user to read)
     cluster_key = settings().cluster_key
@@ -97,8 +111,12 @@ def panel(
     asyncio.run(bootstrap())
     if api_key:
         console.print(f"[bold]API key[/] {api_key}: {create_api_key(engine, api_key)}")
-    console.print(f"Tandem panel on http://{host}:{port} · OpenAI API at http://{host}:{port}/v1")
-    logging.getLogger("tandem.panel").info("tandem panel ready on http://%s:%d", host, port)
+    if tls_cert:
+        console.print(
+            f"TLS certificate SHA-256 {spaced(certificate_fingerprint(tls_cert))}", emoji=False, highlight=False
+        )
+    console.print(f"Tandem panel on {scheme}://{host}:{port} · OpenAI API at {scheme}://{host}:{port}/v1")
+    logging.getLogger("tandem.panel").info("tandem panel ready on %s://%s:%d", scheme, host, port)
     # Streams still open 5 s after Ctrl-C or SIGTERM are cancelled, not waited for (a token stream
     # can run for minutes); each is logged as cancelled and its agents let go of the request.
     # The agent's HTTP protocol (uvicorn's, plus a stall timeout): a client that stops reading its
@@ -106,7 +124,13 @@ def panel(
     http = PageStreamProtocol.with_stall_timeout(stall_timeout)
     # past MAX_CONNECTIONS connections and requests at once, a new one gets 503 at once
     config = uvicorn.Config(
-        web, log_level="warning", timeout_graceful_shutdown=5, http=http, limit_concurrency=MAX_CONNECTIONS
+        web,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        http=http,
+        limit_concurrency=MAX_CONNECTIONS,
+        ssl_certfile=str(tls_cert) if tls_cert else None,
+        ssl_keyfile=str(tls_key) if tls_key else None,
     )
     quiet_shutdown_cancels()  # after the Config, which sets up uvicorn's loggers
     uvicorn.Server(config).run(sockets=[sock])

@@ -15,6 +15,7 @@ import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from tandem_protocol.auth import canonical_address
 from tandem_protocol.page_memory import keep_freed_pages
@@ -236,7 +237,7 @@ def serve(
         f"key: `tandem agent key`" + (" · mDNS on" if mdns else "")
     )
     if fingerprint:
-        console.print(f"TLS certificate SHA-256 {spaced(fingerprint)}")
+        console.print(f"TLS certificate SHA-256 {spaced(fingerprint)}", emoji=False, highlight=False)
     else:
         console.print("[bold red]plain HTTP[/]: prompts, pages and the cluster key cross the network readable")
     agent = create_app(adapter, config, announcer, loader)
@@ -453,7 +454,8 @@ def doctor(
         [
             ("data dir", str(data_dir())),
             *((f"node id of {n}", i) for n, i in known_node_ids().items()),
-            *((f"TLS certificate of {n}", spaced(fp)) for n, fp in known_certificates().items()),
+            # as Text, as is: a fingerprint's ":cd:" is no emoji
+            *((f"TLS certificate of {n}", Text(spaced(fp))) for n, fp in known_certificates().items()),
             ("cluster key file", str(key_path())),
             (f"port {port}", port_state),
             ("mDNS interfaces", ", ".join(lan_addresses()) or "none"),

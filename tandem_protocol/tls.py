@@ -12,7 +12,8 @@ DER bytes, as `openssl x509 -fingerprint -sha256` shows it) is what peers pin:
 
 `client_context(pin)` checks the peer's certificate against the pin during the handshake, before
 any byte of the request (and its key) is sent. It works through `SSLContext.sslobject_class`,
-which every asyncio/anyio/uvloop TLS transport uses, so httpx and the page receiver share it.
+which every asyncio/anyio/uvloop TLS transport uses, and `sslsocket_class`, which blocking
+sockets use: httpx (async or not) and the page receiver share it.
 """
 
 from __future__ import annotations
@@ -87,19 +88,27 @@ def ensure_certificate(folder: Path, name: str) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-class _PinnedObject(ssl.SSLObject):
-    """An SSLObject that, once its handshake is done, records the peer's certificate fingerprint
-    on its context and refuses the connection when the context pins another one."""
+def _check_pin(tls: ssl.SSLObject | ssl.SSLSocket) -> None:
+    """Once a handshake is done: record the peer's certificate fingerprint on the context, and
+    refuse the connection when the context pins another one."""
+    context: PinnedContext = tls.context  # type: ignore[assignment]
+    context.seen = fingerprint(tls.getpeercert(binary_form=True) or b"")
+    if context.pin is not None and not hmac.compare_digest(context.seen, context.pin):
+        raise PinMismatch(
+            f"the peer's TLS certificate {context.seen[:16]}… is not the one pinned for it ({context.pin[:16]}…)"
+        )
 
+
+class _PinnedObject(ssl.SSLObject):  # what asyncio, uvloop and anyio wrap a connection in
     def do_handshake(self) -> None:
         super().do_handshake()
-        der = self.getpeercert(binary_form=True) or b""
-        context: PinnedContext = self.context  # type: ignore[assignment]
-        context.seen = fingerprint(der)
-        if context.pin is not None and not hmac.compare_digest(context.seen, context.pin):
-            raise PinMismatch(
-                f"the peer's TLS certificate {context.seen[:16]}… is not the one pinned for it ({context.pin[:16]}…)"
-            )
+        _check_pin(self)
+
+
+class _PinnedSocket(ssl.SSLSocket):  # what blocking clients (httpx.Client, `socket`) wrap one in
+    def do_handshake(self, block: bool = False) -> None:
+        super().do_handshake(block)
+        _check_pin(self)
 
 
 class PinnedContext(ssl.SSLContext):
@@ -116,7 +125,7 @@ def client_context(pin: str | None) -> PinnedContext:
     # The pin replaces chain and name checks: the certificate is self-signed, and its name says nothing.
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
-    ctx.sslobject_class = _PinnedObject
+    ctx.sslobject_class, ctx.sslsocket_class = _PinnedObject, _PinnedSocket
     ctx.pin = pin.lower() if pin else None
     return ctx
 
@@ -132,5 +141,5 @@ def peer_fingerprint(host: str, port: int, timeout: float = 10.0) -> str:
     """The fingerprint of the certificate the server at host:port presents (nothing is sent but
     the handshake): what `tandem agent doctor` shows for a peer."""
     ctx = client_context(None)
-    with socket.create_connection((host, port), timeout) as raw, ctx.wrap_socket(raw) as tls:
-        return fingerprint(tls.getpeercert(binary_form=True) or b"")
+    with socket.create_connection((host, port), timeout) as raw, ctx.wrap_socket(raw):
+        return ctx.seen or ""

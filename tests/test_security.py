@@ -621,15 +621,17 @@ def _pair_impostor(c: TestClient, app, impostor: Impostor, key: str):
 
 
 def test_an_impostor_is_never_handed_the_cluster_key(panel):
-    """Typed in the add-node form, or discovered and paired (with the panel's key left blank, or
-    typed), an impostor gets a refusal that says why, and never a request carrying the key."""
+    """Typed in the add-node form, or discovered and paired (with the key typed; left blank, it is
+    refused before the node is asked anything), an impostor gets a refusal that says why, and never
+    a request carrying the key."""
     with TestClient(panel, base_url=LOCAL, follow_redirects=False) as c, Impostor() as impostor:
         assert log_in(c, panel.state.password).status_code == 303
         _refused(c.post("/nodes", data={"url": impostor.url, "csrf": csrf_of(c.get("/nodes").text)}), impostor)
-        for key in ("", CLUSTER_KEY):
-            _refused(_pair_impostor(c, panel, impostor, key), impostor)
-        # asked only whether it is up and to prove itself, once a form each
-        assert [r[:2] for r in impostor.requests] == [("GET", "/healthz"), ("POST", "/v1/identity")] * 3
+        # a blank key is not "the panel's own": the user vouches for a node by typing its key
+        _refused(_pair_impostor(c, panel, impostor, ""), impostor, "Enter the cluster key")
+        _refused(_pair_impostor(c, panel, impostor, CLUSTER_KEY), impostor)
+        # asked only whether it is up and to prove itself, once a form with a key
+        assert [r[:2] for r in impostor.requests] == [("GET", "/healthz"), ("POST", "/v1/identity")] * 2
 
 
 def test_the_first_pairing_proves_the_typed_key_before_sending_it(tmp_path):

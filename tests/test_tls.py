@@ -16,7 +16,7 @@ from control_panel.db import open_db
 from control_panel.services import PanelError, add_node
 from engine_adapters.server_process import free_port
 from tandem_protocol.client import AgentHTTPError
-from tandem_protocol.tls import client_context, ensure_certificate, server_context
+from tandem_protocol.tls import certificate_fingerprint, client_context, ensure_certificate, server_context, spaced
 from tests.agents import TEST_KEY, AgentProcess, PanelProcess, TamperProxy, log_rows, pd_request, tokens_of
 from tests.test_security import log_in
 
@@ -177,3 +177,19 @@ def test_a_man_in_the_middle_gets_no_key_and_the_pairing_fails(recorded_cluster,
     # its answer's proof is bound to the agent's own certificate: useless through any other
     answer = json.loads(bytes(relay.seen).rsplit(b"\r\n\r\n", 1)[1])
     assert answer["tls_fingerprint"] == c["p"].fingerprint
+
+
+def test_the_panel_serves_https_with_its_own_certificate(tmp_path):
+    """`tandem panel --tls`: its API over HTTPS, trusted by the fingerprint it printed."""
+    panel = PanelProcess(tmp_path, "--tls")
+    try:
+        assert panel.url.startswith("https://")
+        fingerprint = certificate_fingerprint(tmp_path / "panel" / "tls" / "panel.pem")
+        assert any(spaced(fingerprint) in line for line in panel.log)
+        headers = {"Authorization": f"Bearer {panel.api_key}"}
+        with httpx.Client(verify=client_context(fingerprint), headers=headers) as c:
+            assert c.get(panel.url + "/v1/models").status_code == 200
+        with pytest.raises(httpx.ConnectError, match="not the one pinned"):
+            httpx.get(panel.url + "/v1/models", verify=client_context("0" * 64), headers=headers)
+    finally:
+        panel.stop()

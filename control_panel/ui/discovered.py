@@ -2,19 +2,24 @@
 
 The panel's discovery watcher adds every agent that announces itself as an unpaired node
 (`services.note_discovered`); the panel sends it nothing, the cluster key least of all, until the
-user pairs it here by giving the cluster key, and then only once the agent has proved it holds
-that key (`node_status.probe_proved`).
+user pairs it here by typing the cluster key (the page shows the certificate the agent presents, to
+compare with `tandem agent key` on its machine), and then only once the agent has proved it holds
+that key over that very certificate (`node_status.probe_proved`), which the panel then pins.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ssl
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Form
 from fastapi.responses import RedirectResponse
 from sqlmodel import Session, select
 
 from tandem_protocol.auth import key_matches
+from tandem_protocol.tls import peer_fingerprint, spaced
 
 from ..db import set_setting
 from ..deps import SIGNED_IN, CsrfForm, DbSession, Panel, Render, Tr
@@ -40,19 +45,38 @@ async def discovered_list(panel: Panel, render: Render):
     return render("_discovered.html", discovered=discovered_rows(panel), mdns=panel.watcher is not None)
 
 
+async def presented_fingerprint(url: str) -> str | None:
+    """The certificate the agent at `url` presents now, as people compare it (None: plain HTTP, or
+    no answer): the user checks it against `tandem agent key` on that machine. Only a handshake."""
+    parts = urlsplit(url)
+    if parts.scheme != "https":
+        return None
+    try:
+        fp = await asyncio.wait_for(asyncio.to_thread(peer_fingerprint, parts.hostname, parts.port or 443, 3.0), 4.0)
+    except (OSError, TimeoutError, ssl.SSLError):
+        return None
+    return spaced(fp)
+
+
+def _pair_page(node: Node, fingerprint: str | None, error: str | None = None, status_code: int = 200):
+    return {"node": node, "fingerprint": fingerprint, "error": error, "status_code": status_code}
+
+
 @router.get("/nodes/{node_id}/pair")
-async def node_pair_page(node_id: int, panel: Panel, s: DbSession, render: Render):
+async def node_pair_page(node_id: int, s: DbSession, render: Render):
     node = s.get(Node, node_id)
     if node is None:
         return RedirectResponse("/nodes", status_code=303)
-    return render("node_pair.html", node=node, error=None, panel_has_key=bool(panel.router.cluster_key))
+    return render("node_pair.html", **_pair_page(node, await presented_fingerprint(node.url)))
 
 
 async def pair_node(panel: Panel, node: Node, key: str, t: Tr) -> str | None:
-    """Pair `node` with `key` (the panel's own when blank); None, or why it could not be paired."""
+    """Pair `node` with the cluster key the user typed: they vouch for the node by knowing it
+    (never "blank for the panel's own": that would pair whatever announced itself). None, or why
+    it could not be paired."""
     _ = t.gettext
     agents = panel.router
-    key = key.strip() or agents.cluster_key
+    key = key.strip()
     if not key:
         return _("Enter the cluster key (run `tandem agent key` on the agent's machine).")
     if agents.cluster_key and not key_matches(key, agents.cluster_key):
@@ -81,6 +105,5 @@ async def node_pair(
         return RedirectResponse("/nodes", status_code=303)
     error = await pair_node(panel, node, key, t)
     if error:
-        has_key = bool(panel.router.cluster_key)
-        return render("node_pair.html", status_code=400, node=node, error=error, panel_has_key=has_key)
+        return render("node_pair.html", **_pair_page(node, await presented_fingerprint(node.url), error, 400))
     return RedirectResponse("/nodes", status_code=303)
