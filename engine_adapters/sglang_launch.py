@@ -14,6 +14,6 @@ from engine_adapters.server_process import ServerProcess
 if __name__ == "__main__":
     key = os.environ.pop(ServerProcess.api_key_env, None)
     if key:
-        sys.argv += ["--api-key", key]
+        sys.argv.append(f"--api-key={key}")  # one argument: a key starting with "-" is no option
     sys.argv[0] = "sglang.launch_server"
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
