@@ -118,9 +118,14 @@ class TorchAdapter(InProcessEngine):
             # not per token. Bigger chunks cut it (bench/gpu_prefill_export.py --chunks); pages still
             # leave chunk by chunk and the last page still computes on its own.
             self.prefill_chunk_tokens = CUDA_PREFILL_CHUNK_TOKENS
-        # local_files_only: Tandem never downloads weights at run time
+        # local_files_only: Tandem never downloads weights at run time; safetensors only: a pickled
+        # checkpoint runs code when it loads
         model = AutoModelForCausalLM.from_pretrained(
-            str(self.model_dir), dtype=self.dtype, local_files_only=True, attn_implementation=ROWS_ATTENTION
+            str(self.model_dir),
+            dtype=self.dtype,
+            local_files_only=True,
+            use_safetensors=True,
+            attn_implementation=ROWS_ATTENTION,
         )
         self.model = model.to(self.device).eval()
 

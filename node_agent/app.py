@@ -53,7 +53,16 @@ MAX_BODY_BYTES = 8 << 20
 OPEN_PATHS = ("/healthz", "/v1/identity")  # the routes that need no cluster key
 
 # The order of the routes in the OpenAPI document
-ROUTERS = (info.open_router, info.router, config.router, tokenize.router, handoffs.router, decode.router, bench.router)
+ROUTERS = (
+    info.open_router,
+    info.router,
+    config.router,
+    tokenize.router,
+    handoffs.router,
+    handoffs.pages_router,
+    decode.router,
+    bench.router,
+)
 
 
 def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, loader: Loader | None = None) -> FastAPI:
@@ -84,7 +93,8 @@ def create_app(adapter: EngineAdapter, config: AgentConfig, discovery=None, load
     app.add_middleware(
         Gate,
         limit=MAX_BODY_BYTES,
-        keyed=lambda path: path not in OPEN_PATHS,
+        # a page stream's credential is its handoff's read token, which the route checks (no body)
+        keyed=lambda path: path not in OPEN_PATHS and not handoffs.PAGES_PATH.match(path),
         key_valid=lambda token: key_matches(token, config.cluster_key),
         refusal=refusal,
     )

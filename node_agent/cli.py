@@ -20,7 +20,7 @@ from rich.text import Text
 from tandem_protocol.auth import canonical_address
 from tandem_protocol.page_memory import keep_freed_pages
 from tandem_protocol.pages import PROTOCOL_VERSION
-from tandem_protocol.settings import data_dir, hash_cache_path
+from tandem_protocol.settings import data_dir, hash_cache_path, settings
 from tandem_protocol.tls import certificate_fingerprint, ensure_certificate, spaced
 from tandem_protocol.wire import HEARTBEAT_SECONDS
 
@@ -32,6 +32,7 @@ from .identity import (
     key_path,
     known_certificates,
     known_node_ids,
+    new_cluster_key,
     node_id_path,
     set_cluster_key,
     tls_dir,
@@ -270,8 +271,25 @@ def key(
         "on standard input (`tandem agent key --set < file`). Never as an argument, which any local user can read.",
     ),
     path_only: bool = typer.Option(False, "--path", help="Print where the key is kept."),
+    rotate: bool = typer.Option(
+        False,
+        "--rotate",
+        help="Replace the cluster key with a new random one (a key that may have leaked): restart this "
+        "machine's agents, give the new key to every other machine (`--set`) and to the panel.",
+    ),
 ) -> None:
-    """Show (or set) this node's cluster key."""
+    """Show (or set, or rotate) this node's cluster key."""
+    if set_ and rotate:
+        raise typer.BadParameter("--set or --rotate, not both")
+    if rotate:
+        if settings().cluster_key:
+            raise typer.BadParameter("TANDEM_CLUSTER_KEY is set: the key comes from the environment, change it there")
+        set_cluster_key(new_cluster_key())
+        print(
+            "new cluster key written: restart this machine's agents; set it on every other machine "
+            "(`tandem agent key --set`) and give it to the panel (TANDEM_CLUSTER_KEY at its next start)",
+            file=sys.stderr,
+        )
     if set_:
         given = typer.prompt("cluster key", hide_input=True) if sys.stdin.isatty() else sys.stdin.readline()
         try:

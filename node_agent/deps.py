@@ -1,8 +1,9 @@
 """The agent API's declared dependencies: each route states what it needs through these aliases.
 They are `async def`: FastAPI would run a plain `def` in a worker thread, on every request.
 
-Every route but /healthz and /v1/identity sits on a router with `KEYED`: the cluster key as a
-bearer token, and, when a peer names its protocol version (X-Tandem-Protocol), the same one as here.
+Every route but /healthz, /v1/identity and a handoff's page stream sits on a router with `KEYED`:
+the cluster key as a bearer token, and, when a peer names its protocol version (X-Tandem-Protocol),
+the same one as here. The page stream takes its handoff's read token instead (`SAME_PROTOCOL`).
 """
 
 from __future__ import annotations
@@ -59,11 +60,7 @@ async def agent_metrics(agent: Agent) -> Metrics:
 AgentMetrics = Annotated[Metrics, Depends(agent_metrics)]
 
 
-async def cluster_key(
-    config: Config, authorization: str | None = Header(None), x_tandem_protocol: int | None = Header(None)
-) -> None:
-    if not key_matches(bearer_token(authorization), config.cluster_key):
-        raise Unauthorized()
+async def same_protocol(x_tandem_protocol: int | None = Header(None)) -> None:
     if x_tandem_protocol is not None and x_tandem_protocol != PROTOCOL_VERSION:
         raise RequestError(
             f"peer speaks Tandem protocol {x_tandem_protocol}, this agent speaks "
@@ -71,4 +68,10 @@ async def cluster_key(
         )
 
 
-KEYED = [Depends(cluster_key)]  # a router's `dependencies`: every route on it needs the cluster key
+async def cluster_key(config: Config, authorization: str | None = Header(None)) -> None:
+    if not key_matches(bearer_token(authorization), config.cluster_key):
+        raise Unauthorized()
+
+
+SAME_PROTOCOL = [Depends(same_protocol)]  # a router whose routes check a credential of their own
+KEYED = [Depends(cluster_key), *SAME_PROTOCOL]  # a router's `dependencies`: the cluster key needed

@@ -29,7 +29,11 @@ class ConfigError(RequestError):
 
 
 class Unauthorized(Exception):
-    """Raised by the cluster-key check (`deps.cluster_key`)."""
+    """Raised by the cluster-key check (`deps.cluster_key`), and by a page stream asked without
+    its handoff's read token."""
+
+    def __init__(self, message: str = "missing or wrong cluster key"):
+        super().__init__(message)
 
 
 _STATUS = [
@@ -92,7 +96,12 @@ async def invalid_body(request: Request, e: RequestValidationError) -> JSONRespo
 
 
 async def unauthorized(request: Request, e: Unauthorized) -> JSONResponse:
-    return refusal(401, request.url.path, "")
+    return _unauthorized(str(e))
+
+
+def _unauthorized(message: str) -> JSONResponse:
+    body = {"error": {"type": "Unauthorized", "message": message}}
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 GATE_ERRORS = {400: "RequestError", 403: "Forbidden", 413: "RequestTooLarge"}
@@ -103,11 +112,7 @@ def refusal(status: int, path: str, message: str) -> JSONResponse:
     machine's (400), a foreign page's Origin (403), a missing or wrong cluster key (401), a body
     over the limit (413)."""
     if status == 401:
-        return JSONResponse(
-            {"error": {"type": "Unauthorized", "message": "missing or wrong cluster key"}},
-            status_code=401,
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        return _unauthorized(str(Unauthorized()))
     return JSONResponse({"error": {"type": GATE_ERRORS[status], "message": message}}, status_code=status)
 
 

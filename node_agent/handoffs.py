@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from engine_adapters import failpoints
 from engine_adapters.base import EngineAdapter, EngineRequest
+from tandem_protocol.auth import key_matches
 from tandem_protocol.contract import token_digest
 from tandem_protocol.errors import Cancelled, RequestError, TandemError
 from tandem_protocol.handoff import FirstTokenMode, kv_tokens
@@ -60,6 +62,9 @@ class Handoff:
     pages_sent: int = 0
     bytes_sent: int = 0
     encoding: int = RAW  # how the pages travel (engine_adapters/pages.py)
+    # The capability to read this handoff's pages (and nothing else), given to the decoder that
+    # created it: the page stream's credential is not the cluster key.
+    read_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     pages: int = 0  # pages it sends: those after the decoder's `have_pages`
 
 
@@ -161,6 +166,11 @@ class HandoffManager:
         except Exception as e:  # an engine crash must still end the stream with a reason
             log.exception("prefill of handoff %s failed", h.handoff_id)
             h.frames.put_nowait(error_frame("engine_error", f"prefill failed: {e}"))
+
+    def may_read(self, handoff_id: str, read_token: str | None) -> bool:
+        """Whether `read_token` is the read token of the open handoff `handoff_id` (constant time)."""
+        h = self.handoffs.get(handoff_id)
+        return h is not None and key_matches(read_token, h.read_token)
 
     async def stream(self, handoff_id: str) -> AsyncIterator[bytes]:
         """The handoff's frames for its one reader; ends the handoff however the reading ends."""

@@ -76,7 +76,7 @@ class Handshake:
         try:
             # One attempt: the contract sent is this engine's live one, so a 409 (another model
             # contract, or the prefiller switching engines) would be the same on a second try.
-            await self.prefiller.create_handoff(
+            created = await self.prefiller.create_handoff(
                 handoff_id=self.handoff_id,
                 token_ids=req.token_ids,
                 sampling=req.sampling.model_dump(mode="json"),
@@ -98,7 +98,8 @@ class Handshake:
             self.adapter.geometry,
         )
         try:
-            self._stream = await self._attached.enter_async_context(self.prefiller.page_stream(self.handoff_id, expect))
+            stream = self.prefiller.page_stream(self.handoff_id, expect, token=created["read_token"])
+            self._stream = await self._attached.enter_async_context(stream)
         except (AgentHTTPError, *TransportError) as e:
             self.release()  # the handoff was created: end it now rather than at its lease
             raise PrefillerFailed(f"the page stream from {self.url} did not start: {type(e).__name__}: {e}") from None

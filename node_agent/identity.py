@@ -100,9 +100,13 @@ def key_path(home: Path | None = None) -> Path:
     return (home or data_dir()) / "cluster-key"
 
 
+def new_cluster_key() -> str:
+    return "tdm_" + secrets.token_urlsafe(32)
+
+
 def cluster_key(home: Path | None = None) -> str:
     """`$TANDEM_CLUSTER_KEY` if set, else the key file (created on first use)."""
-    return settings().cluster_key or _read_or_create(key_path(home), lambda: "tdm_" + secrets.token_urlsafe(32))
+    return settings().cluster_key or _read_or_create(key_path(home), new_cluster_key)
 
 
 def set_cluster_key(key: str, home: Path | None = None) -> None:

@@ -65,6 +65,7 @@ def up(
                     str(panel_port),
                     "--data-dir",
                     str(panel_dir),
+                    "--no-mdns",  # everything it serves is on this machine: it listens to no LAN
                     "--pair",
                     f"smollm2={p_url},{d_url}",
                     "--pair",

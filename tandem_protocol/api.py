@@ -72,6 +72,10 @@ class HandoffCreated(BaseModel):
     handoff_id: str
     pages: int
     reserved_bytes: int
+    read_token: str = Field(
+        description="the one credential GET /v1/handoffs/{id}/pages takes (a bearer token): this handoff's "
+        "pages alone, for the decoder that created it"
+    )
 
 
 class TokenizeBody(BaseModel):

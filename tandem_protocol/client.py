@@ -211,9 +211,10 @@ class AgentClient:
 
     @asynccontextmanager
     async def page_stream(
-        self, handoff_id: str, expect: FrameExpectation | None, path: str | None = None
+        self, handoff_id: str, expect: FrameExpectation | None, path: str | None = None, token: str | None = None
     ) -> AsyncIterator[PageStream]:
         """A handoff's pages and its PrefillDone, checked against `expect`, received in place.
+        `token`: the handoff's read token (what creating it answered), its stream's one credential.
 
         Leaving the block before the stream ends closes the connection, which tells the
         prefiller its reader is gone.
@@ -223,7 +224,7 @@ class AgentClient:
                 self.base_url, self._headers, self._ssl, self._connect_timeout, stall_timeout=self._stall_timeout
             )
         try:
-            async with self._pages.stream(path or f"/v1/handoffs/{handoff_id}/pages", expect) as stream:
+            async with self._pages.stream(path or f"/v1/handoffs/{handoff_id}/pages", expect, token) as stream:
                 yield stream
         except HTTPStatusError as e:
             raise _http_error(e.status, f"{self._pages.host}:{self._pages.port}", e.body) from None

@@ -305,7 +305,7 @@ class ReceiverPool:
             if u.scheme == "https"
             else None
         )
-        self._headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self._headers = dict(headers)
         self._timeout = connect_timeout
         self._idle: list[_Receiver] = []
         self._max_idle = max_idle
@@ -326,10 +326,15 @@ class ReceiverPool:
         return receiver
 
     @asynccontextmanager
-    async def stream(self, path: str, expect: FrameExpectation | None) -> AsyncIterator[PageStream]:
+    async def stream(
+        self, path: str, expect: FrameExpectation | None, token: str | None = None
+    ) -> AsyncIterator[PageStream]:
+        """`token`: the bearer credential of this stream (a handoff's read token) in place of the pool's."""
+        headers = self._headers | ({"Authorization": f"Bearer {token}"} if token else {})
         request = (
-            f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self._headers}"
-            "Accept: application/x-tandem-pages\r\n\r\n"
+            f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            + "Accept: application/x-tandem-pages\r\n\r\n"
         ).encode()
         receiver = None
         for attempt in range(2):

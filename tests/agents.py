@@ -209,14 +209,14 @@ async def prefill_of(agent: AgentProcess, ids: list[int], mode: str = "commit-fi
     try:
         info = await client.info()
         handoff_id = uuid.uuid4().hex
-        await client.create_handoff(
+        created = await client.create_handoff(
             handoff_id=handoff_id,
             token_ids=ids,
             sampling={"max_tokens": 1},
             mode=mode,
             contract=info["contract"]["fingerprint"],
         )
-        async with client.page_stream(handoff_id, None) as stream:
+        async with client.page_stream(handoff_id, None, token=created["read_token"]) as stream:
             items = [item async for item in stream]
         return [x for x in items if isinstance(x, KVPage)], items[-1]
     finally:

@@ -135,7 +135,7 @@ def test_cancel_a_waiting_and_a_streaming_request(small, long_ids):
         assert e.value.status == 499 and "cancelled while waiting" in str(e.value)
         # cancel the held handoff while a reader is attached: its stream ends with the reason, no hang
         # (None: this test reads frames without checking their contract)
-        async with c.page_stream(held["handoff_id"], None) as stream:
+        async with c.page_stream(held["handoff_id"], None, token=held["read_token"]) as stream:
             cancelled = (await c.cancel_handoff(held["handoff_id"]))["cancelled"]
             assert not (await c.cancel_handoff(held["handoff_id"]))["cancelled"]  # idempotent
             try:

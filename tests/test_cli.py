@@ -102,3 +102,20 @@ def test_the_cluster_key_is_set_from_standard_input_never_an_argument(tmp_path):
         [TANDEM, "agent", "key", "--set"], input="short\n", capture_output=True, text=True, env={**os.environ, **env}
     )
     assert short.returncode != 0 and "16 characters" in short.stdout + short.stderr
+
+
+def test_the_cluster_key_rotates_to_a_new_random_one(tmp_path):
+    """`tandem agent key --rotate`: a key that may have leaked is replaced, privately, and printed
+    once (alone on stdout) with what to do next; a key from the environment is not rotated here."""
+    env = {"TANDEM_HOME": str(tmp_path / "home")}
+    old = tandem("agent", "key", env=env).stdout.strip()
+    r = tandem("agent", "key", "--rotate", env=env)
+    new = r.stdout.strip()
+    assert r.returncode == 0 and new.startswith("tdm_") and len(new) >= 40 and new != old, r.stdout + r.stderr
+    assert "restart this machine's agents" in r.stderr
+    path = tmp_path / "home" / "cluster-key"
+    assert path.read_text().strip() == new and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert tandem("agent", "key", env=env).stdout.strip() == new
+    from_env = tandem("agent", "key", "--rotate", env={**env, "TANDEM_CLUSTER_KEY": "tdm_" + "e" * 30})
+    assert from_env.returncode != 0 and "TANDEM_CLUSTER_KEY" in from_env.stdout + from_env.stderr
+    assert path.read_text().strip() == new

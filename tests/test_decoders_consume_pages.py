@@ -87,14 +87,14 @@ async def pages_and_done(agent: AgentProcess, ids: list[int], mode: FirstTokenMo
     try:
         info = await client.info()
         handoff_id = uuid.uuid4().hex
-        await client.create_handoff(
+        created = await client.create_handoff(
             handoff_id=handoff_id,
             token_ids=ids,
             sampling={"max_tokens": 1},
             mode=mode.value,
             contract=info["contract"]["fingerprint"],
         )
-        async with client.page_stream(handoff_id, None) as stream:
+        async with client.page_stream(handoff_id, None, token=created["read_token"]) as stream:
             return [item async for item in stream]
     finally:
         await client.aclose()

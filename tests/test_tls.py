@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
 import threading
+import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,11 +20,13 @@ import pytest
 from control_panel.db import open_db
 from control_panel.services import PanelError, add_node
 from engine_adapters.server_process import free_port
-from tandem_protocol.client import AgentHTTPError
+from tandem_protocol.client import AgentClient, AgentHTTPError
 from tandem_protocol.tls import certificate_fingerprint, client_context, ensure_certificate, server_context, spaced
-from tests.agents import TEST_KEY, AgentProcess, PanelProcess, TamperProxy, log_rows, pd_request, tokens_of
-from tests.test_security import log_in
+from tests.agents import TEST_KEY, AgentProcess, PanelProcess, TamperProxy, log_rows, pd_request, tokens_of, wait_for
+from tests.netns import host_namespace, needs_netns
+from tests.test_security import csrf_of, log_in
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Name three rivers that cross the city of Wrocław."
 
 
@@ -193,3 +200,79 @@ def test_the_panel_serves_https_with_its_own_certificate(tmp_path):
             httpx.get(panel.url + "/v1/models", verify=client_context("0" * 64), headers=headers)
     finally:
         panel.stop()
+
+
+@pytest.mark.parametrize("recorded_cluster", ["tls"], indirect=True)
+def test_a_page_stream_opens_only_to_its_handoffs_read_token(recorded_cluster):
+    """The cluster key does not read pages, nor does another handoff's token: each handoff's
+    pages go to the decoder that created it (which alone was answered its read token)."""
+    p, ids = recorded_cluster["p"], recorded_cluster["ids"]
+
+    async def run():
+        client = AgentClient(p.url, TEST_KEY, pin=p.fingerprint)
+        try:
+            contract = (await client.info())["contract"]["fingerprint"]
+            made = []
+            for _ in range(2):
+                body = {"handoff_id": uuid.uuid4().hex, "token_ids": ids, "contract": contract}
+                made.append(await client.create_handoff(sampling={"max_tokens": 1}, **body))
+            a, b = made
+            for token in (None, TEST_KEY, b["read_token"]):  # None: the client's own, the cluster key
+                with pytest.raises(AgentHTTPError) as refused:
+                    async with client.page_stream(a["handoff_id"], None, token=token) as stream:
+                        [x async for x in stream]
+                assert refused.value.status == 401 and "read token" in str(refused.value)
+            for h in (a, b):
+                async with client.page_stream(h["handoff_id"], None, token=h["read_token"]) as stream:
+                    items = [x async for x in stream]
+                assert len(items) == h["pages"] + 1  # its pages and the final frame
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+@needs_netns
+def test_a_fake_agent_announced_by_mdns_gets_nothing_from_pairing(smol_dir, tmp_path):
+    """In a test host (a namespace, mDNS inside it), a fake agent announces itself as a new node
+    and relays everything to a real agent: the user pairs it with the right key. The pairing fails
+    and says why; everything the fake read holds no credential. The real agent pairs, its page
+    showing the fingerprint its own machine prints."""
+    with host_namespace() as host:
+        mdns = ("--mdns", "--mdns-interface", host.mdns_addr)
+        real = AgentProcess("torch", smol_dir, tmp_path / "real", *mdns, host=host.addr, netns=host.ns, tls=True)
+        with real:
+            record = tmp_path / "fake.bin"
+            fake = subprocess.Popen(
+                ["ip", "netns", "exec", host.ns, sys.executable, "-m", "tests.fake_agent", host.addr, "7411",
+                 str(real.port), host.mdns_addr, str(record)],
+                stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            )  # fmt: skip
+            try:
+                assert fake.stdout.readline().strip() == "ready"
+                with PanelProcess(tmp_path / "panel", "--host", host.addr, *mdns, netns=host.ns) as panel:
+                    with httpx.Client(base_url=panel.url, follow_redirects=False, timeout=30) as ui:
+                        assert log_in(ui, panel.admin_password).status_code == 303
+                        found = wait_for(lambda: _pair_links(ui) if len(_pair_links(ui)) == 2 else None, 30, 0.5)
+                        page = ui.get(found["desk-pc"]).text
+                        assert spaced(real.fingerprint) not in page  # the fake's own certificate is shown
+                        r = ui.post(found["desk-pc"], data={"key": TEST_KEY, "csrf": csrf_of(page)})
+                        assert r.status_code == 400 and "Could not pair desk-pc" in r.text, r.text[-2000:]
+                        assert "not the address reached" in r.text  # the real agent signed its own
+                        page = ui.get(found[real.name]).text
+                        assert spaced(real.fingerprint) in page  # as `tandem agent key` prints it there
+                        r = ui.post(found[real.name], data={"key": TEST_KEY, "csrf": csrf_of(page)})
+                        assert r.status_code == 303, r.text[-2000:]
+            finally:
+                fake.terminate()
+                fake.wait(10)
+    seen = record.read_bytes()
+    requests = re.findall(rb"(GET|POST|PUT|DELETE) (\S+) HTTP/1\.1\r\n", seen)  # both ways, one file
+    assert requests == [(b"GET", b"/healthz"), (b"POST", b"/v1/identity")], requests
+    assert TEST_KEY.encode() not in seen and b"Authorization" not in seen
+
+
+def _pair_links(ui: httpx.Client) -> dict[str, str]:
+    """The nodes found on the network, by name, with their pair page."""
+    html = ui.get("/nodes/discovered").text
+    return {name: link for link, name in re.findall(r'href="(/nodes/\d+/pair)" data-pair-node="([^"]+)"', html)}

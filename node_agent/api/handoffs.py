@@ -3,16 +3,23 @@ cancels it (the decoder's side: `node_agent/handshake.py`)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import re
+
+from fastapi import APIRouter, Header
 
 from tandem_protocol.api import HandoffBody, HandoffCreated
+from tandem_protocol.auth import bearer_token
 from tandem_protocol.errors import ContractMismatch, RequestError
 from tandem_protocol.http_server import PageStreamResponse
 from tandem_protocol.pages import ENCODINGS, PROTOCOL_VERSION
 
-from ..deps import KEYED, Handoffs, Slot
+from ..deps import KEYED, SAME_PROTOCOL, Handoffs, Slot
+from ..errors import Unauthorized
 
 router = APIRouter(dependencies=KEYED)
+# The page stream's credential is the handoff's own read token, not the cluster key.
+pages_router = APIRouter(dependencies=SAME_PROTOCOL)
+PAGES_PATH = re.compile(r"^/v1/handoffs/[^/]+/pages$")
 
 
 @router.post("/v1/handoffs", status_code=201)
@@ -37,11 +44,15 @@ async def create_handoff(body: HandoffBody, slot: Slot, handoffs: Handoffs) -> H
         encoding=ENCODINGS[body.page_encoding],
         have_pages=body.have_pages,
     )
-    return HandoffCreated(handoff_id=h.handoff_id, pages=h.pages, reserved_bytes=h.reservation.nbytes)
+    return HandoffCreated(
+        handoff_id=h.handoff_id, pages=h.pages, reserved_bytes=h.reservation.nbytes, read_token=h.read_token
+    )
 
 
-@router.get("/v1/handoffs/{handoff_id}/pages")
-async def handoff_pages(handoff_id: str, handoffs: Handoffs):
+@pages_router.get("/v1/handoffs/{handoff_id}/pages")
+async def handoff_pages(handoff_id: str, handoffs: Handoffs, authorization: str | None = Header(None)):
+    if not handoffs.may_read(handoff_id, bearer_token(authorization)):
+        raise Unauthorized(f"no open handoff {handoff_id} with this read token (wrong, expired or already read)")
     frames = await handoffs.stream(handoff_id)
     return PageStreamResponse(frames)
 
