@@ -31,6 +31,7 @@ class Node(SQLModel, table=True):
     last_error: str = ""
     # SHA-256 of the TLS certificate the node proved at pairing, checked on every connection ("" over plain HTTP)
     tls_fingerprint: str = ""
+    ignored: bool = False  # found on the network, and the user chose not to see it (not paired)
 
 
 class Pool(SQLModel, table=True):

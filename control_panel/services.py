@@ -401,6 +401,8 @@ async def note_discovered(engine: Engine, peer: Peer, present: bool, cluster_key
         if node is not None and node.source == "mdns" and node.url == url:
             _note(engine, node.id, last_error="withdrawn: the agent stopped announcing itself on the network")
         return
+    if node is not None and node.ignored:  # the user said so: not even its address is followed
+        return
     if (node is not None and node.url != url) or (at_url is not None and at_url is not node):
         try:
             pinned = node.tls_fingerprint if node is not None and node.paired else None
@@ -428,7 +430,8 @@ def _bound_found(s: Session, keep: int) -> None:
     but never `keep` (the one just announced)."""
     found = s.exec(
         select(Node)
-        .where(Node.source == "mdns", Node.paired == False, Node.id != keep)  # noqa: E712 (SQL)
+        # an ignored node stays (forgotten, it would come back): only a user's click makes one
+        .where(Node.source == "mdns", Node.paired == False, Node.ignored == False, Node.id != keep)  # noqa: E712 (SQL)
         .order_by(Node.last_seen.desc())
     ).all()
     stale = time.time() - FOUND_EXPIRE_SECONDS
@@ -437,6 +440,25 @@ def _bound_found(s: Session, keep: int) -> None:
             in_pools = s.exec(select(PoolMember).where(PoolMember.node_id == node.id)).first()
             if in_pools is None:
                 s.delete(node)
+
+
+def ignore_found(engine: Engine, node_id: int, ignored: bool = True) -> None:
+    """Hide (or show again) an agent found on the network and not paired: its announcements are
+    not followed while it is ignored."""
+    with Session(engine) as s:
+        node = s.get(Node, node_id)
+        if node is not None and not node.paired:
+            node.ignored = ignored
+            s.add(node)
+            s.commit()
+
+
+def show_ignored(engine: Engine) -> None:
+    with Session(engine) as s:
+        for node in s.exec(select(Node).where(Node.ignored == True)):  # noqa: E712 (SQL)
+            node.ignored = False
+            s.add(node)
+        s.commit()
 
 
 def remove_node(engine: Engine, node_id: int) -> tuple[str, list[str]] | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .handoff import FirstTokenMode
 from .pages import PROTOCOL_VERSION
@@ -21,6 +21,12 @@ _FINGERPRINT = r"^[0-9a-f]{64}$"
 # stream broke or arrived damaged. D has released what it imported, so a panel may serve the
 # request on D alone (a pair's "decode_alone" fallback).
 PREFILLER_FAILED = "prefiller_failed"
+
+
+def _check_pin(url: str | None, fingerprint: str | None, field: str) -> None:
+    """A certificate is pinned for an HTTPS URL only: with plain HTTP there is none to check."""
+    if fingerprint and not (url or "").startswith("https://"):
+        raise ValueError(f"{field} pins a TLS certificate: the URL it is for must be https://")
 
 
 class _Body(BaseModel):
@@ -48,6 +54,11 @@ class DecodeBody(GenerateBody):
         "raw", description="how pages should travel: raw FP16, or byte planes + zstd (lossless)"
     )
     mode: FirstTokenMode | None = Field(None, description="first-token mode; none: the decoder's preferred one")
+
+    @model_validator(mode="after")
+    def _pin_needs_https(self):
+        _check_pin(self.prefill_url, self.prefill_fingerprint, "prefill_fingerprint")
+        return self
 
 
 class HandoffBody(_Body):
@@ -111,3 +122,8 @@ class BenchLinkBody(_Body):
         None, description="SHA-256 of the TLS certificate the peer must present (its pin)", pattern=_FINGERPRINT
     )
     megabytes: int = Field(64, ge=1, le=4096, description="how much to pull, in MB (10^6 bytes)")
+
+    @model_validator(mode="after")
+    def _pin_needs_https(self):
+        _check_pin(self.peer, self.peer_fingerprint, "peer_fingerprint")
+        return self

@@ -136,7 +136,7 @@ class AgentClient:
             self._headers["Authorization"] = f"Bearer {key}"
         self._ssl: ssl.SSLContext | bool | None = (
             client_context(pin)
-            if pin
+            if pin and self.base_url.startswith("https://")
             else ssl.create_default_context(cafile=verify)
             if isinstance(verify, str)
             else (None if verify else False)

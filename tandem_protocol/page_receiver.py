@@ -297,13 +297,13 @@ class ReceiverPool:
         u = urlsplit(base_url)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)
         self._ssl = (
-            ssl_context
+            None  # plain HTTP, whatever context was given
+            if u.scheme != "https"
+            else ssl_context
             if isinstance(ssl_context, ssl.SSLContext)
             else ssl.create_default_context()
-            if u.scheme == "https" and ssl_context is None
+            if ssl_context is None
             else _insecure()
-            if u.scheme == "https"
-            else None
         )
         self._headers = dict(headers)
         self._timeout = connect_timeout

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tandem_protocol.tls import spaced
+
 from .agents import TEST_KEY, AgentProcess, PanelProcess
 from .conftest import make_tiny_checkpoint
 from .netns import host_namespace, netns_available
@@ -51,8 +53,11 @@ def cluster(smol_dir, tmp_path_factory):
     with host_namespace() as host:
         mdns = ("--mdns", "--mdns-interface", host.mdns_addr)
         with (
-            AgentProcess("torch", smol_dir, home / "torch", *roots, *mdns, host=host.addr, netns=host.ns) as t,
-            AgentProcess("mlx", smol_dir, home / "mlx", *roots, *mdns, host=host.addr, netns=host.ns) as m,
+            # two serve HTTPS, as agents do by default; one plain HTTP (--insecure-http), which the UI marks
+            AgentProcess(
+                "torch", smol_dir, home / "torch", *roots, *mdns, host=host.addr, netns=host.ns, tls=True
+            ) as t,
+            AgentProcess("mlx", smol_dir, home / "mlx", *roots, *mdns, host=host.addr, netns=host.ns, tls=True) as m,
             AgentProcess("mlx", smol_dir, home / "mlx2", *mdns, host=host.addr, netns=host.ns) as m2,
         ):
             with PanelProcess(home / "panel", "--host", host.addr, *mdns, netns=host.ns) as panel:
@@ -120,7 +125,10 @@ def test_every_page_needs_a_session(cluster):
 
 
 def test_node_failures_say_why(cluster, monkeypatch):
+    from control_panel import pins
     from control_panel.ui import node_status as ui
+
+    pins.pin(cluster["torch"].url, cluster["torch"].fingerprint)  # as the panel pinned it at pairing
 
     async def go():
         wrong_key = await ui.probe(cluster["torch"].url, "tdm_wrong-key")
@@ -170,8 +178,10 @@ def test_browser_flow(cluster, browser):
             page.wait_for_selector(f"#discovered tr[data-node='{name}'][data-announcing='yes']")
             assert "announcing" in row.inner_text()
         assert page.locator("#nodes-table").count() == 0  # nothing paired yet
-        # pairing asks for the cluster key; a wrong one is refused and says why
+        # pairing shows the certificate the agent presents, as `tandem agent key` prints it on its
+        # machine, and asks for the cluster key; a wrong one is refused and says why
         page.click("a[data-pair-node='torch-torch']")
+        assert page.locator("#pair-node-fingerprint").inner_text() == spaced(cluster["torch"].fingerprint)
         page.fill("input[name=key]", "tdm_not-the-cluster-key")
         page.click("#pair-node-form button[type=submit]")
         assert "differs from the panel's cluster key" in page.locator("#pair-node-error").inner_text()
@@ -189,6 +199,9 @@ def test_browser_flow(cluster, browser):
             page.click("#pair-node-form button[type=submit]")
             page.wait_for_url(re.compile(r"/nodes$"))
         assert page.locator("#discovered-none").is_visible()  # no agent left to pair: it says so
+        # the plain-HTTP node is marked, the HTTPS ones are not
+        page.wait_for_selector("tr[data-node='mlx-mlx2'] [data-plain-http]")
+        assert page.locator("tr[data-node='torch-torch'] [data-plain-http]").count() == 0
 
         # both agents are listed with their live status, refreshed by htmx without a reload
         for name in ("torch-torch", "mlx-mlx"):

@@ -686,3 +686,30 @@ def test_a_flood_of_announcements_is_bounded(tmp_path):
         page_s = time.monotonic() - t1
     print(f"\n1,000 announcements in {took:.2f} s; /nodes and its found-nodes part in {page_s * 1000:.0f} ms")
     assert took < 10 and page_s < 0.3, (took, page_s)  # measured 4.5 s and 130 ms beside a test run
+
+
+def test_an_ignored_agent_stays_out_of_sight(tmp_path):
+    """An agent found on the network that the user does not know: Ignore hides it, and its next
+    announcements (at any address) change nothing; "show them again" brings it back."""
+    app = create_panel_app(tmp_path, CLUSTER_KEY)
+    password = ensure_admin_password(app.state.db)
+
+    def announce(host: str):
+        peer = Peer("stranger._tandem._tcp.local.", [host], 7411, {"node_id": "f" * 32, "name": "stranger"})
+        asyncio.run(note_discovered(app.state.db, peer, True, CLUSTER_KEY))
+
+    announce("10.9.9.9")
+    with TestClient(app, base_url=LOCAL, follow_redirects=False) as c:
+        assert log_in(c, password).status_code == 303
+        page = c.get("/nodes").text
+        node_id = re.search(r'action="/nodes/(\d+)/ignore"', page).group(1)
+        assert c.post(f"/nodes/{node_id}/ignore", data={"csrf": csrf_of(page)}).status_code == 303
+        announce("10.9.9.10")  # it keeps announcing, elsewhere too
+        found = c.get("/nodes/discovered").text
+        assert 'data-node="stranger"' not in found and "Ignored agents: 1" in found
+        with Session(app.state.db) as s:
+            assert s.exec(select(Node.url).where(Node.node_id == "f" * 32)).one() == "http://10.9.9.9:7411"
+        assert c.post("/nodes/ignored/show", data={"csrf": csrf_of(c.get("/nodes").text)}).status_code == 303
+        assert 'data-node="stranger"' in c.get("/nodes/discovered").text
+        # without the CSRF token, nothing is ignored
+        assert c.post(f"/nodes/{node_id}/ignore", data={}).status_code == 403

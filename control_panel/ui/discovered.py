@@ -24,7 +24,7 @@ from tandem_protocol.tls import peer_fingerprint, spaced
 from ..db import set_setting
 from ..deps import SIGNED_IN, CsrfForm, DbSession, Panel, Render, Tr
 from ..models import Node
-from ..services import PanelError, add_node
+from ..services import PanelError, add_node, ignore_found, show_ignored
 from . import node_status
 from .render import HEALTH
 
@@ -32,17 +32,37 @@ router = APIRouter(include_in_schema=False, dependencies=SIGNED_IN)
 
 
 def discovered_rows(panel: Panel) -> list[dict]:
-    """The unpaired nodes, each with whether it is announcing itself right now."""
+    """The unpaired nodes not ignored, each with whether it is announcing itself right now."""
     announcing = {p.url.rstrip("/") for p in panel.watcher.peers.values()} if panel.watcher else set()
     with Session(panel.db) as s:
-        nodes = list(s.exec(select(Node).where(Node.paired == False).order_by(Node.name)))  # noqa: E712
+        unpaired = select(Node).where(Node.paired == False, Node.ignored == False)  # noqa: E712 (SQL)
+        nodes = list(s.exec(unpaired.order_by(Node.name)))
     return [{"node": n, "announcing": n.url in announcing} for n in nodes]
+
+
+def ignored_count(panel: Panel) -> int:
+    with Session(panel.db) as s:
+        return len(s.exec(select(Node.id).where(Node.ignored == True)).all())  # noqa: E712 (SQL)
 
 
 @router.get("/nodes/discovered")
 async def discovered_list(panel: Panel, render: Render):
     """The section alone: htmx swaps it in every few seconds."""
-    return render("_discovered.html", discovered=discovered_rows(panel), mdns=panel.watcher is not None)
+    rows, ignored = discovered_rows(panel), ignored_count(panel)
+    return render("_discovered.html", discovered=rows, ignored=ignored, mdns=panel.watcher is not None)
+
+
+@router.post("/nodes/{node_id}/ignore")
+async def node_ignore(_csrf: CsrfForm, node_id: int, panel: Panel):
+    """Hide an agent found on the network (one the user does not know, or a flood of them)."""
+    ignore_found(panel.db, node_id)
+    return RedirectResponse("/nodes", status_code=303)
+
+
+@router.post("/nodes/ignored/show")
+async def nodes_show_ignored(_csrf: CsrfForm, panel: Panel):
+    show_ignored(panel.db)
+    return RedirectResponse("/nodes", status_code=303)
 
 
 async def presented_fingerprint(url: str) -> str | None:

@@ -18,7 +18,7 @@ from ..deps import SIGNED_IN, AgentRouter, CsrfForm, Db, Panel, Render, Tr
 from ..models import Node, Pool, PoolMember
 from ..services import PanelError, add_node, remove_node
 from . import node_status
-from .discovered import discovered_rows
+from .discovered import discovered_rows, ignored_count
 from .render import HEALTH
 
 router = APIRouter(include_in_schema=False, dependencies=SIGNED_IN)
@@ -129,6 +129,7 @@ async def nodes_page_context(panel: Panel, **extra) -> dict:
     return {
         "rows": await node_rows(panel.db, panel.router.cluster_key),
         "discovered": discovered_rows(panel),
+        "ignored": ignored_count(panel),
         "mdns": panel.watcher is not None,
         "error": None,
         "url_value": "",
