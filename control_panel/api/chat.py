@@ -9,7 +9,7 @@ from ..deps import API_KEY, AgentRouter, Db, RequestLogs
 from ..request_log import RequestLogWriter
 from ..router import Router
 from ..targets import resolve_target
-from .answer import Answer
+from .answer import Answer, new_rid, tokenize
 from .bodies import ChatBody
 from .choices import Choices, answer_or_choices
 
@@ -19,12 +19,17 @@ router = APIRouter(dependencies=API_KEY)
 async def chat_answer(
     body: ChatBody, db: Engine, agents: Router, request_log: RequestLogWriter, rid: str | None = None
 ) -> Answer | Choices:
-    """The answer to a chat body, checked, routed and tokenized (what /v1/responses runs too)."""
+    """The answer to a chat body, checked, routed and tokenized (what /v1/responses runs too);
+    `rid`: its id (default: a new chatcmpl-…)."""
     body.check()
     sampling = body.sampling()  # refused here, before any agent is asked anything
     target = resolve_target(db, body.model)
-    prompt = await agents.tokenize(
+    rid = rid or new_rid(True)
+    prompt = await tokenize(
+        agents,
         target,
+        request_log,
+        rid,
         messages=body.messages,
         tools=body.tools if body.tool_mode else None,
         chat_template_kwargs=body.chat_template_kwargs,

@@ -34,7 +34,7 @@ from ..router import RouteError
 from .answer import Answer
 from .bodies import OPENAI_TEMPERATURE, ChatBody, parts_text
 from .chat import chat_answer
-from .errors import OpenAIError
+from .errors import OpenAIError, route_failure
 
 router = APIRouter(dependencies=API_KEY)
 
@@ -329,7 +329,8 @@ class ResponseRun:
             outcome = "ok"
         except RouteError as e:
             outcome, error = "error", str(e)
-            failed = self.response("failed", events.output, error={"code": "server_error", "message": str(e)})
+            told = str(route_failure(e, self.answer.rid))
+            failed = self.response("failed", events.output, error={"code": "server_error", "message": told})
             yield events.event("response.failed", response=failed)
         finally:
             try:
