@@ -17,6 +17,7 @@ from tandem_protocol.sampling import SamplingParams
 from tandem_protocol.tools import ToolCall
 
 from ..models import RequestLog
+from ..rate_limits import Slot
 from ..request_log import RequestLogWriter
 from ..router import RouteError, Router, RouteStats, Target
 from .bodies import _Common
@@ -87,10 +88,16 @@ class Answer:
         reasoning: bool = False,
         rid: str | None = None,
         index: int = 0,
+        slot: Slot | None = None,
     ):
         """`reasoning`: the chat template left a reasoning block open, so the answer begins in it.
-        `rid`: the answer's id (default: a new chatcmpl-… or cmpl-…). `index`: its choice's."""
+        `rid`: the answer's id (default: a new chatcmpl-… or cmpl-…). `index`: its choice's.
+        `slot`: the API key's (rate_limits.py), charged the tokens: the prompt once per request
+        (as `usage` counts it, whatever `n`), each choice's answer when it ends."""
         self.body, self.chat, self.ids, self.request_log, self.index = body, chat, ids, request_log, index
+        self.slot = slot
+        if slot is not None and index == 0:
+            slot.charge(len(ids))
         self.stats = RouteStats()
         self.rid = rid or new_rid(chat)
         self.created = int(time.time())
@@ -109,7 +116,10 @@ class Answer:
         self.reasoning_tokens = 0  # of them, those whose text was all reasoning
 
     def log(self, outcome: str, error: str = "") -> None:
+        """Record how the answer ended (called once, however it ends)."""
         stats = self.stats
+        if self.slot is not None:
+            self.slot.charge(stats.output_tokens)
         self.request_log.finish(
             self.logged,
             route=stats.route,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ..deps import API_KEY, AgentRouter, Db, RequestLogs
+from ..deps import API_KEY, AgentRouter, Db, KeySlot, RequestLogs
 from ..request_log import RequestLogWriter
 from ..router import Router, Target
 from ..targets import resolve_target
@@ -28,11 +28,11 @@ async def prompt_ids(
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionBody, db: Db, agents: AgentRouter, request_log: RequestLogs):
+async def completions(body: CompletionBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot):
     body.check()
     sampling = body.sampling()  # refused here, before any agent is asked anything
     target = resolve_target(db, body.model)
     rid = new_rid(False)
     ids = await prompt_ids(body, agents, target, request_log, rid)
-    kw = {"agents": agents, "request_log": request_log, "rid": rid}
+    kw = {"agents": agents, "request_log": request_log, "rid": rid, "slot": slot}
     return await answer_or_choices(body, False, ids, target, sampling, **kw).respond()

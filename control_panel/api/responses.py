@@ -29,7 +29,7 @@ from sqlalchemy import Engine
 from tandem_protocol.tools import ToolCall
 
 from .. import response_store
-from ..deps import API_KEY, AgentRouter, Db, RequestLogs
+from ..deps import API_KEY, AgentRouter, Db, KeySlot, RequestLogs
 from ..router import RouteError
 from .answer import Answer
 from .bodies import OPENAI_TEMPERATURE, ChatBody, parts_text
@@ -447,7 +447,7 @@ def call_item(call: ToolCall) -> dict:
 
 # ---- the routes ----------------------------------------------------------------------------------
 @router.post("/v1/responses")
-async def create_response(body: ResponsesBody, db: Db, agents: AgentRouter, request_log: RequestLogs):
+async def create_response(body: ResponsesBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot):
     body.check()
     history: list[dict] = []
     if body.previous_response_id is not None:
@@ -465,7 +465,7 @@ async def create_response(body: ResponsesBody, db: Db, agents: AgentRouter, requ
         raise OpenAIError(400, "`input`: give at least one item", param="input")
     chat = body.chat_body(conversation)
     try:
-        answer = await chat_answer(chat, db, agents, request_log, rid=new_id("resp"))
+        answer = await chat_answer(chat, db, agents, request_log, rid=new_id("resp"), slot=slot)
     except OpenAIError as e:
         raise renamed(e) from None
     run = ResponseRun(body, chat, answer, conversation, db)

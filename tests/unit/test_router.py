@@ -90,7 +90,7 @@ class FakeAgents(httpx.AsyncBaseTransport):
 # ---- through the panel's OpenAI API ------------------------------------------------------------
 def pair_app(data_dir: Path, agents: FakeAgents, p_url: str = P, d_url: str = D) -> FastAPI:
     """The real panel app in-process, its router on fake agents: pair "pd" falls back to D alone,
-    pair "pd-strict" never does; `app.state.api_key` is an API key."""
+    pair "pd-strict" never does; `app.state.api_key` is a key without limits."""
     key = "tdm_unit-cluster-0123456789abcdef"
     state = open_state(data_dir, key)
     state.router = Router(key, agents)
