@@ -23,6 +23,8 @@ def settings_context(panel: Panel, **extra) -> dict:
         keys = list(s.exec(select(ApiKey).order_by(col(ApiKey.created).desc())))
     return {
         "keys": keys,
+        "most_concurrent": MOST_CONCURRENT,
+        "most_tokens_per_minute": MOST_TOKENS_PER_MINUTE,
         "new_key": None,
         "key_error": None,
         "pw_error": None,
