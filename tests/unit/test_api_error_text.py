@@ -10,10 +10,13 @@ import re
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from sqlmodel import Session, select
 
 from control_panel.models import RequestLog
+from control_panel.security import set_admin_password
 
+from .test_rate_limits import PASSWORD, signed_in
 from .test_router import TOKENS, FakeAgents, ask, chat, pair_app, refusal, sse_chunks, stream
 
 P, D = "http://127.0.0.1:7001", "http://127.0.0.1:7002"
@@ -99,3 +102,13 @@ def test_a_refusal_keeps_the_agent_s_words_without_any_address(panel):
     too_long = "prompt of 40 tokens plus max_tokens 3000 exceeds the context length 2048"
     r, _ = ask(panel, chat(), decode=lambda body: refusal(400, "RequestError", too_long))
     assert r.status_code == 400 and too_long in r.json()["error"]["message"] and "127.0.0.1" not in r.text, r.text
+
+
+def test_the_requests_page_shows_the_id_a_client_was_told_beside_the_detail(panel):
+    r, _ = ask(panel, chat(model="pd-strict"), decode=engine_failed)
+    rid = told_generically(r.text)
+    set_admin_password(panel.state.db, PASSWORD)
+    ui = TestClient(panel, base_url="http://127.0.0.1")  # no lifespan: the module's panel stays open
+    signed_in(ui)
+    row = re.search(rf"<tr[^>]*>(?:(?!</tr>).)*{rid}(?:(?!</tr>).)*</tr>", ui.get("/requests").text, re.S)
+    assert row and "answered 500 EngineError" in row.group(0), rid
