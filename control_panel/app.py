@@ -6,6 +6,7 @@ where every route reaches it through `deps.py`; `create_panel_app(data_dir, ...)
 
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from starlette.exceptions import HTTPException
 from tandem_protocol.gate import BodyTooLarge
 
 from .api import chat, completions, models, responses
-from .api.errors import OpenAIError
+from .api.errors import OpenAIError, route_failure
 from .deps import LoginRequired, login_required
 from .gate import panel_gate, too_large
 from .login_limit import LoginLimiter
@@ -26,6 +27,8 @@ from .router import RouteError
 from .state import PanelState, open_state
 from .ui import discovered, help, login, nodes, playground, pools, requests, settings
 from .ui.render import STATIC_DIR
+
+log = logging.getLogger("tandem.panel")
 
 API_ROUTERS = (models, chat, completions, responses)
 UI_ROUTERS = (login, nodes, discovered, pools, playground, requests, settings, help)
@@ -78,7 +81,10 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RouteError)
     async def route_error(request: Request, e: RouteError):
-        return OpenAIError(e.status, str(e), kind=e.kind, retry_after=e.retry_after).response()
+        """A routing error the API did not log itself (it logs those of its answers): the panel's
+        log has its detail, the client only what route_failure tells."""
+        log.warning("%s %s failed: %s", request.method, request.url.path, e)
+        return route_failure(e, None).response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):

@@ -8,7 +8,7 @@ The OpenAI-compatible API's routes need an API key instead (`API_KEY`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
 from fastapi import Depends, Form, Header, Request
@@ -21,9 +21,11 @@ from tandem_protocol.auth import bearer_token
 from .api.errors import OpenAIError
 from .i18n import COOKIE as LANG_COOKIE
 from .i18n import Translator, pick_language
+from .models import ApiKey
+from .rate_limits import Slot
 from .request_log import RequestLogWriter
 from .router import Router
-from .security import api_key_valid
+from .security import presented_key
 from .state import PanelState
 from .ui.render import Renderer
 from .ui.sessions import wants_fragment
@@ -120,11 +122,27 @@ def request_log_writer(panel: Panel) -> RequestLogWriter:
 RequestLogs = Annotated[RequestLogWriter, Depends(request_log_writer)]
 
 
-async def api_key(panel: Panel, authorization: Annotated[str | None, Header()] = None) -> None:
-    """A valid API key as a bearer token: the route's declared credential (the panel's gate,
+async def api_key(panel: Panel, authorization: Annotated[str | None, Header()] = None) -> ApiKey:
+    """The valid API key sent as a bearer token: the route's declared credential (the panel's gate,
     control_panel/gate.py, has already refused a request without one, before reading its body)."""
-    if not api_key_valid(panel.db, bearer_token(authorization)):
+    key = presented_key(panel.db, bearer_token(authorization))
+    if key is None:
         raise OpenAIError.bad_api_key()
+    return key
+
+
+async def key_slot(panel: Panel, key: Annotated[ApiKey, Depends(api_key)]) -> AsyncIterator[Slot]:
+    """A place among the key's requests in flight, within its token rate (else 429), before any
+    agent is asked anything. Held until the answer has been sent, a stream's last byte included,
+    however it ends: FastAPI runs the code after `yield` once the response is done or broken off."""
+    slot = panel.limits.admit(key.id, key.max_concurrent, key.tokens_per_minute)
+    try:
+        yield slot
+    finally:
+        slot.release()
+
+
+KeySlot = Annotated[Slot, Depends(key_slot)]  # what a route that asks the agents declares
 
 
 async def json_only(request: Request) -> None:

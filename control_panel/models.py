@@ -68,6 +68,9 @@ class ApiKey(SQLModel, table=True):
     prefix: str  # shown in the UI so a user can tell keys apart
     key_hash: str = Field(unique=True, index=True)
     created: float = Field(default_factory=time.time)
+    # its limits (control_panel/rate_limits.py), None: none
+    max_concurrent: int | None = None  # requests in flight at once
+    tokens_per_minute: int | None = None  # prompt plus generated tokens
 
 
 class RequestLog(SQLModel, table=True):

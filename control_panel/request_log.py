@@ -11,6 +11,7 @@ always lands after it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from sqlalchemy import Engine
@@ -19,6 +20,8 @@ from sqlmodel import Session, select
 from .models import RequestLog
 
 INTERRUPTED = "the panel stopped while this request ran"
+
+log = logging.getLogger("tandem.panel")
 
 
 def save(engine: Engine, row: RequestLog) -> RequestLog:
@@ -58,7 +61,10 @@ class RequestLogWriter:
         return row, self._writer.submit(save, self.engine, row.model_copy())
 
     def finish(self, started: tuple[RequestLog, Future], **fields) -> None:
-        """Record how the request ended; returns once it is written."""
+        """Record how the request ended; returns once it is written. A failure goes to the panel's
+        log too, in full: the API's client is told less (api/errors.py, `route_failure`)."""
+        if fields.get("outcome") == "error":
+            log.warning("API request %s failed: %s", started[0].request_id, fields.get("error", ""))
         try:
             self._writer.submit(self._finish, started, fields).result()
         except RuntimeError:  # the writer has shut down (a request ending as the panel stops)

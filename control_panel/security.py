@@ -47,18 +47,33 @@ def create_api_key(engine: Engine, name: str) -> str:
     return key
 
 
+def set_key_limits(engine: Engine, key_id: int, max_concurrent: int | None, tokens_per_minute: int | None) -> None:
+    """A key's limits (None: none), applied from the key's next request on."""
+    with Session(engine) as s:
+        key = s.get(ApiKey, key_id)
+        if key is not None:
+            key.max_concurrent, key.tokens_per_minute = max_concurrent, tokens_per_minute
+            s.add(key)
+            s.commit()
+
+
 def api_key_valid(engine: Engine, presented: str | None) -> bool:
+    return presented_key(engine, presented) is not None
+
+
+def presented_key(engine: Engine, presented: str | None) -> ApiKey | None:
+    """The stored key (with its limits) a client presented, or None if there is none such."""
     if not presented:
-        return False
+        return None
     digest = _digest(presented)
-    found = _stored_digest(engine, digest)
-    return found is not None and hmac.compare_digest(found, digest)
+    found = _stored_key(engine, digest)
+    return found if found is not None and hmac.compare_digest(found.key_hash, digest) else None
 
 
 @cached_until_state_changes
-def _stored_digest(engine: Engine, digest: str) -> str | None:
+def _stored_key(engine: Engine, digest: str) -> ApiKey | None:
     with Session(engine) as s:
-        return s.exec(select(ApiKey.key_hash).where(ApiKey.key_hash == digest)).first()
+        return s.exec(select(ApiKey).where(ApiKey.key_hash == digest)).first()  # detached as it closes
 
 
 def set_admin_password(engine: Engine, password: str) -> None:

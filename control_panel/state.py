@@ -3,7 +3,7 @@ routes reach it through the dependencies in `deps.py`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sqlalchemy import Engine
@@ -14,6 +14,7 @@ from . import pins
 from .db import get_setting, open_db, set_setting
 from .i18n import load_all
 from .login_limit import LoginLimiter
+from .rate_limits import RateLimiter
 from .request_log import RequestLogWriter, mark_interrupted
 from .router import Router
 from .services import note_discovered
@@ -31,6 +32,7 @@ class PanelState:
     login_limiter: LoginLimiter
     watcher: Watcher | None  # agents announcing on the LAN; None without mDNS
     data_dir: Path
+    limits: RateLimiter = field(default_factory=RateLimiter)  # the API keys' requests in flight and tokens
 
     async def aclose(self) -> None:
         await self.request_log.wait_finished(SHUTDOWN_GRACE_SECONDS)  # before the router's clients close

@@ -12,14 +12,16 @@ from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
 
+from tandem_protocol.api import TokenizeAnswer
 from tandem_protocol.sampling import SamplingParams
 from tandem_protocol.tools import ToolCall
 
 from ..models import RequestLog
+from ..rate_limits import Slot
 from ..request_log import RequestLogWriter
 from ..router import RouteError, Router, RouteStats, Target
 from .bodies import _Common
-from .errors import OpenAIError
+from .errors import route_failure
 from .reasoning import ReasoningText
 from .tool_calls import ToolCallText
 
@@ -55,8 +57,20 @@ def sse(obj: dict) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
-def openai_error(e: RouteError) -> OpenAIError:
-    return OpenAIError(e.status, str(e), kind=e.kind, retry_after=e.retry_after)
+async def tokenize(agents: Router, target: Target, request_log: RequestLogWriter, rid: str, **body) -> TokenizeAnswer:
+    """The prompt's token ids from the target's decoder (`body`: the agent's tokenize fields). A
+    routing error is logged under `rid` here (no Answer exists yet to log it) and raised as the
+    client is told it."""
+    try:
+        return await agents.tokenize(target, **body)
+    except RouteError as e:
+        logged = request_log.start(RequestLog(model=target.name, request_id=rid, route=""))
+        request_log.finish(logged, outcome="error", error=str(e))
+        raise route_failure(e, rid) from e
+
+
+def new_rid(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
 class Answer:
@@ -74,12 +88,18 @@ class Answer:
         reasoning: bool = False,
         rid: str | None = None,
         index: int = 0,
+        slot: Slot | None = None,
     ):
         """`reasoning`: the chat template left a reasoning block open, so the answer begins in it.
-        `rid`: the answer's id (default: a new chatcmpl-… or cmpl-…). `index`: its choice's."""
+        `rid`: the answer's id (default: a new chatcmpl-… or cmpl-…). `index`: its choice's.
+        `slot`: the API key's (rate_limits.py), charged the tokens: the prompt once per request
+        (as `usage` counts it, whatever `n`), each choice's answer when it ends."""
         self.body, self.chat, self.ids, self.request_log, self.index = body, chat, ids, request_log, index
+        self.slot = slot
+        if slot is not None and index == 0:
+            slot.charge(len(ids))
         self.stats = RouteStats()
-        self.rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.rid = rid or new_rid(chat)
         self.created = int(time.time())
         self.logged = request_log.start(
             RequestLog(model=body.model, request_id=self.rid, route="", prompt_tokens=len(ids))
@@ -96,7 +116,10 @@ class Answer:
         self.reasoning_tokens = 0  # of them, those whose text was all reasoning
 
     def log(self, outcome: str, error: str = "") -> None:
+        """Record how the answer ended (called once, however it ends)."""
         stats = self.stats
+        if self.slot is not None:
+            self.slot.charge(stats.output_tokens)
         self.request_log.finish(
             self.logged,
             route=stats.route,
@@ -223,7 +246,7 @@ class Answer:
             pieces = [piece async for piece in self.contents()]
         except RouteError as e:
             self.log("error", str(e))
-            raise openai_error(e) from e
+            raise route_failure(e, self.rid) from e
         except asyncio.CancelledError:  # the client hung up, or the panel is stopping
             self.log("cancelled")
             raise
@@ -307,7 +330,7 @@ async def first_pieces(answers: list[Answer]) -> tuple[list[AsyncIterator], list
             finally:
                 answer.log("error" if route_error else "cancelled", str(route_error or ""))
         if route_error is not None:
-            raise openai_error(route_error) from route_error
+            raise route_failure(route_error, answers[0].rid) from route_error
         raise
     return gens, [t.result() for t in tasks]
 
@@ -346,7 +369,7 @@ async def stream_choices(
         outcome = "ok"
     except RouteError as e:
         outcome, error = "error", str(e)
-        yield error_event(e)
+        yield error_event(e, answers[0].rid)
     finally:
         # A client gone cancels this stream's task for good (anyio's cancel scope: every later
         # await here is cancelled too), so the closing runs as a task of its own, to its end.
@@ -371,6 +394,6 @@ async def _close(answers: list[Answer], gens: list[AsyncIterator], tasks: list[a
             answer.log(outcome, error)
 
 
-def error_event(e: RouteError) -> bytes:
-    """A routing error in the middle of a stream, and the stream's end."""
-    return sse({"error": {"message": str(e), "type": e.kind, "param": None, "code": None}}) + DONE
+def error_event(e: RouteError, rid: str) -> bytes:
+    """A routing error in the middle of a stream (as the client is told it), and the stream's end."""
+    return sse({"error": {"message": str(route_failure(e, rid)), "type": e.kind, "param": None, "code": None}}) + DONE

@@ -5,11 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter
 from sqlalchemy import Engine
 
-from ..deps import API_KEY, AgentRouter, Db, RequestLogs
+from ..deps import API_KEY, AgentRouter, Db, KeySlot, RequestLogs
+from ..rate_limits import Slot
 from ..request_log import RequestLogWriter
 from ..router import Router
 from ..targets import resolve_target
-from .answer import Answer
+from .answer import Answer, new_rid, tokenize
 from .bodies import ChatBody
 from .choices import Choices, answer_or_choices
 
@@ -17,14 +18,24 @@ router = APIRouter(dependencies=API_KEY)
 
 
 async def chat_answer(
-    body: ChatBody, db: Engine, agents: Router, request_log: RequestLogWriter, rid: str | None = None
+    body: ChatBody,
+    db: Engine,
+    agents: Router,
+    request_log: RequestLogWriter,
+    rid: str | None = None,
+    slot: Slot | None = None,
 ) -> Answer | Choices:
-    """The answer to a chat body, checked, routed and tokenized (what /v1/responses runs too)."""
+    """The answer to a chat body, checked, routed and tokenized (what /v1/responses runs too);
+    `rid`: its id (default: a new chatcmpl-…), `slot`: the API key's, charged its tokens."""
     body.check()
     sampling = body.sampling()  # refused here, before any agent is asked anything
     target = resolve_target(db, body.model)
-    prompt = await agents.tokenize(
+    rid = rid or new_rid(True)
+    prompt = await tokenize(
+        agents,
         target,
+        request_log,
+        rid,
         messages=body.messages,
         tools=body.tools if body.tool_mode else None,
         chat_template_kwargs=body.chat_template_kwargs,
@@ -39,9 +50,10 @@ async def chat_answer(
         request_log=request_log,
         reasoning=prompt.reasoning,
         rid=rid,
+        slot=slot,
     )
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatBody, db: Db, agents: AgentRouter, request_log: RequestLogs):
-    return await (await chat_answer(body, db, agents, request_log)).respond()
+async def chat_completions(body: ChatBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot):
+    return await (await chat_answer(body, db, agents, request_log, slot=slot)).respond()

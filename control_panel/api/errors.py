@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
+
+from ..router import RouteError
+
+# A node's address in an agent's words (a URL, or host:port): the client is never told one.
+_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s,;)]+|(?:\[[0-9a-f:]+\]|\b[\w-]+(?:\.[\w-]+)*):\d{1,5}\b", re.I)
 
 
 class OpenAIError(Exception):
@@ -34,3 +41,16 @@ class OpenAIError(Exception):
             status_code=self.status,
             headers=headers,
         )
+
+
+def route_failure(e: RouteError, request_id: str | None) -> OpenAIError:
+    """A routing error as the client is told it. A refusal (4xx: the request cannot be served as
+    asked, or the nodes are busy) in the agent's words, less any node's address; a failure (5xx: a
+    node unreachable or failing) as only that, with the id under which the request log keeps the
+    detail (the agents' addresses and errors are the panel's to see, not its clients')."""
+    if e.status < 500:
+        message = _ADDRESS.sub("a node", str(e))
+    else:
+        where = f" (request {request_id})" if request_id else ""
+        message = f"the model's nodes could not serve this request; the panel's request log has the details{where}"
+    return OpenAIError(e.status, message, kind=e.kind, retry_after=e.retry_after)

@@ -29,12 +29,12 @@ from sqlalchemy import Engine
 from tandem_protocol.tools import ToolCall
 
 from .. import response_store
-from ..deps import API_KEY, AgentRouter, Db, RequestLogs
+from ..deps import API_KEY, AgentRouter, Db, KeySlot, RequestLogs
 from ..router import RouteError
 from .answer import Answer
 from .bodies import OPENAI_TEMPERATURE, ChatBody, parts_text
 from .chat import chat_answer
-from .errors import OpenAIError
+from .errors import OpenAIError, route_failure
 
 router = APIRouter(dependencies=API_KEY)
 
@@ -329,7 +329,8 @@ class ResponseRun:
             outcome = "ok"
         except RouteError as e:
             outcome, error = "error", str(e)
-            failed = self.response("failed", events.output, error={"code": "server_error", "message": str(e)})
+            told = str(route_failure(e, self.answer.rid))
+            failed = self.response("failed", events.output, error={"code": "server_error", "message": told})
             yield events.event("response.failed", response=failed)
         finally:
             try:
@@ -446,7 +447,7 @@ def call_item(call: ToolCall) -> dict:
 
 # ---- the routes ----------------------------------------------------------------------------------
 @router.post("/v1/responses")
-async def create_response(body: ResponsesBody, db: Db, agents: AgentRouter, request_log: RequestLogs):
+async def create_response(body: ResponsesBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot):
     body.check()
     history: list[dict] = []
     if body.previous_response_id is not None:
@@ -464,7 +465,7 @@ async def create_response(body: ResponsesBody, db: Db, agents: AgentRouter, requ
         raise OpenAIError(400, "`input`: give at least one item", param="input")
     chat = body.chat_body(conversation)
     try:
-        answer = await chat_answer(chat, db, agents, request_log, rid=new_id("resp"))
+        answer = await chat_answer(chat, db, agents, request_log, rid=new_id("resp"), slot=slot)
     except OpenAIError as e:
         raise renamed(e) from None
     run = ResponseRun(body, chat, answer, conversation, db)

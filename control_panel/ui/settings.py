@@ -1,4 +1,5 @@
-"""The Settings page: language, API keys (shown once, stored hashed) and the admin password."""
+"""The Settings page: language, API keys (shown once, stored hashed) with their limits, and the
+admin password."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from sqlmodel import Session, col, select
 
 from ..deps import SIGNED_IN, CsrfForm, Db, Panel, Render, Tr
 from ..models import ApiKey
-from ..security import check_admin_password, create_api_key, set_admin_password
+from ..security import check_admin_password, create_api_key, set_admin_password, set_key_limits
 from ..services import delete_row
+from .pools import whole_number
 
 router = APIRouter(include_in_schema=False, dependencies=SIGNED_IN)
 
@@ -21,6 +23,8 @@ def settings_context(panel: Panel, **extra) -> dict:
         keys = list(s.exec(select(ApiKey).order_by(col(ApiKey.created).desc())))
     return {
         "keys": keys,
+        "most_concurrent": MOST_CONCURRENT,
+        "most_tokens_per_minute": MOST_TOKENS_PER_MINUTE,
         "new_key": None,
         "key_error": None,
         "pw_error": None,
@@ -49,6 +53,46 @@ async def settings_new_key(_csrf: CsrfForm, panel: Panel, render: Render, t: Tr,
 @router.post("/settings/keys/{key_id}/delete")
 async def settings_delete_key(_csrf: CsrfForm, key_id: int, db: Db):
     delete_row(db, ApiKey, key_id)
+    return RedirectResponse("/settings", status_code=303)
+
+
+# The most a key's limit may be set to: past these a limit limits nothing on a home cluster.
+MOST_CONCURRENT = 1000
+MOST_TOKENS_PER_MINUTE = 1_000_000_000
+
+
+def limit_of(text: str) -> int | None:
+    """A limit as typed: None when blank (no limit)."""
+    return whole_number(text, 1) if text.strip() else None
+
+
+def limits_problem(concurrent: str, tokens: str, t: Tr) -> str | None:
+    """What is wrong with the limits typed, or None."""
+    for text, label, most in (
+        (concurrent, t.gettext("Requests at once"), MOST_CONCURRENT),
+        (tokens, t.gettext("Tokens per minute"), MOST_TOKENS_PER_MINUTE),
+    ):
+        value = whole_number(text, 1) if text.strip() else 1
+        if value is None or value > most:
+            return t.gettext(
+                "%(limit)s: a whole number from 1 to %(most)s, or blank for no limit.", limit=label, most=most
+            )
+    return None
+
+
+@router.post("/settings/keys/{key_id}/limits")
+async def settings_key_limits(
+    _csrf: CsrfForm,
+    key_id: int,
+    panel: Panel,
+    render: Render,
+    t: Tr,
+    max_concurrent: Annotated[str, Form()] = "",
+    tokens_per_minute: Annotated[str, Form()] = "",
+):
+    if error := limits_problem(max_concurrent, tokens_per_minute, t):
+        return render("settings.html", status_code=400, **settings_context(panel, key_error=error))
+    set_key_limits(panel.db, key_id, limit_of(max_concurrent), limit_of(tokens_per_minute))
     return RedirectResponse("/settings", status_code=303)
 
 

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
-from sqlmodel import Session
+from fastapi import FastAPI
+from sqlmodel import Session, select
 
 from control_panel.api.bodies import ChatBody
 from control_panel.api.errors import OpenAIError
 from control_panel.app import create_app
-from control_panel.models import Node, Pool, PoolMember
+from control_panel.models import Node, Pool, PoolMember, RequestLog
 from control_panel.router import RouteError, Router, RouteStats, Target
 from control_panel.security import create_api_key
 from control_panel.state import open_state
@@ -74,7 +77,7 @@ class FakeAgents(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
-        agent = {"p.test": "P", "d.test": "D"}[request.url.host]
+        agent = {7001: "P", 7002: "D"}[request.url.port]  # whatever the host
         self.calls.append((agent, request.url.path, body))
         answer = self.answers.get(request.url.path)
         return answer(body) if agent == "D" and answer else httpx.Response(404, json={"error": {"message": "?"}})
@@ -85,17 +88,15 @@ class FakeAgents(httpx.AsyncBaseTransport):
 
 
 # ---- through the panel's OpenAI API ------------------------------------------------------------
-@pytest.fixture(scope="module")
-def panel(tmp_path_factory):
+def pair_app(data_dir: Path, agents: FakeAgents, p_url: str = P, d_url: str = D) -> FastAPI:
     """The real panel app in-process, its router on fake agents: pair "pd" falls back to D alone,
-    pair "pd-strict" never does."""
-    agents = FakeAgents()
+    pair "pd-strict" never does; `app.state.api_key` is a key without limits."""
     key = "tdm_unit-cluster-0123456789abcdef"
-    state = open_state(tmp_path_factory.mktemp("router"), key)
+    state = open_state(data_dir, key)
     state.router = Router(key, agents)
     app = create_app(state)
     with Session(app.state.db) as s:
-        p, d = Node(name="p", url=P, paired=True), Node(name="d", url=D, paired=True)
+        p, d = Node(name="p", url=p_url, paired=True), Node(name="d", url=d_url, paired=True)
         s.add_all([p, d])
         s.flush()
         for name, fallback in (("pd", "decode_alone"), ("pd-strict", "fail")):
@@ -108,6 +109,18 @@ def panel(tmp_path_factory):
     app.state.api_key = create_api_key(app.state.db, "unit")
     app.state.agents = agents
     return app
+
+
+@pytest.fixture(scope="module")
+def panel(tmp_path_factory):
+    return pair_app(tmp_path_factory.mktemp("router"), FakeAgents())
+
+
+def logged_error(app, r: httpx.Response) -> str:
+    """The request log's detail of a failed request, by the id its answer names."""
+    rid = re.search(r"\(request (\S+)\)", r.json()["error"]["message"]).group(1)
+    with Session(app.state.db) as s:
+        return s.exec(select(RequestLog).where(RequestLog.request_id == rid)).one().error
 
 
 async def _post(app, body: bytes, path: str = "/v1/chat/completions") -> httpx.Response:
@@ -168,14 +181,14 @@ def test_d_reports_p_failed_before_the_first_token_and_the_panel_serves_d_alone(
 @pytest.mark.parametrize("decode", [p_failed_in_stream, p_unreachable])
 def test_no_fallback_when_the_pair_forbids_it(panel, decode):
     r, agents = ask(panel, chat(model="pd-strict"), decode=decode)
-    assert r.status_code == 503 and "fallback disabled" in r.json()["error"]["message"], r.text
+    assert r.status_code == 503 and "fallback disabled" in logged_error(panel, r), r.text
     assert agents.paths == [("D", "/v1/tokenize"), ("D", "/v1/decode")]
 
 
 def test_a_failure_of_d_itself_is_not_retried_on_d(panel):
     """An error line without the prefiller mark (D's engine failed): reported, never re-run."""
     r, agents = ask(panel, chat(), decode=lambda body: stream([{"error": {"type": "engine_error", "message": "boom"}}]))
-    assert r.status_code == 503 and "boom" in r.json()["error"]["message"], r.text
+    assert r.status_code == 503 and "boom" in logged_error(panel, r), r.text
     assert agents.paths == [("D", "/v1/tokenize"), ("D", "/v1/decode")]
 
 

@@ -1,15 +1,15 @@
 """Each node's pinned TLS certificate (the SHA-256 fingerprint it proved at pairing), and whether
 the user chose to ignore an agent found on the network.
 
-Revision ID: 0010
-Revises: 0009
+Revision ID: 0011
+Revises: 0010
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0010"
-down_revision = "0009"
+revision = "0011"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 
