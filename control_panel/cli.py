@@ -37,8 +37,8 @@ def panel(
     node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
     pair: list[str] = typer.Option(
         None,
-        help="NAME=PREFILL_URL,DECODE_URL[,zstd][,threshold=N]: serve a model by P/D (repeatable). Several "
-        "nodes of a role join with '+' (NAME=P1,D1+D2: a pool); zstd: pages travel compressed. Without a "
+        help="NAME=PREFILL_URL,DECODE_URL[,zstd|fp8][,threshold=N]: serve a model by P/D (repeatable). Several "
+        "nodes of a role join with '+' (NAME=P1,D1+D2: a pool); zstd: pages travel compressed, fp8: as FP8. Without a "
         "threshold the panel estimates each route's time to first token and picks the fastest; threshold=N "
         "overrides it: prompts with fewer new tokens than N (past what the decoder holds) run on the decoder "
         "alone, the rest P/D (threshold=1: always P/D).",
@@ -63,6 +63,7 @@ def panel(
     import uvicorn
 
     from tandem_protocol.http_server import PageStreamProtocol, quiet_shutdown_cancels
+    from tandem_protocol.pages import ENCODINGS
     from tandem_protocol.settings import settings
     from tandem_protocol.tls import certificate_fingerprint, ensure_certificate, spaced
 
@@ -104,7 +105,7 @@ def panel(
             members = [MemberSpec(u, "prefill") for u in p_urls.split("+")]
             members += [MemberSpec(u, "decode") for u in d_urls.split("+")]
             threshold = next((int(o.split("=", 1)[1]) for o in options if o.startswith("threshold=")), 0)
-            encoding = "zstd" if "zstd" in options else "raw"
+            encoding = next((o for o in options if o in ENCODINGS), "raw")
             pool = await create_pool(engine, key, name, members, threshold, page_encoding=encoding)
             console.print(f"model [bold]{pool.name}[/]: prefill on {p_urls}, decode on {d_urls}")
 

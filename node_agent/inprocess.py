@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from engine_adapters.base import EngineAdapter, EngineRequest
 from tandem_protocol.contract import token_digest
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
-from tandem_protocol.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
+from tandem_protocol.pages import RAW, FrameExpectation, KVPage, decode_frame, encode_frame
 from tandem_protocol.sampling import SamplingParams
 
 _QUEUE_PAGES = 64
@@ -42,8 +42,10 @@ async def run_pair(
     sampling: SamplingParams,
     mode: FirstTokenMode | None = None,
     stats: PairStats | None = None,
+    encoding: int = RAW,
 ) -> AsyncIterator[int]:
-    """Stream the tokens of a P/D request: `prefiller` runs the prompt, `decoder` the answer."""
+    """Stream the tokens of a P/D request: `prefiller` runs the prompt, `decoder` the answer;
+    `encoding`: how the pages travel (pages.ENCODINGS)."""
     decoder.contract.check_same(prefiller.contract)
     mode = mode or decoder.decoder_modes[0]
     stats = stats if stats is not None else PairStats()
@@ -67,9 +69,14 @@ async def run_pair(
                     if isinstance(item, KVPage) and item.index < p_req.have_pages:
                         continue  # as the agent does: D holds it
                     if isinstance(item, KVPage):
-                        frame = frame_bytes(
-                            item, contract=prefiller.contract.fingerprint_bytes, handoff_id=handoff_id, tokens=digest
+                        header, payload = encode_frame(
+                            item,
+                            contract=prefiller.contract.fingerprint_bytes,
+                            handoff_id=handoff_id,
+                            tokens=digest,
+                            encoding=encoding,
                         )
+                        frame = bytes(header) + bytes(payload)
                         stats.wire_bytes += len(frame)
                         await wire.put(frame)
                     else:

@@ -118,7 +118,7 @@ def shaped_pair(rate_mbytes: float, delay_ms: float = 0.0, block: int = 0) -> It
             sh("ip", "link", "set", dev, "netns", ns)
             sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             sh("ip", "-n", ns, "link", "set", dev, "up")
-            delayed.append(_shape(ns, dev, rate, delay_ms))
+            delayed.append(_shape(ns, dev, rate, delay_ms, rate_mbytes))
         for net, addr in zip(root_nets, link_addrs):
             sh("ip", "route", "replace", f"{addr}/32", "via", f"{net}.2")
             stack.callback(subprocess.run, ["ip", "route", "del", f"{addr}/32"], capture_output=True)
@@ -126,11 +126,14 @@ def shaped_pair(rate_mbytes: float, delay_ms: float = 0.0, block: int = 0) -> It
         yield ShapedPair(tuple(names), link_addrs, roots, devs, delay_ms if all(delayed) else 0.0)
 
 
-def _shape(ns: str, dev: str, rate: str, delay_ms: float) -> bool:
+def _shape(ns: str, dev: str, rate: str, delay_ms: float, rate_mbytes: float) -> bool:
     """A token bucket at the link rate on `dev` (burst and queue as a switch port would have them),
-    under a netem delay where one is asked for and the kernel has netem. True if delayed."""
+    under a netem delay where one is asked for and the kernel has netem. True if delayed. The
+    bucket holds 4 ms of the rate (at least 256 KiB): the kernel refills it once a timer tick, and
+    a smaller bucket than a tick's worth caps a 10 GbE link below its rate."""
+    burst = max(256 * 1024, int(rate_mbytes * 1e6 * 0.004))
     add = ("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev)
-    tbf = ("tbf", "rate", rate, "burst", "256kb", "latency", "50ms")
+    tbf = ("tbf", "rate", rate, "burst", str(burst), "latency", "50ms")
     if delay_ms > 0:
         netem = subprocess.run([*add, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms"], capture_output=True)
         if netem.returncode == 0:

@@ -12,7 +12,7 @@ from .handoff import FirstTokenMode
 from .pages import PROTOCOL_VERSION
 from .sampling import SamplingParams
 
-PageEncoding = Literal["raw", "zstd"]
+PageEncoding = Literal["raw", "zstd", "fp8"]
 _URL = r"^https?://[^\s/]+(/.*)?$"
 _FINGERPRINT = r"^[0-9a-f]{64}$"
 
@@ -51,7 +51,9 @@ class DecodeBody(GenerateBody):
         None, description="SHA-256 of the TLS certificate the prefiller must present (its pin)", pattern=_FINGERPRINT
     )
     page_encoding: PageEncoding = Field(
-        "raw", description="how pages should travel: raw FP16, or byte planes + zstd (lossless)"
+        "raw",
+        description="how pages should travel: raw FP16, byte planes + zstd (lossless), or FP8 with per-block "
+        "scales (lossy, half the bytes)",
     )
     mode: FirstTokenMode | None = Field(None, description="first-token mode; none: the decoder's preferred one")
 
@@ -72,7 +74,9 @@ class HandoffBody(_Body):
     protocol_version: int = PROTOCOL_VERSION
     wait_timeout: float = Field(30.0, ge=0, le=3600)
     page_encoding: PageEncoding = Field(
-        "raw", description="how pages travel: raw FP16, or byte planes + zstd (lossless; see /v1/info page_encodings)"
+        "raw",
+        description="how pages travel: raw FP16, byte planes + zstd (lossless) or FP8 (lossy); see /v1/info "
+        "page_encodings",
     )
     have_pages: int = Field(
         0, ge=0, description="leading pages of the prompt's KV the decoder holds already: only later pages are sent"

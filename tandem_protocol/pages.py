@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from . import fp8
 from .errors import ContractMismatch, FrameError
 
 PAGE_TOKENS = 64
@@ -128,9 +129,10 @@ def make_page(geometry: PageGeometry, index: int, kv: np.ndarray, out: np.ndarra
 
 # ---- wire encodings of a payload ----------------------------------------------------------------
 # FP16 stays the canonical form: an encoding only changes how a page's bytes travel, and the
-# receiver restores the exact canonical bytes before any check of their content.
-RAW, ZSTD_PLANES = 0, 1
-ENCODINGS = {"raw": RAW, "zstd": ZSTD_PLANES}  # the name a pair asks for -> the header's code
+# receiver restores canonical FP16 before any check of their content: the exact bytes (raw,
+# zstd), or the nearest FP8 values with per-block scales (fp8: lossy, opt-in per model; fp8.py).
+RAW, ZSTD_PLANES, FP8_E4M3 = 0, 1, 2
+ENCODINGS = {"raw": RAW, "zstd": ZSTD_PLANES, "fp8": FP8_E4M3}  # the name a pair asks for -> the header's code
 ZSTD_LEVEL = 1  # fastest: the point is to beat a slow link, not to save disk
 
 
@@ -205,13 +207,16 @@ def encode_frame(
     """Frame a page: returns (header, payload view). Write both; a raw payload is not copied.
 
     `payload_state`: `xxhash.xxh3_64(payload)` already computed, for a payload framed again.
-    `encoding`: ZSTD_PLANES sends the page compressed (the checksum covers the bytes sent)."""
+    `encoding`: ZSTD_PLANES sends the page compressed, FP8_E4M3 as FP8 (the checksum covers the
+    bytes sent)."""
     data = page.data
     if data.dtype != KV_DTYPE or not data.flags.c_contiguous:
         raise ValueError("page data must be C-contiguous little-endian FP16")
     layers, two, page_tokens, kv_heads, head_dim = data.shape
     if encoding == ZSTD_PLANES:
         payload, payload_state = memoryview(compress_planes(data)), None
+    elif encoding == FP8_E4M3:
+        payload, payload_state = memoryview(fp8.encode(data)), None
     elif encoding == RAW:
         payload = memoryview(data).cast("B")
     else:
@@ -284,12 +289,14 @@ def parse_header(buf: bytes | memoryview) -> FrameHeader:
         raise FrameError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a Tandem page stream")
     if version != PROTOCOL_VERSION:
         raise FrameError(f"page protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})")
-    if header_size != HEADER_SIZE or encoding not in (RAW, ZSTD_PLANES):
+    if header_size != HEADER_SIZE or encoding not in ENCODINGS.values():
         raise FrameError(f"bad frame header (size {header_size}, encoding {encoding})")
     geometry = PageGeometry(layers, kv_heads, head_dim, page_tokens)
     fits = (
         payload_size == geometry.page_bytes
         if encoding == RAW
+        else payload_size == fp8.payload_bytes(layers, kv_heads, head_dim, page_tokens)
+        if encoding == FP8_E4M3
         else 0 < payload_size <= max_compressed(geometry.page_bytes)
     )
     if min(layers, kv_heads, head_dim, page_tokens) == 0 or not fits:
@@ -340,9 +347,15 @@ def decode_payload(
     if expect is not None:
         check_expectation(header, expect)
     g = header.geometry
-    data = (
-        np.frombuffer(payload, dtype=KV_DTYPE) if header.encoding == RAW else decompress_planes(payload, g.page_bytes)
-    ).reshape(g.page_shape)
+    if header.encoding == RAW:
+        data = np.frombuffer(payload, dtype=KV_DTYPE).reshape(g.page_shape)
+    elif header.encoding == FP8_E4M3:
+        try:
+            data = fp8.decode(payload, g.page_shape)
+        except ValueError as e:
+            raise FrameError(f"FP8 page {header.page_index}: {e}") from e
+    else:
+        data = decompress_planes(payload, g.page_bytes).reshape(g.page_shape)
     if header.valid_tokens < g.page_tokens and data[:, :, header.valid_tokens :].view(np.uint16).any():
         raise FrameError(f"page {header.page_index} has non-zero bytes past its {header.valid_tokens} valid tokens")
     return KVPage(index=header.page_index, valid_tokens=header.valid_tokens, data=data)

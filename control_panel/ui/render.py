@@ -25,7 +25,11 @@ def N_(message: str) -> str:
 
 
 FALLBACKS = {"decode_alone": N_("Decode alone (run on the decoder)"), "fail": N_("Fail the request")}
-PAGE_ENCODINGS = {"raw": N_("Raw FP16"), "zstd": N_("Compressed (zstd, lossless)")}
+PAGE_ENCODINGS = {
+    "raw": N_("Raw FP16"),
+    "zstd": N_("Compressed (zstd, lossless)"),
+    "fp8": N_("FP8 (lossy, half the bytes)"),
+}
 ROLES = {"prefill": N_("prefill"), "decode": N_("decode")}
 ROUTES = {"pd": N_("prefill → decode"), "decode_alone": N_("decoder alone"), "node": N_("single node")}
 OUTCOMES = {

@@ -45,8 +45,9 @@ def cluster(
     pin: bool,
     directions: list[tuple[int, int]],
     envs: tuple[dict, dict] = ({}, {}),
-    zstd: bool = False,
+    encodings: tuple[str, ...] = ("raw",),
     cores_each: int = 1,
+    agent_args: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     """Two agents (one per place) and a panel with a pair per direction, named "P->D" after the
     agents (a-ENGINE, b-ENGINE)."""
@@ -59,7 +60,9 @@ def cluster(
             cpus = (str(first) if cores_each == 1 else f"{first}-{min(first + cores_each, cores) - 1}") if pin else None
             proc = ServiceProcess(
                 # caches off: every sample computes and moves its whole prompt (cold TTFT)
-                agent_serve_args(engine, model, "--name", name, "--prefix-cache-bytes", "0", host=place.host),
+                agent_serve_args(
+                    engine, model, "--name", name, "--prefix-cache-bytes", "0", *agent_args, host=place.host
+                ),
                 env={"TANDEM_HOME": str(home / name), "TANDEM_CLUSTER_KEY": key, **envs[i]},
                 netns=place.netns,
                 cpus=cpus,
@@ -76,10 +79,12 @@ def cluster(
         ]
         pairs += [
             a
-            for p, d in (directions if zstd else [])  # the same pairs with compressed pages
+            for encoding in encodings
+            if encoding != "raw"
+            for p, d in directions  # the same pairs with their pages compressed, or FP8
             for a in (
                 "--pair",
-                f"{agents[p].name}->{agents[d].name}+zstd={agents[p].url},{agents[d].url},zstd,threshold=1",
+                f"{agents[p].name}->{agents[d].name}+{encoding}={agents[p].url},{agents[d].url},{encoding},threshold=1",
             )
         ]
         panel = ServiceProcess(

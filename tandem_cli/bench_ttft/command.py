@@ -60,6 +60,10 @@ def bench_ttft(
         help="Data dir of the panel that shows the result (default: $TANDEM_HOME/panel, the panel on this machine).",
     ),
     zstd: bool = typer.Option(False, help="Also run every P->D direction with compressed pages (byte planes + zstd)."),
+    fp8: bool = typer.Option(False, help="Also run every P->D direction with FP8 pages (lossy, half the bytes)."),
+    staging: str = typer.Option(
+        None, help="Both agents' --staging-bytes (e.g. 8GiB: the pages of a long prompt of a large model)."
+    ),
     alone: bool = typer.Option(True, help="Also measure each engine alone (its node/ model)."),
     trace: bool = typer.Option(True, help="One more request per P/D cell, traced: where its time goes."),
     panel: str = typer.Option(
@@ -115,7 +119,21 @@ def bench_ttft(
         dirs = [(0, 1)] if fast_prefiller else dirs
         with shaped_link(rate, delay_ms, random_block()) if link == "shaped" else loopback_link() as net:
             for engines in pairs:
-                own_cluster(result, net, engines, dirs, model_dir, pin, cores_per_agent, zstd, alone, b_cpu_only, save)
+                encodings = ("raw", *(e for e, on in (("zstd", zstd), ("fp8", fp8)) if on))
+                own_cluster(
+                    result,
+                    net,
+                    engines,
+                    dirs,
+                    model_dir,
+                    pin,
+                    cores_per_agent,
+                    encodings,
+                    alone,
+                    b_cpu_only,
+                    save,
+                    staging,
+                )
     paths = save()
     console.print(markdown_table(result))
     console.print("written: " + ", ".join(str(p) for p in paths))
@@ -133,10 +151,11 @@ def own_cluster(
     model_dir: Path | None,
     pin: bool,
     cores_per_agent: int,
-    zstd: bool,
+    encodings: tuple[str, ...],
     alone: bool,
     b_cpu_only: bool,
     save: Callable[[], object],
+    staging: str | None = None,
 ) -> None:
     """Two agents on `net` and a panel; the link measured raw, then every cell."""
     from tandem_protocol.model_dir import inspect_model
@@ -147,7 +166,8 @@ def own_cluster(
     key = "tdm_bench-" + secrets.token_hex(16)
     home = data_dir() / "bench" / secrets.token_hex(3)
     envs = ({}, {"CUDA_VISIBLE_DEVICES": ""} if b_cpu_only else {})
-    with cluster(model, engines, net, home, key, pin, dirs, envs, zstd, cores_per_agent) as c:
+    agent_args = ("--staging-bytes", staging) if staging else ()
+    with cluster(model, engines, net, home, key, pin, dirs, envs, encodings, cores_per_agent, agent_args) as c:
         agents = c.agents
         result["model"] = str(model)
         result["vocab"] = inspect_model(model).vocab_size
@@ -163,7 +183,8 @@ def own_cluster(
         columns = [Column(f"node/{a.name}", None, a) for a in agents] if alone else []
         columns += [
             Column(f"{agents[p].name}->{agents[d].name}{suffix}", agents[p], agents[d], encoding)
-            for encoding, suffix in ([("raw", ""), ("zstd", "+zstd")] if zstd else [("raw", "")])
+            for encoding in encodings
+            for suffix in ["" if encoding == "raw" else f"+{encoding}"]
             for p, d in dirs
         ]
 

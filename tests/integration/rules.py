@@ -5,35 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from bench.prompts import PROMPTS  # noqa: F401  (the tests import them from here)
 from engine_adapters.base import EngineRequest
 from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.pages import KVPage
 from tandem_protocol.sampling import SamplingParams
 
 from ..conftest import collect
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis to a child.",
-    "List three uses of a paperclip.",
-    "What is 17 times 23?",
-    "Translate 'thank you' into Spanish.",
-    "Give me a recipe for pancakes.",
-    "Why do cats purr?",
-    "Summarise the plot of Romeo and Juliet in two sentences.",
-    "What is the difference between a virus and a bacterium?",
-    "Suggest a name for a bakery.",
-    "How does a refrigerator keep food cold?",
-    "Write a limerick about a programmer.",
-    "What causes the seasons on Earth?",
-    "Describe the colour blue to someone who cannot see.",
-    "Give two arguments for learning a second language.",
-    "What is a prime number? Give examples.",
-    "How do I make a cup of green tea?",
-    "Tell me a fun fact about octopuses.",
-    "Plan a one-day trip to Kyoto.",
-]
 
 # The largest first-step difference measured over the 20 prompts, per direction (P, D): logits where
 # the decoder is torch or MLX (they span about 30 units), top-20 log-probabilities where it is vLLM

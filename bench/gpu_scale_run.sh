@@ -1,0 +1,32 @@
+#!/bin/bash
+# The GPU run at real size (issue 23) on the lent H200/H100: a random-weight checkpoint with
+# Llama-3.1-8B's exact geometry (bench/gpu_build_llama8b.py, built on the GPU: timing is what is
+# measured, not text); torch CUDA FP16 as P and a second torch CUDA process on the same GPU as D;
+# P and D in network namespaces joined by a veth shaped with tc tbf (LINK=shaped, RATE MB/s:
+# 1170 for 10 GbE, 117 for 1 GbE), or loopback. Each cell: P alone (node/a-torch), P/D with FP16
+# pages, P/D with FP8 pages; TTFT, bound, TTFT ÷ bound (tandem bench ttft).
+# Carry [".whl", ".devcarry"] (`bash bench/gpu_carry.sh` here first). Run from the repository root
+# on that machine with $OUT set:   LINK=shaped RATE=1170 LENGTHS=2048,8192,32768 bash bench/gpu_scale_run.sh
+# The built model stays in /tmp/llama8b while the machine is warm (the next call reuses it).
+set -e
+REPO=$PWD
+rm -rf /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .devcarry/wheels312/*.whl
+export PYTHONPATH=/tmp/site:$REPO
+PY=$(python3 -c 'import sys;print(sys.executable)')
+printf "#!$PY\nfrom tandem_cli.main import main\nmain()\n" > "$(dirname "$PY")/tandem"; chmod +x "$(dirname "$PY")/tandem"
+if [ ! -f /tmp/llama8b/config.json ]; then
+  python3 bench/gpu_build_llama8b.py /tmp/llama8b .devcarry/tok | tee "$OUT/build.txt"
+fi
+if [ "${LINK:-loopback}" = shaped ]; then  # `ip` and `tc` from the carried debs, their libraries for them alone
+  for f in .devcarry/ipr/*.deb; do dpkg -x "$f" /tmp/ipr; done
+  for t in bin/ip sbin/tc; do
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/ipr/usr/lib/x86_64-linux-gnu:/tmp/ipr/lib/x86_64-linux-gnu exec /tmp/ipr/%s "$@"\n' "$t" > /usr/local/bin/$(basename $t)
+    chmod +x /usr/local/bin/$(basename $t)
+  done
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+TANDEM_HOME=/tmp/th timeout "${SECONDS_LEFT:-540}" "$(dirname "$PY")/tandem" bench ttft --model /tmp/llama8b \
+  --prefill torch --decode torch --direction a2b --link "${LINK:-loopback}" ${RATE:+--rate $RATE} \
+  --lengths "${LENGTHS:-2048,8192,32768}" --samples "${SAMPLES:-2}" --warmup 1 --max-tokens 8 --fp8 \
+  --staging 8GiB --cores-per-agent 4 --no-trace --out "$OUT" ${EXTRA:-} 2>&1 | tail -40 | tee "$OUT/bench.txt"

@@ -1,0 +1,22 @@
+"""FP8 pages' cost in quality on the embedded model, held to what bench/bench_fp8_quality.py
+measured (bench/results/fp8-quality-20261205-071636.md, torch -> MLX, the cross-engine tests'
+16 greedy tokens): FP8 is opt-in because it changes answers, and this says by how much."""
+
+from __future__ import annotations
+
+from bench.bench_fp8_quality import measure
+
+
+def test_fp8_pages_against_fp16_pages_as_measured(engines):
+    r = measure(engines["torch"], engines["mlx"], steps=16)
+    print(
+        f"\ntorch->mlx FP8 pages: greedy agreement with FP16 pages {r['greedy_agreement']}/20 over 16 tokens, "
+        f"first-step max abs logit diff {r['first_step_max_abs_diff']:.4f}, mean KL {r['mean_kl']:.2e}"
+    )
+    # the baseline: FP16 pages give exactly D's own answer
+    assert r["fp16_pages_vs_own_prefill"] == 20, r
+    # measured over 16 steps: 15/20, 1.2388, 3.57e-3 (over 32: 10/20, 2.84e-3); a tolerance within 2x
+    assert r["greedy_agreement"] >= 15, r
+    assert r["first_step_max_abs_diff"] <= 2 * 1.2388, r
+    assert r["mean_kl"] <= 2 * 3.57e-3, r
+    assert r["fp8_wire_ratio"] <= 0.5002, r
