@@ -71,7 +71,10 @@ def sglang_environment(settings: EngineSettings) -> str:
     run = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
     out = run.stdout.split()
     if len(out) != 2:
-        raise TandemError(f"{python} has no sglang installed (run `make sglang`)")
+        raise TandemError(
+            f"{python} has no sglang installed (run `make sglang` on an NVIDIA machine; without one SGLang runs "
+            "only as the tests' stand-in: `make sglang-cpu-test`, TANDEM_SGLANG_PYTHON=tests/sglang_cpu/.venv/bin/python)"
+        )
     version, plugin = out
     if version != SGLANG_VERSION:
         raise TandemError(f"sglang {version} at {python}, but Tandem's backend is pinned to {SGLANG_VERSION}")
