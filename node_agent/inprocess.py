@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from engine_adapters.base import EngineAdapter, EngineRequest
 from tandem_protocol.contract import token_digest
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
-from tandem_protocol.pages import RAW, FrameExpectation, KVPage, decode_frame, encode_frame
+from tandem_protocol.pages import RAW, FrameExpectation, KVPage, decode_frame, frame_bytes
 from tandem_protocol.sampling import SamplingParams
 
 _QUEUE_PAGES = 64
@@ -69,14 +69,13 @@ async def run_pair(
                     if isinstance(item, KVPage) and item.index < p_req.have_pages:
                         continue  # as the agent does: D holds it
                     if isinstance(item, KVPage):
-                        header, payload = encode_frame(
+                        frame = frame_bytes(
                             item,
                             contract=prefiller.contract.fingerprint_bytes,
                             handoff_id=handoff_id,
                             tokens=digest,
                             encoding=encoding,
                         )
-                        frame = bytes(header) + bytes(payload)
                         stats.wire_bytes += len(frame)
                         await wire.put(frame)
                     else:

@@ -258,9 +258,9 @@ def checksum_finish(payload_state: xxhash.xxh3_64, header: bytes | memoryview) -
     return h.intdigest()
 
 
-def frame_bytes(page: KVPage, *, contract: bytes, handoff_id: bytes, tokens: bytes) -> bytes:
+def frame_bytes(page: KVPage, *, contract: bytes, handoff_id: bytes, tokens: bytes, encoding: int = RAW) -> bytes:
     """The whole frame as one bytes object (one copy; streaming writers use encode_frame)."""
-    header, payload = encode_frame(page, contract=contract, handoff_id=handoff_id, tokens=tokens)
+    header, payload = encode_frame(page, contract=contract, handoff_id=handoff_id, tokens=tokens, encoding=encoding)
     return header + payload
 
 

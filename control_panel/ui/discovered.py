@@ -10,7 +10,6 @@ that key over that very certificate (`node_status.probe_proved`), which the pane
 from __future__ import annotations
 
 import asyncio
-import ssl
 from typing import Annotated
 from urllib.parse import urlsplit
 
@@ -73,7 +72,7 @@ async def presented_fingerprint(url: str) -> str | None:
         return None
     try:
         fp = await asyncio.wait_for(asyncio.to_thread(peer_fingerprint, parts.hostname, parts.port or 443, 3.0), 4.0)
-    except (OSError, TimeoutError, ssl.SSLError):
+    except (OSError, TimeoutError):  # ssl.SSLError is an OSError
         return None
     return spaced(fp)
 
