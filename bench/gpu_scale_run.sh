@@ -29,4 +29,4 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 TANDEM_HOME=/tmp/th timeout "${SECONDS_LEFT:-540}" "$(dirname "$PY")/tandem" bench ttft --model /tmp/llama8b \
   --prefill torch --decode torch --direction a2b --link "${LINK:-loopback}" ${RATE:+--rate $RATE} \
   --lengths "${LENGTHS:-2048,8192,32768}" --samples "${SAMPLES:-2}" --warmup 1 --max-tokens 8 --fp8 \
-  --staging 8GiB --cores-per-agent 4 --no-trace --out "$OUT" ${EXTRA:-} 2>&1 | tail -40 | tee "$OUT/bench.txt"
+  --staging "${STAGING:-512MiB}" --cores-per-agent 4 --no-trace --out "$OUT" ${EXTRA:-} 2>&1 | tail -40 | tee "$OUT/bench.txt"

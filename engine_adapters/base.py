@@ -118,6 +118,9 @@ class EngineRequest:
     sampling: SamplingParams
     mode: FirstTokenMode = FirstTokenMode.COMMIT_FIRST
     imported_at: float | None = None  # a decode's: wall clock once every page was in the engine's cache
+    # a server engine's: (wall clock, perf counter) when its answer's first token came: a prefill's
+    # end, where its last pages may still wait for the window
+    answered_at: tuple[float, float] | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from this engine's prefix cache
     # A delta handoff: the leading pages of the prompt's KV the decoder holds already (set by its
     # `hold_prefix`); the prefiller sends only the pages after them.

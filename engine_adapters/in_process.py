@@ -166,16 +166,10 @@ class InProcessEngine(EngineAdapter):
                 while len(exports) > lag:
                     for page in await self.on_engine(self.export_finish, exports.popleft()):
                         yield page
-            while sent < export:  # every chunk is computed: the rest leave as the window frees
-                await window.take()  # the page at `sent`
-                upto = self._room_upto(window, min(sent + P, export), export)
-                handle = await self.on_engine(self.export_start, session, sent, upto)
-                for page in await self.on_engine(self.export_finish, handle):
-                    yield page
-                sent = upto
             first = (await self._sampler(req, req.token_logprobs))(logits)
             self._remember(session, ids)
-            yield PrefillDone(
+            # the prefill ends here, whatever its pages still wait for
+            done = PrefillDone(
                 first_token=first,
                 kv_tokens=export,
                 pages=self.geometry.pages_for(export),
@@ -184,6 +178,14 @@ class InProcessEngine(EngineAdapter):
                 cached_tokens=req.cached_tokens,
                 first_logprobs=req.token_logprobs[0] if req.token_logprobs else None,
             )
+            while sent < export:  # every chunk is computed: the rest leave as the window frees
+                await window.take()  # the page at `sent`
+                upto = self._room_upto(window, min(sent + P, export), export)
+                handle = await self.on_engine(self.export_start, session, sent, upto)
+                for page in await self.on_engine(self.export_finish, handle):
+                    yield page
+                sent = upto
+            yield done
         finally:
             self._cancels.pop(req.request_id, None)
             if session is not None:

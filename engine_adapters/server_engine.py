@@ -347,6 +347,8 @@ class ServerEngine(EngineAdapter):
                 if r.status >= 400:
                     raise RequestError(f"{label} refused the request ({r.status}): {(await r.text())[:500]}")
                 async for item in self._answer_tokens(r, body["stream"], counts):
+                    if counts is not None and counts.answered_at is None:
+                        counts.answered_at = (time.time(), time.perf_counter())
                     out.put_nowait(item)
             out.put_nowait(None)
             if export is not None:
@@ -395,9 +397,12 @@ class ServerEngine(EngineAdapter):
             valid = min(P, export - index * P)
             if item.valid_tokens != valid:
                 item = make_page(self.geometry, index, item.kv[:, :, :valid])
-            # the last page leaves at the end of the engine's last prefill step: that is when it finished
+            # the last page leaves at the end of the engine's last prefill step: that is when it
+            # finished, unless the window held it back and the engine answered first (vLLM)
             finished_at, seconds = time.time(), time.perf_counter() - t0
             yield item
+        if req.answered_at is not None:
+            finished_at, seconds = min((finished_at, seconds), (req.answered_at[0], req.answered_at[1] - t0))
         first, logprobs = await self._next(req, out)
         self._keep_logprobs(req, logprobs)
         yield PrefillDone(

@@ -172,3 +172,29 @@ def test_resize_refuses_waiters_that_can_never_fit_and_wakes_those_that_now_do()
             await budget.reserve(201)
 
     run(main())
+
+
+def test_a_page_window_lends_its_pages_and_waits_for_them_back():
+    from engine_adapters.base import PageWindow
+    from tandem_protocol.errors import Cancelled
+
+    async def main():
+        window = PageWindow(2)
+        assert window.try_take() and window.try_take() and not window.try_take()
+        assert window.held == 2
+        taker = asyncio.create_task(window.take())
+        await asyncio.sleep(0)
+        assert not taker.done()  # full: the third page waits
+        window.give()
+        await taker  # woken by the page given back, and holds it now
+        assert window.held == 2
+        waiting = asyncio.create_task(window.take())
+        await asyncio.sleep(0)
+        window.close()  # the handoff ended
+        with pytest.raises(Cancelled, match="handoff ended"):
+            await waiting
+        assert not window.try_take()
+        with pytest.raises(AssertionError):
+            window.give(3)  # more back than was taken is a bug, not a page
+
+    asyncio.run(main())
