@@ -57,6 +57,57 @@ def _byte_decoder() -> dict[str, int]:
 
 IMPORT_AHEAD = 4  # pages a decoder may have received and checked but not yet imported
 
+
+class PageWindow:
+    """How many of a prefill's pages may sit in host memory at once (the agent's staging window).
+
+    A prefill takes one unit before it copies a page out of the engine's KV memory and yields it;
+    the agent gives the unit back once the page is on the wire. While the window is full the
+    engine keeps computing and the pages wait in its own KV memory, so a prompt of any size
+    streams through a window of a few pages. One taker (the prefill) per window; every call is
+    made on the event loop. `close` (the handoff ends) makes every wait raise Cancelled."""
+
+    def __init__(self, pages: int):
+        if pages < 1:
+            raise ValueError("a page window holds at least one page")
+        self.pages, self.free, self.closed = pages, pages, False
+        self._changed: asyncio.Future | None = None
+
+    @property
+    def held(self) -> int:
+        """Pages taken and not given back: in host memory now."""
+        return self.pages - self.free
+
+    def try_take(self) -> bool:
+        """One page's room now, without waiting: True if taken."""
+        if self.closed or self.free == 0:
+            return False
+        self.free -= 1
+        return True
+
+    async def take(self) -> None:
+        """Wait for one page's room (back-pressure from a slow link); Cancelled once closed."""
+        while not self.try_take():
+            if self.closed:
+                raise Cancelled("the handoff ended while its prefill waited for room to export a page")
+            self._changed = asyncio.get_running_loop().create_future()
+            await self._changed
+
+    def give(self, pages: int = 1) -> None:
+        """Pages that left host memory (sent, or dropped): their room is free again."""
+        self.free += pages
+        assert self.free <= self.pages, "a page window got back more than was taken"
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+
+
 T = TypeVar("T")
 
 
@@ -72,6 +123,9 @@ class EngineRequest:
     # `hold_prefix`); the prefiller sends only the pages after them.
     have_pages: int = 0
     held: Any = None  # what the decoder's engine holds for those pages until the decode takes them
+    # A prefill's: the agent's staging window, one unit per page in host memory (None: unbounded,
+    # as when an adapter is driven directly).
+    window: PageWindow | None = None
     # Where `sampling.logprobs` asks for them: each output token's, appended before it is yielded
     # (a commit-first decoder's first is the prefiller's, from PrefillDone.first_logprobs).
     token_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -127,7 +181,10 @@ class EngineAdapter(ABC):
     def prefill(self, req: EngineRequest) -> AsyncIterator[KVPage | PrefillDone]:
         """Run the prompt; yield its KV pages in order (index 0, 1, …) as they are produced, then
         exactly one PrefillDone carrying the first token sampled with `req.sampling` (and its
-        `first_logprobs` when `req.sampling.logprobs` asks for them). Pages before
+        `first_logprobs` when `req.sampling.logprobs` asks for them). Where `req.window` is set,
+        each page yielded holds one unit of it, taken before the page was copied out of the
+        engine's KV memory (the agent gives it back once the page is sent): while the window is
+        full, pages wait in the engine, never in host memory, whatever the prompt's size. Pages before
         `req.have_pages` (a delta handoff: the decoder holds them) need not be yielded; the
         agent drops any that are.
 

@@ -5,7 +5,10 @@ One connection per room. The engine side opens it with a JSON line
 `{"op": "export"|"import", "room": R, ...}`, then:
 
     export  the engine writes page frames in order (engine_adapters/pages.py framing,
-            checksummed) and closes the connection after its last page;
+            checksummed) and closes the connection after its last page. The agent reads a
+            page only once the request's staging window has room for it (`Room.grant`), so
+            the engine's writes may wait for seconds: its plugin writes from a thread of its
+            own and keeps the request's KV until each page is written;
     import  the agent writes page frames in order, then (for engines that continue from the
             prefiller's first token) one first-token frame, then shuts its side for writing.
             A connection that ends early is a failed load. Once every page is in its KV cache
@@ -165,6 +168,25 @@ class Room:
         # import rooms: the prompt tokens the engine's own prefix cache holds, once it says
         self.matched: asyncio.Future | None = loop.create_future() if loop and kind == "import" else None
         self.incoming: asyncio.Queue = asyncio.Queue()  # export rooms: pages from the engine, then END
+        # export rooms: pages the agent has room for and the reader may take off the socket
+        self._granted = threading.Semaphore(0)
+        self.closed = False
+        self.granted = self.delivered = 0  # export rooms: pages granted, and read so far
+
+    def grant(self, pages: int = 1) -> None:
+        """Let the reader take `pages` more pages off the engine's export connection."""
+        self.granted += pages
+        self._granted.release(pages)
+
+    @property
+    def waiting_pages(self) -> bool:
+        """Whether the agent has room for a page the engine has not sent yet."""
+        return self.granted > self.delivered
+
+    def _wait_grant(self) -> bool:
+        """The reader's wait for room for the next page; False once the room is closed."""
+        self._granted.acquire()
+        return not self.closed
 
 
 class Bridge:
@@ -189,6 +211,9 @@ class Bridge:
         r = self.rooms.pop(room, None)
         if r is not None and r.kind == "import":
             r.outgoing.put(END)  # a loader still waiting gets an early end: its load fails
+        elif r is not None:
+            r.closed = True
+            r._granted.release()  # a reader waiting for room stops, and closes the engine's connection
 
     def close(self) -> None:
         self._server.close()
@@ -252,7 +277,8 @@ class Bridge:
             room.loop.call_soon_threadsafe(room.incoming.put_nowait, item)
 
         try:
-            while (item := read_item(stream)) is not None:
+            while room._wait_grant() and (item := read_item(stream)) is not None:
+                room.delivered += 1
                 deliver(item)
             deliver(END)
         except Exception as e:  # a damaged frame from the engine ends the room with the reason

@@ -42,7 +42,7 @@ from tandem_protocol.pages import KVPage, make_page
 from tandem_protocol.prefix import chain_seed, page_hashes
 
 from . import failpoints
-from .base import EngineAdapter, EngineRequest
+from .base import EngineAdapter, EngineRequest, PageWindow
 from .decode_batch import DecodeBatch, Row
 from .prefix_cache import PrefixCache
 from .sampler import Sampler
@@ -131,12 +131,15 @@ class InProcessEngine(EngineAdapter):
         export = kv_tokens(len(req.token_ids), req.mode)
         event = self._begin(req)
         session = None
+        window = req.window
         try:
             t0 = time.perf_counter()
             ids, n, P = req.token_ids, len(req.token_ids), self.geometry.page_tokens
             session = await self.on_engine(self.new_session, n)
             cached, req.cached_tokens = await self.on_engine(self._restore, session, ids)
             for index in range(req.have_pages, len(cached)):  # computed before: leaves at once
+                if window is not None:
+                    await window.take()
                 yield make_page(self.geometry, index, cached[index])
             # computed from the end of the cached prefix; exported from the first page neither
             # the cache's whole pages nor the decoder hold
@@ -149,9 +152,12 @@ class InProcessEngine(EngineAdapter):
                 await failpoints.pause("slow_prefill_chunk")
                 logits = await self._compute(session, ids[start:end], last=end == n)
                 ready = export if end == n else min(end, export) // P * P
-                if ready > sent:
-                    exports.append(await self.on_engine(self.export_start, session, sent, ready))
-                    sent = ready
+                # Only the pages the window has room for are copied out now; the rest wait in the
+                # session's cache while the next chunk computes (a slow link pauses export, not compute).
+                upto = self._room_upto(window, sent, ready)
+                if upto > sent:
+                    exports.append(await self.on_engine(self.export_start, session, sent, upto))
+                    sent = upto
                 # The lag applies between the first chunk and the one before the last. The first
                 # chunk's pages go at once, so the link starts one chunk earlier (on a slow link that
                 # is TTFT itself); so do those of the chunk before the last, whose forward waits for
@@ -160,6 +166,13 @@ class InProcessEngine(EngineAdapter):
                 while len(exports) > lag:
                     for page in await self.on_engine(self.export_finish, exports.popleft()):
                         yield page
+            while sent < export:  # every chunk is computed: the rest leave as the window frees
+                await window.take()  # the page at `sent`
+                upto = self._room_upto(window, min(sent + P, export), export)
+                handle = await self.on_engine(self.export_start, session, sent, upto)
+                for page in await self.on_engine(self.export_finish, handle):
+                    yield page
+                sent = upto
             first = (await self._sampler(req, req.token_logprobs))(logits)
             self._remember(session, ids)
             yield PrefillDone(
@@ -175,6 +188,16 @@ class InProcessEngine(EngineAdapter):
             self._cancels.pop(req.request_id, None)
             if session is not None:
                 await self._release(session)
+
+    def _room_upto(self, window: PageWindow | None, sent: int, ready: int) -> int:
+        """Where export may run to now, from `sent` (a page boundary, or the end): `ready` without
+        a window, else across as many of the pages in [sent, ready) as it has room for (taken)."""
+        if window is None or ready <= sent:
+            return max(sent, ready)
+        upto = sent
+        while upto < ready and window.try_take():
+            upto = min(upto + self.geometry.page_tokens, ready)
+        return upto
 
     async def decode(self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone]) -> AsyncIterator[int]:
         self._check_mode(req)

@@ -6,7 +6,8 @@ a unix socket between this process and the engine's KV plugin, one *room* per re
 
     prefill   open an export room; POST the prompt with max_tokens 1 and the room; relay the
               pages the plugin writes into the room, in order, then PrefillDone with the first
-              token of the server's answer.
+              token of the server's answer. A page is read off the room only once the request's
+              window has room for it (`_grant`): the rest wait in the engine's KV memory.
     decode    open an import room; POST the prompt (streaming) with the room; write the pages of
               the incoming stream into it as they pass their checks, then the end of the room
               (`_hand_over`); relay the server's tokens.
@@ -35,10 +36,11 @@ from tandem_protocol.handoff import FirstTokenMode, PrefillDone, kv_tokens
 from tandem_protocol.pages import KVPage, make_page
 from tandem_protocol.sampling import ALL_FIELDS, SamplingParams, TokenLogprobs
 
-from .base import EngineAdapter, EngineRequest
+from .base import EngineAdapter, EngineRequest, PageWindow
 from .bridge import END, Bridge, Room, page_frame_parts
 from .server_process import ServerProcess
 
+STALL_SECONDS = 30  # a prefill's pages the agent has room for, missing this long after the answer: lost
 _releases: set[asyncio.Task] = set()  # roles being let go of (a task nobody holds may be collected)
 
 
@@ -168,18 +170,34 @@ class ServerEngine(EngineAdapter):
         room = self._new_room()
         box = self.bridge.open("export", room, len(req.token_ids) if self.exports_whole_prompt else export)
         self._start(req)
-        task = None
+        task = granting = None
         try:
             async with self._role("prefill"):
                 out: asyncio.Queue = asyncio.Queue()
                 t0 = time.perf_counter()
                 body = self._body(req, 1, stream=False, transfer=Transfer("export", room, export))
-                task = asyncio.create_task(self._tokens(body, out, box.incoming, counts=req))
+                task = asyncio.create_task(self._tokens(body, out, box, counts=req))
+                granting = asyncio.create_task(self._grant(req.window, box, export))
                 async for item in self._relay_prefill(req, box.incoming, export, out, t0):
                     yield item
         finally:
             self.bridge.close_room(room)
             self._end(req, task)
+            if granting is not None:
+                granting.cancel()
+
+    async def _grant(self, window: PageWindow | None, box: Room, export: int) -> None:
+        """Let the bridge read the engine's pages as the window has room for them (one unit each,
+        taken here and carried by the page the prefill yields). An engine that exports the whole
+        prompt sends one page more than a recompute-last decoder needs: read, never relayed."""
+        pages, sent = self.geometry.pages_for(export), self.geometry.pages_for(box.tokens)
+        if window is None:
+            box.grant(sent)
+            return
+        for _ in range(pages):
+            await window.take()
+            box.grant()
+        box.grant(sent - pages)
 
     async def decode(self, req: EngineRequest, stream: AsyncIterable[KVPage | PrefillDone]) -> AsyncIterator[int]:
         self._check_mode(req)
@@ -318,11 +336,11 @@ class ServerEngine(EngineAdapter):
         return sampling.top_k if 0 < sampling.top_k < self.info.vocab_size else -1
 
     async def _tokens(
-        self, body: dict, out: asyncio.Queue, pages: asyncio.Queue | None = None, counts: EngineRequest | None = None
+        self, body: dict, out: asyncio.Queue, export: Room | None = None, counts: EngineRequest | None = None
     ) -> None:
-        """Stream an answer's token ids into `out`, then None (or the exception). A prefill's page
-        queue (`pages`) hears of a failure too, and of pages still missing 30 s after the server
-        answered, so no wait outlives the request."""
+        """Stream an answer's token ids into `out`, then None (or the exception). A prefill's
+        export room hears of a failure too, and of pages the agent had room for that stay missing
+        for STALL_SECONDS once the server answered, so no wait outlives the request."""
         label = self.engine_label
         try:
             async with self.http().post(self.server.url + self.generate_path, json=body) as r:
@@ -331,17 +349,28 @@ class ServerEngine(EngineAdapter):
                 async for item in self._answer_tokens(r, body["stream"], counts):
                     out.put_nowait(item)
             out.put_nowait(None)
-            if pages is not None:
-                asyncio.get_running_loop().call_later(
-                    30, pages.put_nowait, FrameError(f"{label} finished the prefill but not all of its pages arrived")
-                )
+            if export is not None:
+                self._watch_export(export, -1)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # connection refused or reset: the server is down or restarting
             error = e if isinstance(e, TandemError) else self._not_answering(e)
             out.put_nowait(error)
-            if pages is not None:
-                pages.put_nowait(error)
+            if export is not None:
+                export.incoming.put_nowait(error)
+
+    def _watch_export(self, box: Room, last: int) -> None:
+        """After the server answered a prefill: every STALL_SECONDS, fail the room if no page came
+        in that time although the window had room for one (pages held back by a slow link are
+        not missing)."""
+        if box.closed:
+            return
+        if box.delivered == last and box.waiting_pages:
+            box.incoming.put_nowait(
+                FrameError(f"{self.engine_label} finished the prefill but not all of its pages arrived")
+            )
+            return
+        box.loop.call_later(STALL_SECONDS, self._watch_export, box, box.delivered)
 
     def _not_answering(self, e: Exception) -> TandemError:
         return TandemError(

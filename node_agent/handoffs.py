@@ -2,14 +2,20 @@
 
 Life of a handoff (one "handoff_id"):
 
-1. `create` checks the request, then reserves `pages × page_bytes` of the staging budget
-   *before any compute* (an oversize prompt is refused at once; a busy budget is waited for in
-   FIFO order up to a deadline). The pages are those the decoder lacks: it names how many
-   leading pages it holds already (`have_pages`, a delta handoff), and only later ones are sent. It then starts prefill in a task and a lease timer, which the
-   decoder's arrival cancels (a lease bounds how long pages wait for a reader, not a prefill).
+1. `create` checks the request (a prompt whose KV the engine itself cannot hold is refused at
+   once), then reserves its *window* of the staging budget *before any compute*: room for
+   `min(pages, budget)` pages, waited for in FIFO order up to a deadline when the budget is
+   busy. The pages are those the decoder lacks: it names how many leading pages it holds
+   already (`have_pages`, a delta handoff), and only later ones are sent. It then starts
+   prefill in a task and a lease timer, which the decoder's arrival cancels (a lease bounds how
+   long pages wait for a reader, not a prefill).
 2. The task frames each page as prefill produces it and queues it; the decoder's `stream`
    call sends the queue as it fills (a heartbeat each second it stays empty), then the final
-   frame (P's first token) or an error frame.
+   frame (P's first token) or an error frame. The window (`engine_adapters.base.PageWindow`)
+   bounds the pages between the engine and the wire: the engine takes a unit before it copies
+   a page out of its KV memory, and the unit comes back once the page is sent. So a prompt of
+   any size streams through the budget; a slow link pauses export while the engine computes on,
+   its pages waiting in the engine's own KV memory.
 3. `finish` ends the handoff on every path — read to the end, cancelled, decoder gone, lease
    expired: it stops prefill, waits for the engine's in-flight work to finish (so engine memory
    is released after it), drops staged pages and returns the reservation. It is idempotent.
@@ -26,7 +32,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from engine_adapters import failpoints
-from engine_adapters.base import EngineAdapter, EngineRequest
+from engine_adapters.base import EngineAdapter, EngineRequest, PageWindow
 from tandem_protocol.auth import key_matches
 from tandem_protocol.contract import token_digest
 from tandem_protocol.errors import Cancelled, RequestError, TandemError
@@ -35,7 +41,7 @@ from tandem_protocol.pages import RAW, KVPage, encode_frame
 from tandem_protocol.sampling import SamplingParams
 from tandem_protocol.wire import DONE_MAGIC, HEARTBEAT_FRAME, HEARTBEAT_SECONDS, done_frame, error_frame
 
-from .budget import Reservation, StagingBudget
+from .budget import BudgetExceeded, Reservation, StagingBudget
 from .engine_slot import EngineSlot
 from .metrics import Metrics
 
@@ -52,7 +58,8 @@ class HandoffError(TandemError):
 class Handoff:
     handoff_id: str
     request: EngineRequest
-    reservation: Reservation
+    reservation: Reservation  # the window's room in the staging budget
+    window: PageWindow
     created: float = field(default_factory=time.monotonic)
     frames: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
@@ -77,6 +84,7 @@ class HandoffManager:
         self.handoffs: dict[str, Handoff] = {}
         self.waiting: dict[str, asyncio.Task] = {}  # handoffs waiting for budget, cancellable by id
         self.prefill_calls = 0  # how many prefills reached the engine (tests assert on it)
+        self._engine_bytes: tuple[EngineAdapter, int] | None = None  # the KV the engine can hold
 
     @property
     def adapter(self) -> EngineAdapter:
@@ -95,6 +103,29 @@ class HandoffManager:
         pages = g.pages_for(tokens) - have_pages
         return pages, pages * g.page_bytes
 
+    async def check_engine_holds(self, tokens: int) -> None:
+        """413 for a prompt whose KV (FP16) is more than the engine can hold for a request: the
+        one size limit left, since the staging budget bounds a window, not the prompt."""
+        if self._engine_bytes is None or self._engine_bytes[0] is not self.adapter:
+            # off the loop: an engine may ask its device, behind a running chunk
+            self._engine_bytes = (self.adapter, await asyncio.to_thread(self.adapter.kv_budget_bytes))
+        need, can = tokens * self.adapter.geometry.token_bytes, self._engine_bytes[1]
+        if need > can:
+            raise BudgetExceeded(
+                f"this prompt's KV is {need:,} bytes at FP16, more than the {self.adapter.name} engine "
+                f"on this node can hold ({can:,} bytes): send a shorter prompt or use a node with more memory"
+            )
+
+    def window_pages(self, pages: int) -> int:
+        """The pages a handoff may hold in host memory at once: all of them, up to the budget."""
+        fit = self.budget.capacity // self.adapter.geometry.page_bytes
+        if fit < 1:
+            raise BudgetExceeded(
+                f"the staging budget ({self.budget.capacity:,} bytes) is smaller than one page of this "
+                f"model ({self.adapter.geometry.page_bytes:,} bytes): raise --staging-bytes"
+            )
+        return min(pages, fit)
+
     async def create(
         self,
         handoff_id: str,
@@ -105,15 +136,17 @@ class HandoffManager:
         encoding: int = RAW,
         have_pages: int = 0,
     ) -> Handoff:
-        if handoff_id in self.handoffs:
-            raise HandoffError(f"handoff {handoff_id} already exists on this node", 409)
         request = EngineRequest(f"handoff-{handoff_id}", list(token_ids), sampling, mode, have_pages=have_pages)
         self.adapter.validate(request, generates=False)
-        pages, nbytes = self.page_bytes_for(len(token_ids), mode, have_pages)
+        pages, _ = self.page_bytes_for(len(token_ids), mode, have_pages)
+        # refused before any wait or compute: a prompt the engine cannot hold, a budget below a page
+        await self.check_engine_holds(kv_tokens(len(token_ids), mode))
+        window = self.window_pages(pages)
+        if handoff_id in self.handoffs:  # after the one await above: nothing comes between these and the wait
+            raise HandoffError(f"handoff {handoff_id} already exists on this node", 409)
         if handoff_id in self.waiting:
             raise HandoffError(f"handoff {handoff_id} is already waiting for budget on this node", 409)
-        self.budget.check_fits(nbytes)  # an oversize prompt is refused before any wait or compute
-        wait = asyncio.ensure_future(self.budget.reserve(nbytes, wait_timeout))
+        wait = asyncio.ensure_future(self.budget.reserve(window * self.adapter.geometry.page_bytes, wait_timeout))
         self.waiting[handoff_id] = wait
         try:
             reservation = await wait
@@ -123,7 +156,8 @@ class HandoffManager:
             raise
         finally:
             self.waiting.pop(handoff_id, None)
-        handoff = Handoff(handoff_id, request, reservation, encoding=encoding, pages=pages)
+        request.window = PageWindow(max(1, window))
+        handoff = Handoff(handoff_id, request, reservation, request.window, encoding=encoding, pages=pages)
         self.handoffs[handoff_id] = handoff
         handoff.task = asyncio.create_task(self._produce(handoff), name=f"prefill-{handoff_id}")
         handoff.lease = asyncio.get_running_loop().call_later(self.ttl, self._expire, handoff_id)
@@ -139,7 +173,8 @@ class HandoffManager:
             async with aclosing(self.adapter.prefill(h.request)) as items:
                 async for item in items:
                     if isinstance(item, KVPage) and item.index < h.request.have_pages:
-                        continue  # the decoder holds it (an engine that cannot skip computing it yields it)
+                        h.window.give()  # the decoder holds it (an engine that cannot skip computing it yields it)
+                        continue
                     if perturb and isinstance(item, KVPage):
                         item = failpoints.perturb_k(item)
                     if isinstance(item, KVPage) and h.encoding == RAW:  # header + a view of the page's buffer
@@ -203,6 +238,7 @@ class HandoffManager:
                     return
                 header, payload = frame
                 yield frame
+                h.window.give()  # on the wire: its room in the window is free
                 h.pages_sent += 1
                 h.bytes_sent += len(header) + len(payload)
                 self.metrics.pages_sent.inc()
@@ -239,6 +275,7 @@ class HandoffManager:
         if h.lease is not None:
             h.lease.cancel()
         self.adapter.cancel(h.request.request_id)
+        h.window.close()  # a prefill waiting for room to export stops waiting
         if h.task is not None:
             # Prefill stops at its next chunk boundary; the engine finishes in-flight work and
             # releases the session before the task ends, so memory is free when we return.
@@ -255,6 +292,12 @@ class HandoffManager:
         for handoff_id in list(self.handoffs):
             await self.finish(handoff_id, "shutdown")
 
+    def staged_bytes(self, h: Handoff | None = None) -> int:
+        """Bytes of pages in host memory now (taken from a window, not yet sent): one handoff's,
+        or every open handoff's."""
+        held = h.window.held if h is not None else sum(h.window.held for h in self.handoffs.values())
+        return held * self.adapter.geometry.page_bytes
+
     def describe(self) -> list[dict]:
         now = time.monotonic()
         return [
@@ -263,6 +306,7 @@ class HandoffManager:
                 "state": h.state,
                 "prompt_tokens": len(h.request.token_ids),
                 "reserved_bytes": h.reservation.nbytes,
+                "staged_bytes": self.staged_bytes(h),
                 "pages_sent": h.pages_sent,
                 "age_seconds": round(now - h.created, 3),
                 "reader_attached": h.reader_attached,

@@ -78,6 +78,7 @@ async def get_status(agent: Agent):
         "budget": {
             "capacity": budget.capacity,
             "reserved": budget.reserved,
+            "staged": handoffs.staged_bytes(),  # pages in host memory now, within `reserved`
             "waiting": budget.waiting,
             "waiting_bytes": budget.waiting_bytes,
         },

@@ -35,8 +35,10 @@ class FakeEngine:
     `allow`, stops with Cancelled at its next page once `cancel` is called (as a real engine stops
     at its next chunk), and records when it has ended (a real engine frees its memory then)."""
 
+    name = "fake"
     geometry = GEOMETRY
     contract = SimpleNamespace(fingerprint_bytes=bytes(range(16)))
+    holds_bytes = 1 << 30  # the KV this engine can hold (kv_budget_bytes)
 
     def __init__(self, fail_at: int | None = None):
         self.fail_at = fail_at  # raise a non-Tandem error before this page (an engine crash)
@@ -48,6 +50,9 @@ class FakeEngine:
     def allow(self, pages: int = 1) -> None:
         for _ in range(pages):
             self.gate.release()
+
+    def kv_budget_bytes(self) -> int:
+        return self.holds_bytes
 
     def validate(self, req, generates: bool) -> None:
         if not req.token_ids:
@@ -70,6 +75,8 @@ class FakeEngine:
                 if i == self.fail_at:
                     raise RuntimeError("device lost")
                 tokens = min(GEOMETRY.page_tokens, n - i * GEOMETRY.page_tokens)
+                if req.window is not None:  # the contract: a unit of the window per page yielded
+                    await req.window.take()
                 yield make_page(GEOMETRY, i, np.full((2, 2, tokens, 1, 8), i, np.float32))
             yield PrefillDone(first_token=7, kv_tokens=n, pages=pages, prefill_seconds=0.01)
         finally:
@@ -304,8 +311,10 @@ def test_cancelled_while_waiting_for_budget():
 def test_refusals_hold_nothing_and_compute_nothing():
     async def main():
         engine, budget, metrics, manager = setup(capacity_pages=2)
-        with pytest.raises(BudgetExceeded):
-            await create(manager, tokens=150)  # 3 pages of a 2-page budget: refused, not waited for
+        engine.holds_bytes = 149 * GEOMETRY.token_bytes
+        with pytest.raises(BudgetExceeded, match="more than the fake engine on this node can hold"):
+            await create(manager, tokens=150)  # more KV than the engine holds: refused, not waited for
+        engine.holds_bytes = FakeEngine.holds_bytes
         with pytest.raises(RequestError, match="empty"):
             await manager.create(uuid.uuid4().hex, [], SamplingParams(), COMMIT, 5.0)
         assert manager.prefill_calls == 0 and (budget.reserved, budget.waiting) == (0, 0)
@@ -338,5 +347,54 @@ def test_shutdown_ends_every_handoff_and_tells_the_readers():
         assert manager.handoffs == {} and (budget.reserved, budget.waiting) == (0, 0)
         assert not engine.running and {f"handoff-{read.handoff_id}", f"handoff-{unread.handoff_id}"} <= engine.cancelled
         assert finished(metrics, "shutdown") == 2
+
+    run(main())
+
+
+def test_a_prompt_larger_than_the_budget_streams_through_its_window():
+    """Six pages through a two-page budget: the reservation is the window, never the prompt; the
+    engine's third page waits (in the engine) until the reader has taken one off the window."""
+
+    async def main():
+        engine, budget, metrics, manager = setup(capacity_pages=2)
+        h = await create(manager, tokens=6 * GEOMETRY.page_tokens)
+        assert budget.reserved == 2 * GEOMETRY.page_bytes and h.window.pages == 2
+        engine.allow(6)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert h.frames.qsize() == 2 and h.window.held == 2  # the rest wait for room
+        assert manager.staged_bytes() == 2 * GEOMETRY.page_bytes
+        frames = await manager.stream(h.handoff_id)
+        got, peak = [], 0
+        async for f in frames:
+            got.append(kind(f))
+            peak = max(peak, h.window.held)
+        assert got == ["page"] * 6 + ["done"] and peak <= 2
+        assert_released(engine, budget, manager, h.handoff_id)
+
+    run(main())
+
+
+def test_cancel_while_the_prefill_waits_for_room_frees_everything():
+    async def main():
+        engine, budget, metrics, manager = setup(capacity_pages=2)
+        h = await create(manager, tokens=6 * GEOMETRY.page_tokens)
+        engine.allow(6)
+        while h.window.held < 2:
+            await asyncio.sleep(0)
+        assert await manager.cancel(h.handoff_id) is True  # the prefill waits in `take`: woken, ends
+        assert_released(engine, budget, manager, h.handoff_id)
+        assert finished(metrics, "cancelled") == 1
+
+    run(main())
+
+
+def test_a_budget_below_one_page_is_refused():
+    async def main():
+        engine, budget, metrics, manager = setup()
+        budget.resize(GEOMETRY.page_bytes - 1)
+        with pytest.raises(BudgetExceeded, match="smaller than one page"):
+            await create(manager)
+        assert manager.prefill_calls == 0 and budget.reserved == 0
 
     run(main())
