@@ -1,17 +1,19 @@
 """vLLM's connector exports a prefill's pages without holding vLLM's step loop
 (engine_adapters/vllm_connector.py): the agent reads a room's next page only when its handoff's
-staging window has room, so the connector's writes may wait for seconds.
+staging window has room (engine_adapters.base.PageWindow), so the connector's writes may wait for
+seconds.
 
-The real vLLM adapter's bridge reads its export rooms here as such an agent would: two pages,
-then nothing until the test says (the window is full), then one page every READ_PAUSE seconds.
-While an export is held:
+The real vLLM adapter's prefill runs here with a window of WINDOW pages, read as an agent on a
+frozen link would: no page is given back until the test says, then one every READ_PAUSE seconds.
+While the export is held:
 
 - vLLM has finished the prefill (its request no longer runs) and holds its blocks (the KV pool
   is not empty); a whole `generate` on the same vLLM runs meanwhile (with the pages written on
-  vLLM's step loop, as before, vLLM never got past the prefill's first step);
+  vLLM's step loop, as before, vLLM never got past the step that filled the window);
 - the pages, once read, are those of a prefill read at full speed, byte for byte, in order;
-- a cancel frees everything: the agent hanging up on the room (the connector's write fails) and
-  vLLM aborting the request (the connector shuts the room's connection).
+- a cancel frees everything: the handoff ending after vLLM finished the prefill (the bridge closes
+  the room's connection: the connector's blocked write fails) and a cancel while vLLM still
+  computes it (vLLM aborts the request too).
 
 After each, vLLM's KV pool is empty again (its `kv_cache_usage` gauge, the adapter's engine_stats).
 """
@@ -19,28 +21,26 @@ After each, vLLM's KV pool is empty again (its `kv_cache_usage` gauge, the adapt
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import threading
 import time
 
 import numpy as np
 import pytest
 
-from engine_adapters.base import EngineRequest
-from engine_adapters.bridge import Bridge
+from engine_adapters.base import EngineRequest, PageWindow
 from engine_adapters.settings import EngineSettings
-from tandem_protocol.errors import Cancelled, FrameError
+from tandem_protocol.errors import Cancelled
 from tandem_protocol.handoff import PrefillDone
 from tandem_protocol.pages import KVPage
 from tandem_protocol.sampling import SamplingParams
 
 from .conftest import LONG_TEXT, collect, run
+from .server_engines import counter, server_metrics
 
 CONTEXT = 4096
 PROMPT_TOKENS = 16 * 64 + 5
 PAGES = 17  # the last partly filled
-HELD_AFTER = 2  # pages read before the window is full
+WINDOW = 2  # pages of staging window: the bridge reads two pages, then the engine waits
 READ_PAUSE = 0.5  # seconds between pages once it has room again
 GENERATE_TOKENS = 16
 
@@ -69,50 +69,6 @@ def request(name: str, ids: list[int], max_tokens: int = 1) -> EngineRequest:
     return EngineRequest(name, list(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-class PacedStream:
-    """An export connection's byte stream, read the way `pace(n)` says before the n-th frame
-    (1-based): it may wait or sleep; False hangs up (the stream ends there)."""
-
-    def __init__(self, stream, pace):
-        self.stream, self.pace, self.frames = stream, pace, 0
-
-    def read(self, n: int) -> bytes:
-        if n == 4:  # a frame's magic: bridge.read_item starts every frame with it
-            self.frames += 1
-            if not self.pace(self.frames):
-                self.stream.close()
-                return b""
-        return self.stream.read(n)
-
-
-@contextlib.contextmanager
-def paced_exports(adapter, pace):
-    """The adapter's bridge reads its export rooms through `pace`, as an agent whose staging
-    window decides when it takes the next page."""
-    bridge = adapter.bridge
-
-    def collect(stream, room) -> None:
-        with contextlib.suppress(RuntimeError):  # a room's event loop ended with its test (asyncio.run)
-            Bridge._collect(bridge, PacedStream(stream, pace), room)
-
-    bridge._collect = collect
-    try:
-        yield
-    finally:
-        del bridge._collect
-
-
-def held_then_paced(gate: threading.Event):
-    def pace(n: int) -> bool:
-        if n > HELD_AFTER:
-            assert gate.wait(60), "the test never let the export go on"
-            if n <= PAGES:  # not before the connection's end: the test's loop may be gone by then
-                time.sleep(READ_PAUSE)
-        return True
-
-    return pace
-
-
 async def stats(adapter) -> dict:
     return await adapter.engine_stats()
 
@@ -136,39 +92,61 @@ async def timed_generate(adapter, ids: list[int], name: str) -> tuple[list[int],
     return tokens, time.monotonic() - t0
 
 
+def windowed(name: str, ids: list[int]) -> EngineRequest:
+    req = request(name, ids)
+    req.window = PageWindow(WINDOW)
+    return req
+
+
+async def finished_requests(adapter) -> float:
+    """The requests vLLM finished (its own counter: counted as each one's answer leaves, where
+    the running gauge is only updated by steps that answer something)."""
+    metrics = await asyncio.to_thread(server_metrics, adapter.server.url)
+    return counter(metrics, "vllm:request_success_total")
+
+
+async def until_finished(adapter, before: float) -> dict:
+    """vLLM's figures once it finished the prefill (it answered) while its export waits for the
+    window."""
+    deadline = time.monotonic() + 60
+    while await finished_requests(adapter) == before:
+        assert time.monotonic() < deadline, "vLLM never finished the held prefill"
+        await asyncio.sleep(0.05)
+    return await stats(adapter)
+
+
 def test_a_held_export_keeps_its_blocks_and_holds_no_other_request(vllm, prompt_ids):
     fast = run(collect(vllm.prefill(request("fast", prompt_ids))))
     ref_tokens, alone = run(timed_generate(vllm, prompt_ids, "alone"))
-    gate = threading.Event()
 
     async def held() -> dict:
-        got: list = []
+        req, got, link = windowed("held", prompt_ids), [], asyncio.Event()
 
         async def read() -> None:
-            async for item in vllm.prefill(request("held", prompt_ids)):
+            async for item in vllm.prefill(req):
                 got.append(item)
+                if isinstance(item, KVPage):
+                    await link.wait()  # frozen until the test lets it go, then slow
+                    await asyncio.sleep(READ_PAUSE)
+                    req.window.give()  # the page is on the wire: its room is free again
 
+        before = await finished_requests(vllm)
         task = asyncio.create_task(read())
         try:
-            while len(got) < HELD_AFTER:
+            while not got:  # vLLM runs the prefill: its first page is out, the window full
                 assert not task.done(), task.exception()
                 await asyncio.sleep(0.02)
-            # vLLM finished the prefill while most of its pages wait for the window: its
-            # request no longer runs, its blocks are still held
-            during = await until(
-                vllm, lambda s: s["running"] == 0 and s["waiting"] == 0, 60, "vLLM never finished the held prefill"
-            )
+            during = await until_finished(vllm, before)
             tokens, seconds = await timed_generate(vllm, prompt_ids, "beside")
-            still_held = len(got)
+            held = {"read": len(got), "window_free": req.window.free}
         finally:
-            gate.set()
+            link.set()
         await task
-        return {"got": got, "during": during, "tokens": tokens, "seconds": seconds, "held_pages": still_held}
+        return {"got": got, "during": during, "tokens": tokens, "seconds": seconds, "held": held}
 
-    with paced_exports(vllm, held_then_paced(gate)):
-        out = run(held())
+    out = run(held())
     assert out["during"]["kv_cache_usage"] > 0, out["during"]
-    assert out["held_pages"] == HELD_AFTER, "the export went on before the test let it"
+    assert out["held"] == {"read": 1, "window_free": 0}, "the export went on before the test let it"
     assert out["tokens"] == ref_tokens  # (its time is printed: on a shared CPU it is no figure to assert)
     pages, ref = [p for p in out["got"] if isinstance(p, KVPage)], [p for p in fast if isinstance(p, KVPage)]
     assert len(ref) == PAGES
@@ -185,33 +163,28 @@ def test_a_held_export_keeps_its_blocks_and_holds_no_other_request(vllm, prompt_
     )
 
 
-@pytest.mark.parametrize("how", ["agent-hangs-up", "vllm-aborts"])
-def test_a_cancelled_export_frees_its_blocks(vllm, prompt_ids, how):
-    """The agent hangs up on the room after two pages (a cancelled handoff: the connector's next
-    write fails), or vLLM aborts the request while it still computes it and the export waits for
-    the window (the connector shuts the connection under its blocked write)."""
-    gate = threading.Event()
-
-    def pace(n: int) -> bool:
-        if n <= HELD_AFTER:
-            return True
-        if how == "agent-hangs-up":
-            return False
-        assert gate.wait(60), "the test never let the export go on"
-        return True
+@pytest.mark.parametrize("when", ["after-vllm-finished", "while-vllm-computes"])
+def test_a_cancelled_export_frees_its_blocks(vllm, prompt_ids, when):
+    """The handoff ends while the window is full: after vLLM finished the prefill (only the
+    connector's blocked write holds its blocks) or while vLLM still computes it (chunks of 128
+    tokens: it has many steps to go after its first page)."""
 
     async def cancelled() -> None:
-        req = request(f"cancel-{how}", prompt_ids)
-        async for item in vllm.prefill(req):
-            if how == "vllm-aborts" and item.index == 0:
-                # vLLM still computes the later chunks: the cancel aborts the request there
-                assert (await stats(vllm))["running"] == 1
+        req = windowed(f"cancel-{when}", prompt_ids)
+        before = await finished_requests(vllm)
+        pages = vllm.prefill(req)
+        try:
+            assert isinstance(await pages.__anext__(), KVPage)
+            if when == "after-vllm-finished":
+                await until_finished(vllm, before)
+            else:
+                assert await finished_requests(vllm) == before, "vLLM finished the prefill before its cancel"
                 vllm.cancel(req.request_id)
+                with pytest.raises(Cancelled):
+                    async for _ in pages:  # the page the bridge read already, then the cancel
+                        pass
+        finally:
+            await pages.aclose()  # the agent's teardown: the room closes, and its connection
+        await until(vllm, pool_empty, 10, "vLLM's KV pool did not come back to empty")
 
-    try:
-        with paced_exports(vllm, pace):
-            with pytest.raises(FrameError if how == "agent-hangs-up" else Cancelled):
-                run(cancelled())
-            run(until(vllm, pool_empty, 10, "vLLM's KV pool did not come back to empty"))
-    finally:
-        gate.set()  # only now: the export must have ended without the reader's help
+    run(cancelled())
