@@ -17,18 +17,18 @@ request ids):
 
 A prefiller's pages leave from a sender thread of the worker, one per export, that copies each
 finished page out of its block and writes it with a blocking `sendall`: the agent reads a room's
-next page only when its handoff's staging window has room, so a write may wait for seconds (a
-slow link to the decoder), and vLLM's step loop, which computes every other request, must never
-wait with it. The step loop only says which pages are ready (`wait_for_save`, at the end of each
-step: they are in the cache then). The request's blocks stay vLLM's until its pages are written,
-as vLLM's own P/D connectors keep theirs: `request_finished` delays their freeing, and the worker
-reports the request in `finished_sending` (`get_finished`) once the thread will read no block
-more. vLLM keeps stepping while such a request remains (`Scheduler.has_finished_requests`), with
-nothing to compute: those steps sleep on the threads' wake-up pipe (and the loads' sockets,
-below) instead of spinning. An export stops at once, its request reported as soon as vLLM
-finished it, when the agent closes the room's connection (a cancel: the write fails), when vLLM
-aborts the request (the connection is shut, which wakes a blocked write) and when vLLM preempts
-it (its blocks are taken back at once: the export is cut short, the agent sees a truncated room).
+next page only when its handoff's staging window has room, so a write may wait for seconds (a slow
+link to the decoder), and vLLM's step loop, which computes every other request, must never wait
+with it. The step loop only says which pages are ready (`wait_for_save`, at the end of each step:
+they are in the cache then). The request's blocks stay allocated until its pages are written, as
+vLLM's own P/D connectors keep theirs: `request_finished` delays their freeing, and the worker
+reports the request in `finished_sending` (`get_finished`) once the thread will read no block more.
+vLLM keeps stepping while such a request remains (`Scheduler.has_finished_requests`), with nothing
+to compute: those steps sleep on the threads' wake-up pipe (and the loads' sockets, below) instead
+of spinning. An export stops at once, its request reported as soon as vLLM finished it, when the
+agent closes the room's connection (a cancel: the write fails), when vLLM aborts the request (the
+connection is shut, which wakes a blocked write) and when vLLM preempts it (its blocks are taken
+back at once: the export is cut short, the agent sees a truncated room).
 
 A decoder's prefix: when vLLM first schedules a load, the scheduler side tells the agent how many
 leading prompt tokens vLLM's prefix cache holds (a `matched` connection: whole 64-token blocks),
