@@ -15,6 +15,21 @@ request ids):
                                            (N = prompt length - 1: vLLM computes the last token),
                                            but those vLLM's own prefix cache holds
 
+A prefiller's pages leave from a sender thread of the worker, one per export, that copies each
+finished page out of its block and writes it with a blocking `sendall`: the agent reads a room's
+next page only when its handoff's staging window has room, so a write may wait for seconds (a slow
+link to the decoder), and vLLM's step loop, which computes every other request, must never wait
+with it. The step loop only says which pages are ready (`wait_for_save`, at the end of each step:
+they are in the cache then). The request's blocks stay allocated until its pages are written, as
+vLLM's own P/D connectors keep theirs: `request_finished` delays their freeing, and the worker
+reports the request in `finished_sending` (`get_finished`) once the thread will read no block more.
+vLLM keeps stepping while such a request remains (`Scheduler.has_finished_requests`), with nothing
+to compute: those steps sleep on the threads' wake-up pipe (and the loads' sockets, below) instead
+of spinning. An export stops at once, its request reported as soon as vLLM finished it, when the
+agent closes the room's connection (a cancel: the write fails), when vLLM aborts the request (the
+connection is shut, which wakes a blocked write) and when vLLM preempts it (its blocks are taken
+back at once: the export is cut short, the agent sees a truncated room).
+
 A decoder's prefix: when vLLM first schedules a load, the scheduler side tells the agent how many
 leading prompt tokens vLLM's prefix cache holds (a `matched` connection: whole 64-token blocks),
 so the agent asks the prefiller only for the pages after them (a delta handoff). vLLM loads from
@@ -24,9 +39,10 @@ would never come: then it loads nothing and computes past what it still holds it
 
 The agent side of the bridge (engine_adapters/bridge.py) is a unix socket (path in
 TANDEM_VLLM_BRIDGE). Per room, one connection: a JSON line `{"op": "export"|"import", "room": R,
-"tokens": N}`, then page frames in order (engine_adapters/pages.py framing, checksummed). An export connection ends after its last
-page; an import connection that ends early is a failed load: its blocks are reported to vLLM,
-whose `kv_load_failure_policy` ("fail", the default) fails the request — no silent recompute.
+"tokens": N}`, then page frames in order (engine_adapters/pages.py framing, checksummed). An
+export connection ends after its last page, or early when its export stopped; an import
+connection that ends early is a failed load: its blocks are reported to vLLM, whose
+`kv_load_failure_policy` ("fail", the default) fails the request — no silent recompute.
 
 Layouts: on CPU, detected at start-up by writing a probe through vLLM's own cache-writing kernel
 and reading it back (`CacheLayout`); on GPUs, the strided [blocks, heads, tokens, K|V] views of
@@ -38,6 +54,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +63,7 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
 from engine_adapters import bridge
 from tandem_protocol.pages import KVPage, PageGeometry, make_page
@@ -60,6 +78,7 @@ IDLE_WAIT_SECONDS = 0.02
 # ---- what the scheduler tells the workers each step ------------------------------------------
 @dataclass
 class SaveItem:
+    req_id: str
     room: str
     block_ids: list[int]
     computed: int  # prompt tokens whose KV is in the cache once this step ends
@@ -79,6 +98,10 @@ class LoadItem:
 class TandemMeta(KVConnectorMetadata):
     saves: list[SaveItem] = field(default_factory=list)
     loads: list[LoadItem] = field(default_factory=list)
+    # prefills vLLM finished, whose blocks wait for their pages to be written (True: cut short,
+    # an abort or an error: the export stops where it is)
+    finished: dict[str, bool] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)  # prefills whose blocks vLLM took back
     idle: bool = False  # the step computes nothing: the worker may wait for pages
 
 
@@ -96,6 +119,74 @@ class PageLoad:
     @property
     def done(self) -> bool:
         return self.written == self.pages
+
+
+class PageExport:
+    """One prefill's pages leaving over its bridge connection, in order, from a thread of its own
+    (the module docstring says why). The step loop offers the pages that are ready; the thread
+    copies each out of its block under the lock and writes it outside it, so `stop` waits for at
+    most one copy, and once `stopped` is set no block of the request is read again."""
+
+    def __init__(self, connector: TandemConnector, item: SaveItem):
+        self.connector, self.req_id, self.room, self.tokens = connector, item.req_id, item.room, item.tokens
+        self.pages = -(-item.tokens // connector.block_size)
+        self.block_ids: list[int] = []
+        self.ready = self.sent = 0  # pages in the cache / written to the socket
+        self.step_done: Any = None  # GPU: an event recorded after the step that made them ready
+        self.finished = False  # vLLM finished the request: its blocks wait for this export
+        self.stopped = False  # no block is read any more: every page written, or the export ended
+        self.conn: socket.socket | None = None
+        self.lock = threading.Condition()
+        threading.Thread(target=self._run, name=f"tandem-export-{self.room[:8]}", daemon=True).start()
+
+    def offer(self, block_ids: list[int], ready: int, step_done: Any) -> None:
+        with self.lock:
+            self.block_ids, self.ready, self.step_done = block_ids, ready, step_done
+            self.lock.notify()
+
+    def stop(self) -> None:
+        """End the export now: no page more is read, and a write waiting on the agent fails."""
+        with self.lock:
+            self.stopped = True
+            self.lock.notify()
+            if self.conn is not None:
+                try:
+                    self.conn.shutdown(socket.SHUT_RDWR)  # wakes a sendall blocked in the thread
+                except OSError:
+                    pass
+
+    def _next_frame(self) -> bytes | None:
+        with self.lock:
+            while not self.stopped and self.sent == self.ready:
+                self.lock.wait()
+            if self.stopped:
+                return None
+            if self.step_done is not None:
+                self.step_done.synchronize()  # the step's kernels have written the pages
+            P, index = self.connector.block_size, self.sent
+            return self.connector._page_frame(self.block_ids[index], index, min(P, self.tokens - index * P))
+
+    def _run(self) -> None:
+        conn = None
+        try:
+            conn = self.connector._connect("export", self.room, self.tokens)
+            with self.lock:
+                self.conn = conn
+            while self.sent < self.pages and (frame := self._next_frame()) is not None:
+                conn.sendall(frame)  # blocks while the agent's window is full
+                with self.lock:
+                    self.sent += 1
+        except OSError as e:  # the agent closed the room (a cancel), or is gone
+            if not self.stopped:
+                logger.warning("Tandem export of room %s stopped at page %d: %s", self.room, self.sent, e)
+        except Exception:
+            logger.exception("Tandem export of room %s failed", self.room)
+        finally:
+            with self.lock:
+                self.stopped, self.conn = True, None
+            if conn is not None:
+                conn.close()
+            self.connector._wake()
 
 
 # ---- cache layouts -----------------------------------------------------------------------------
@@ -214,13 +305,15 @@ class TandemConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.bridge = os.environ.get(BRIDGE_ENV, "")
         # scheduler side
-        self._saves: dict[str, dict] = {}  # req_id -> {"room", "tokens", "blocks"}
+        self._saves: dict[str, dict] = {}  # req_id -> {"room", "tokens", "blocks", "computed", "cut"}
+        self._finished_saves: dict[str, bool] = {}  # req_id -> cut short, for the next step's workers
         self._matched: dict[str, int] = {}  # req_id -> the cached prompt tokens the agent was told of
         self._new_loads: list[LoadItem] = []
         # worker side
         self._layers: list[torch.Tensor] = []
         self._layout: CacheLayout | StridedLayout | None = None
-        self._exports: dict[str, tuple[socket.socket, int]] = {}  # room -> (connection, pages sent)
+        self._exports: dict[str, PageExport] = {}  # req_id -> its pages leaving
+        self._wake_r, self._wake_w = -1, -1  # the export threads' wake-up pipe (register_kv_caches)
         self._loads: dict[str, PageLoad] = {}  # req_id -> its pages coming in
         self._loaded: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -260,8 +353,17 @@ class TandemConnector(KVConnectorBase_V1):
             self._saves[request.request_id] = {"room": room, "tokens": int(params["tandem_save"]), "blocks": []}
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = TandemMeta(loads=self._new_loads, idle=scheduler_output.total_num_scheduled_tokens == 0)
-        self._new_loads = []
+        meta = TandemMeta(
+            loads=self._new_loads,
+            finished=self._finished_saves,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
+        self._new_loads, self._finished_saves = [], {}
+        for req_id in scheduler_output.preempted_req_ids or ():
+            save = self._saves.get(req_id)
+            if save is not None and not save.get("cut"):  # its blocks are gone: the export ends
+                save["cut"] = True  # and does not start again when the request resumes
+                meta.preempted.append(req_id)
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             save = self._saves.get(new.req_id)
@@ -276,14 +378,22 @@ class TandemConnector(KVConnectorBase_V1):
                     save["blocks"] += list(cached.new_block_ids[i][0])
                 save["computed"] = cached.num_computed_tokens[i] + steps.get(req_id, 0)
         for req_id, save in self._saves.items():
-            if req_id in steps and "computed" in save:
-                meta.saves.append(SaveItem(save["room"], list(save["blocks"]), save["computed"], save["tokens"]))
+            if req_id in steps and "computed" in save and not save.get("cut"):
+                meta.saves.append(
+                    SaveItem(req_id, save["room"], list(save["blocks"]), save["computed"], save["tokens"])
+                )
         return meta
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._saves.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
-        return False, None  # pages were copied out synchronously: the blocks may go
+        save = self._saves.pop(request.request_id, None)
+        if save is None or save.get("cut"):
+            return False, None
+        # a prefill: its blocks are freed once the worker says (finished_sending) its pages are
+        # written, or its export stopped
+        complete = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        self._finished_saves[request.request_id] = not complete
+        return True, None
 
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -293,6 +403,9 @@ class TandemConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=layer_index)
         self._layers = [kv_caches[n] for n in names]
         self._layout = cache_layout(self._layers[0], self.block_size)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         logger.info("Tandem connector: %d layers, %s layout, bridge %s", len(names), self._layout.isa, self.bridge)
 
     @property
@@ -303,31 +416,36 @@ class TandemConnector(KVConnectorBase_V1):
         return bridge.connect(self.bridge, op, room, tokens=tokens)
 
     def wait_for_save(self) -> None:
+        """The pages this step completed are in the cache: offer them to their exports' threads."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, TandemMeta):
+        if not isinstance(meta, TandemMeta) or not meta.saves:
             return
-        P = self.block_size
+        P, step_done = self.block_size, None
+        if self._layers[0].is_cuda:  # the thread reads only once the step's kernels are done
+            step_done = torch.cuda.Event()
+            step_done.record()
         for item in meta.saves:
-            conn, sent = self._exports.get(item.room) or (None, 0)
-            try:
-                if conn is None:
-                    conn = self._connect("export", item.room, item.tokens)
-                ready = min(item.computed, item.tokens)
-                last = ready // P if ready < item.tokens else -(-item.tokens // P)
-                while sent < last:
-                    valid = min(P, item.tokens - sent * P)
-                    conn.sendall(self._page_frame(item.block_ids[sent], sent, valid))
-                    sent += 1
-                if sent * P >= item.tokens:
-                    conn.close()
-                    self._exports.pop(item.room, None)
-                else:
-                    self._exports[item.room] = (conn, sent)
-            except OSError as e:  # the agent gave up on this room: stop exporting it
-                logger.warning("Tandem export of room %s stopped: %s", item.room, e)
-                if conn is not None:
-                    conn.close()
-                self._exports.pop(item.room, None)
+            export = self._exports.get(item.req_id)
+            if export is None:
+                export = self._exports[item.req_id] = PageExport(self, item)
+            ready = min(item.computed, item.tokens)
+            export.offer(item.block_ids, ready // P if ready < item.tokens else export.pages, step_done)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """A preempted prefill's blocks are vLLM's again before this step writes them: its export
+        ends (the agent sees a truncated room) and is not reported, its request being unfinished."""
+        if isinstance(kv_connector_metadata, TandemMeta):
+            for req_id in kv_connector_metadata.preempted:
+                export = self._exports.pop(req_id, None)
+                if export is not None:
+                    export.stop()
+
+    def _wake(self) -> None:
+        """An export ended: a step waiting for it (`_receive`) goes on."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the step loop is awake anyway
+            pass
 
     def _page_frame(self, block: int, index: int, valid: int) -> bytes:
         kv = np.empty((len(self._layers), 2, valid, self._layout.heads, self._layout.head_dim), dtype="<f2")
@@ -353,8 +471,8 @@ class TandemConnector(KVConnectorBase_V1):
         """Write the pages that have come in. The loads run on vLLM's own step loop, not a thread
         of their own that had to win the GIL back from that loop after every socket read and
         kernel call. `wait`: the step computes nothing, so rather than step again at once (which
-        spun a core while a request waited for its pages), sleep until a page arrives (or a short
-        while, for new requests)."""
+        spun a core while a request waited for its pages, or a finished prefill for its export),
+        sleep until a page arrives or an export ends (or a short while, for new requests)."""
         deadline = time.monotonic() + IDLE_WAIT_SECONDS
         while True:
             for load in list(self._loads.values()):
@@ -363,9 +481,12 @@ class TandemConnector(KVConnectorBase_V1):
                 except Exception as e:  # any failure fails the request (kv_load_failure_policy "fail")
                     self._end_load(load.item, str(e))
             left = deadline - time.monotonic()
-            if not wait or not self._loads or self._loaded or left <= 0:
+            ended = any(e.finished and e.stopped for e in self._exports.values())
+            if not wait or not (self._loads or self._exports) or self._loaded or ended or left <= 0:
                 return
-            select.select(list(self._loads.values()), [], [], left)
+            ready, _, _ = select.select([*self._loads.values(), self._wake_r], [], [], left)
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
 
     def _write_arrived(self, load: PageLoad) -> None:
         P, item = self.block_size, load.item
@@ -420,9 +541,27 @@ class TandemConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         meta = self._get_connector_metadata()
-        self._receive(wait=isinstance(meta, TandemMeta) and meta.idle)
+        meta = meta if isinstance(meta, TandemMeta) else TandemMeta()
+        sent = set()
+        for req_id, cut in meta.finished.items():
+            export = self._exports.get(req_id)
+            if export is None:  # vLLM finished it before any page was offered
+                sent.add(req_id)
+            else:
+                export.finished = True
+                if cut:
+                    export.stop()
+        self._receive(wait=meta.idle)
+        for req_id, export in list(self._exports.items()):
+            if export.finished and export.stopped:  # no block of it is read again: they may go
+                sent.add(req_id)
+                del self._exports[req_id]
         done, self._loaded = self._loaded, set()
-        return None, (done or None)
+        return (sent or None), (done or None)
+
+    def shutdown(self) -> None:
+        for export in self._exports.values():
+            export.stop()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

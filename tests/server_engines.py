@@ -1,10 +1,11 @@
 """Checks of the engines that run as their own servers (vLLM, SGLang), shared by the tests that
-reach them: the pages they export against transformers' K/V."""
+reach them: the pages they export against transformers' K/V, the servers' own counters."""
 
 from __future__ import annotations
 
 import asyncio
 
+import httpx
 import numpy as np
 
 from engine_adapters.base import EngineRequest
@@ -45,3 +46,19 @@ def check_pages_against_transformers(agent: AgentProcess, torch_engine, long_ids
         # FP16 compute in the server vs float32 compute rounded to FP16: a few FP16 ulps of the value
         assert (diff / scale).max() < 0.05, figures[n]
     write_report(report, figures)
+
+
+def server_metrics(url: str) -> str:
+    """A server engine's own Prometheus counters (vLLM's and SGLang's /metrics)."""
+    return httpx.get(url + "/metrics", timeout=10).text
+
+
+def counter(metrics: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus counter's samples whose labels include `labels`."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.split("{", 1)[0] != name:
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

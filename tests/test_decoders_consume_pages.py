@@ -45,6 +45,7 @@ from .agents import TEST_KEY, AgentProcess, wait_for
 from .conftest import collect, own_greedy, run, write_report
 from .engine_probes import sglang_decode_step_logprobs, vllm_first_step_logprobs
 from .integration.rules import LOGIT_TOLERANCE, logits_after_import
+from .server_engines import counter, server_metrics
 
 RL, CF = FirstTokenMode.RECOMPUTE_LAST, FirstTokenMode.COMMIT_FIRST
 PERTURB = {"TANDEM_FAILPOINTS": "perturb_k@1,perturb_k@2"}  # the prefiller's first two handoffs
@@ -236,22 +237,6 @@ def servers(smol_dir, tmp_path_factory):
         for name in ("vllm", "sglang"):
             if jobs[name].exception() is None:
                 jobs[name].result().close()
-
-
-def server_metrics(url: str) -> str:
-    """A server engine's own Prometheus counters (vLLM's and SGLang's /metrics)."""
-    return httpx.get(url + "/metrics", timeout=10).text
-
-
-def counter(metrics: str, name: str, **labels: str) -> float:
-    """The sum of a Prometheus counter's samples whose labels include `labels`."""
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.split("{", 1)[0] != name:
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def grown(read, before: str, name: str, label: str, values: tuple[str, ...], total: int) -> dict:
