@@ -11,10 +11,14 @@ to the classes here, the way SGLang's own backends are built: a manager per sche
 per prefill request, a receiver per decode request (SGLang's base classes, disaggregation/base).
 
     prefill  SGLang (`--disaggregation-mode prefill`) calls `send(page_indices)` as chunks of the
-             prompt finish; each page is copied out of the pool at once and written to the
-             agent as a frame, so the pool's slots are free to reuse as soon as send returns.
-             The whole prompt's KV leaves (the agent trims it for a recompute-last decoder);
-             the first token comes back in SGLang's HTTP answer.
+             prompt finish; send only queues the pages for the sender's thread, which reads
+             each page out of its pool slots and writes it to the agent as a frame, in order.
+             The agent reads a frame only when its staging window has room, so a write may
+             block for long: on that thread, never on SGLang's scheduler loop. The slots stay
+             the request's until the last page is written: SGLang frees a prefill's KV only
+             once its sender's poll is Success (or Failed), which the thread reports after its
+             last read of the pool. The whole prompt's KV leaves (the agent trims it for a
+             recompute-last decoder); the first token comes back in SGLang's HTTP answer.
     decode   SGLang (`--disaggregation-mode decode`) allocates slots for the whole prompt and
              calls `send_metadata(page_indices, aux_index)`; a worker thread pulls pages from
              the agent as they arrive from the prefiller, writes them into those slots, then
@@ -23,15 +27,17 @@ per prefill request, a receiver per decode request (SGLang's base classes, disag
              never recomputes (commit-first).
 
 The bootstrap room (SGLang's 63-bit transfer id, sent in the /generate request) names the bridge
-room. Any failure — the agent gone, a damaged page, a page that does not fit — is a Failed poll
-with the reason, which SGLang turns into an aborted request and freed slots. `abort` waits for a
-worker still writing into the pool, so slots are never reclaimed under a copy in flight.
+room. Any failure — the agent gone or closing the room (a cancel), a damaged page, a page that
+does not fit — is a Failed poll with the reason, which SGLang turns into an aborted request and
+freed slots. `abort` waits for a thread still reading or writing the pool (a sender's, a
+receiver's), so slots are never reclaimed under a copy in flight.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -92,14 +98,15 @@ def register() -> None:
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", on_idle, HookType.AROUND)
 
 
-# ---- waiting for pages without spinning ----------------------------------------------------------
-# SGLang's scheduler loop has no batch to run while a decode request waits for its pages, and is
-# not idle either, so it loops at once (`time.sleep(0)`): a core spent polling, taken from the
-# prefiller beside it on a small machine (a torch prefill of 2,360 tokens took 14.7 s instead of
-# 8.1 s next to a waiting SGLang decoder). While a receiver is at work, the loop sleeps instead on
-# SGLang's own request sockets and on a pipe each receiver writes to when it ends.
+# ---- waiting for transfers without spinning -------------------------------------------------------
+# SGLang's scheduler loop has no batch to run while a decode request waits for its pages (or a
+# prefill's pages wait for the agent to take them), and is not idle either, so it loops at once
+# (`time.sleep(0)`): a core spent polling, taken from the prefiller beside it on a small machine
+# (a torch prefill of 2,360 tokens took 14.7 s instead of 8.1 s next to a waiting SGLang
+# decoder). While a receiver or a sender is at work, the loop sleeps instead on SGLang's own
+# request sockets and on a pipe each of them writes to when it ends.
 IDLE_WAIT_MS = 20
-_receiving: set = set()  # the receivers at work in this process
+_transferring: set = set()  # the receivers and senders at work in this process
 _wake_r, _wake_w = os.pipe()
 os.set_blocking(_wake_r, False)
 os.set_blocking(_wake_w, False)
@@ -107,7 +114,7 @@ os.set_blocking(_wake_w, False)
 
 def on_idle(original, scheduler, *args, **kwargs):
     sleeper = getattr(scheduler, "idle_sleeper", None)
-    if _receiving and sleeper is not None and not scheduler.is_fully_idle():
+    if _transferring and sleeper is not None and not scheduler.is_fully_idle():
         poller = getattr(scheduler, "_tandem_poller", None)
         if poller is None:
             import zmq
@@ -220,8 +227,12 @@ class _Transfer:
         raise RuntimeError(f"Tandem transfer of room {self.room} failed: {self.reason or 'aborted'}")
 
 
+_STOP = None  # ends a sender's queue of pages
+
+
 class TandemKVSender(_Transfer, BaseKVSender):
-    """Prefill side: pages leave as SGLang hands them over."""
+    """Prefill side: SGLang hands pages over as chunks finish; a thread of the sender's own
+    writes them to the agent, so a write the agent holds back blocks no one but this request."""
 
     def __init__(
         self,
@@ -235,23 +246,20 @@ class TandemKVSender(_Transfer, BaseKVSender):
         self.kv_mgr, self.room = mgr, bootstrap_room
         self.state, self.reason = KVPoll.WaitingForInput, ""
         self.pages_total: int | None = None
-        self.pages_sent = 0
-        self.bytes_sent = 0
+        self.pages_queued = self.pages_sent = self.bytes_sent = 0
         self.conn: socket.socket | None = None
+        self._pages: queue.SimpleQueue = queue.SimpleQueue()  # (slot page, valid tokens), then _STOP
+        self._aborted = threading.Event()
+        self._thread: threading.Thread | None = None
         try:
             self.conn = bridge.connect(mgr.bridge_path, "export", str(bootstrap_room))
         except OSError as e:
             self._fail(f"cannot reach the Tandem agent's bridge: {e}")
 
     def _fail(self, reason: str) -> None:
-        self.state, self.reason = KVPoll.Failed, reason
+        self.reason = reason
+        self.state = KVPoll.Failed
         logger.warning("Tandem export of room %s failed: %s", self.room, reason)
-        self._close()
-
-    def _close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
 
     def init(self, num_kv_indices: int, aux_index: int | None = None):
         self.pages_total = num_kv_indices
@@ -260,25 +268,49 @@ class TandemKVSender(_Transfer, BaseKVSender):
         return num_pages > 0 or last_chunk
 
     def send(self, kv_indices, state_indices=None, num_kv_tokens: int | None = None, **kwargs):
+        """Queue the pages for the sender's thread and return at once: SGLang's scheduler loop
+        goes on with other requests while the agent takes these pages at its own pace."""
         if self.state == KVPoll.Failed:
             return
         indices = [int(i) for i in np.asarray(kv_indices).reshape(-1)]
-        tokens = num_kv_tokens if num_kv_tokens is not None else len(indices) * self.kv_mgr.pool.page_tokens
         P = self.kv_mgr.pool.page_tokens
+        tokens = num_kv_tokens if num_kv_tokens is not None else len(indices) * P
+        for j, page in enumerate(indices):
+            self._pages.put((page, min(P, tokens - j * P)))
+        self.pages_queued += len(indices)
+        if self.pages_total is not None and self.pages_queued >= self.pages_total:
+            self._pages.put(_STOP)
+        if self._thread is None:
+            _transferring.add(self)
+            self._thread = threading.Thread(target=self._write, daemon=True, name=f"tandem-send-{self.room}")
+            self._thread.start()
+
+    def _write(self) -> None:
+        """Read each queued page from its slots and write it to the agent (blocking while the agent
+        holds back); Success once the last page is written, after the last read of the pool."""
+        pool = self.kv_mgr.pool
         try:
-            for j, page in enumerate(indices):
-                valid = min(P, tokens - j * P)
-                kv = self.kv_mgr.pool.read(page, valid)
-                frame = bridge.page_frame(make_page(self.kv_mgr.pool.geometry, self.pages_sent, kv))
+            while (item := self._pages.get()) is not _STOP and not self._aborted.is_set():
+                page, valid = item
+                frame = bridge.page_frame(make_page(pool.geometry, self.pages_sent, pool.read(page, valid)))
                 self.conn.sendall(frame)
                 self.pages_sent += 1
                 self.bytes_sent += len(frame)
-        except (OSError, AttributeError) as e:  # the agent closed the room (cancelled) or went away
-            self._fail(f"the Tandem agent stopped reading: {e}")
-            return
-        if self.pages_total is not None and self.pages_sent >= self.pages_total:
+            if self._aborted.is_set():
+                raise RuntimeError("aborted by SGLang")
             self._close()
             self.state = KVPoll.Success
+        except Exception as e:  # the agent closed the room (a cancel) or went away; an abort
+            self._close()
+            self._fail("aborted by SGLang" if self._aborted.is_set() else f"the Tandem agent stopped reading: {e}")
+        finally:
+            _transferring.discard(self)
+            _woken()  # SGLang polls its inflight queue at once, and frees the slots
+
+    def _close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
     def mark_prefill_complete(self) -> None:
         pass
@@ -295,11 +327,26 @@ class TandemKVSender(_Transfer, BaseKVSender):
         return KVTransferMetric(transfer_total_bytes=self.bytes_sent)
 
     def abort(self):
-        if self.state != KVPoll.Success:
+        """Stop the thread and wait until it has stopped reading the pool: SGLang frees the slots
+        next. A write the agent holds back is broken off at once (the socket is shut down)."""
+        self._aborted.set()
+        if self._thread is None:
+            self._close()
+        else:
+            conn = self.conn
+            if conn is not None:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._pages.put(_STOP)  # a thread waiting for the next chunk's pages
+            self._thread.join()
+        if self.state not in (KVPoll.Success, KVPoll.Failed):  # (the thread reported its own end)
             self._fail("aborted by SGLang")
 
     def clear(self):
-        self._close()
+        if self._thread is None:
+            self._close()
 
 
 class TandemKVReceiver(_Transfer, BaseKVReceiver):
@@ -343,7 +390,7 @@ class TandemKVReceiver(_Transfer, BaseKVReceiver):
         except OSError:
             pass  # the agent is gone: the import's own connection fails the request
         self.state = KVPoll.Transferring
-        _receiving.add(self)
+        _transferring.add(self)
         self._worker = threading.Thread(
             target=self._receive, args=(pages, aux_index, first), daemon=True, name=f"tandem-receive-{self.room}"
         )
@@ -383,7 +430,7 @@ class TandemKVReceiver(_Transfer, BaseKVReceiver):
         finally:
             if self._conn is not None:
                 self._conn.close()
-            _receiving.discard(self)
+            _transferring.discard(self)
             _woken()
 
     def abort(self):

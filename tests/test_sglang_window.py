@@ -1,0 +1,164 @@
+"""SGLang's prefill export held back by the agent's staging window (engine_adapters/sglang_backend.py):
+the bridge reads a page off an export room only once the request's window has room for it, so the
+backend's writes may block for long. Here the window is given back slowly, or not at all: the
+held-back export blocks neither SGLang's scheduler (another prefill on the same server finishes
+meanwhile, and the waiting scheduler leaves the CPU alone) nor its pages (exact, in order), and
+every ending frees the request's slots: the agent closing the room's connection, a cancel,
+SGLang's own abort."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from engine_adapters.base import EngineRequest, PageWindow
+from tandem_protocol.errors import Cancelled, TandemError
+from tandem_protocol.handoff import FirstTokenMode, PrefillDone
+from tandem_protocol.sampling import SamplingParams
+
+from .conftest import SGLANG_CPU_PYTHON
+from .prerequisites import requires
+
+pytestmark = requires(SGLANG_CPU_PYTHON.exists(), "SGLang's CPU test environment (make sglang-cpu-test)")
+
+CHUNK = 1024  # SGLang's prefill chunk: the held prompt is one chunk, all its pages handed over at once
+HELD, OTHER = 1000, 150  # prompt lengths
+DELAY = 0.5  # seconds a page holds the window before it is given back
+
+
+@pytest.fixture(scope="module")
+def sglang(smol_dir):
+    """SGLang on the embedded model in its prefill role, radix cache off (every prefill computes)."""
+    from engine_adapters import load_adapter
+    from engine_adapters.settings import EngineSettings
+
+    settings = EngineSettings(prefix_caching=False, sglang_role="prefill", sglang_threads=1, sglang_chunk_tokens=CHUNK)
+    adapter = load_adapter("sglang", smol_dir, 4096, settings)
+    yield adapter
+    adapter.close()
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1000, 30000, n).tolist()
+
+
+def request(name: str, token_ids: list[int], window: int | None = None) -> EngineRequest:
+    req = EngineRequest(name, token_ids, SamplingParams(max_tokens=1, temperature=0), FirstTokenMode.COMMIT_FIRST)
+    req.window = PageWindow(window) if window else None
+    return req
+
+
+async def prefill(adapter, req: EngineRequest, arrived: list | None = None, hold: float | None = 0.0):
+    """The prefill's pages and PrefillDone; each page's arrival time into `arrived`. A page holds its
+    unit of the window `hold` seconds, then gives it back (None: for good)."""
+    pages = []
+    async for item in adapter.prefill(req):
+        if isinstance(item, PrefillDone):
+            return pages, item
+        pages.append(item)
+        if arrived is not None:
+            arrived.append(time.monotonic())
+        if req.window is not None and hold is not None:
+            await asyncio.sleep(hold)
+            req.window.give()
+    raise AssertionError("the prefill ended without PrefillDone")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by a process and its children (SGLang's server, scheduler, …)."""
+    root = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+
+
+async def slots_freed(adapter, baseline: int) -> dict:
+    """SGLang's pool back at `baseline` tokens in use and no prefill in flight (its metrics lag a
+    little behind)."""
+    deadline = time.monotonic() + 10
+    while True:
+        stats = await adapter.engine_stats()
+        if (stats["kv_tokens_used"], stats["prefill_inflight"]) == (baseline, 0) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.2)
+
+
+def test_a_held_back_export_lets_other_requests_run_and_its_pages_stay_exact(sglang):
+    held_ids, pages, pid = ids(HELD, 1), sglang.geometry.pages_for(HELD), sglang.server.proc.pid
+    assert pages >= 12
+
+    async def scenario() -> dict:
+        baseline = (await sglang.engine_stats())["kv_tokens_used"]
+        reference, reference_done = await prefill(sglang, request("reference", held_ids))
+        arrived: list[float] = []
+        held = asyncio.create_task(prefill(sglang, request("held", held_ids, window=1), arrived, hold=DELAY))
+        while not arrived:  # its one chunk is computed: the export is under way
+            await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        other, _ = await prefill(sglang, request("other", ids(OTHER, 2)))
+        other_seconds, other_arrived = time.monotonic() - t0, len(arrived)
+        # then only the held export is left: SGLang waits for it without spinning a core
+        cpu0, t1 = cpu_seconds(pid), time.monotonic()
+        await asyncio.sleep(2)
+        busy, busy_arrived = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t1), len(arrived)
+        got, done = await held
+        return dict(locals(), stats=await slots_freed(sglang, baseline))
+
+    r = asyncio.run(scenario())
+    # SGLang served the other prefill while the held one's pages waited for room
+    assert len(r["other"]) == sglang.geometry.pages_for(OTHER)
+    assert r["other_arrived"] < pages, f"the other prefill ended after {r['other_arrived']} of {pages} held pages"
+    assert r["other_seconds"] < pages * DELAY / 2, r["other_seconds"]
+    assert r["busy_arrived"] < pages and r["busy"] < 0.3, f"SGLang used {r['busy']:.2f} cores waiting for the window"
+    # the held pages, in order and exact: those of the same prefill read at once
+    got, reference, arrived = r["got"], r["reference"], r["arrived"]
+    assert [p.index for p in got] == list(range(pages))
+    assert all(np.array_equal(a.data, b.data) and a.valid_tokens == b.valid_tokens for a, b in zip(got, reference))
+    assert r["done"].first_token == r["reference_done"].first_token
+    assert arrived[-1] - arrived[0] >= (pages - 1) * DELAY  # they were held back: one by one
+    assert (r["stats"]["kv_tokens_used"], r["stats"]["prefill_inflight"]) == (r["baseline"], 0), r["stats"]
+
+
+# how the export ends while the window is full, and why SGLang's log says its sender failed
+ENDINGS = {
+    "hangup": "the Tandem agent stopped reading",  # the agent closes the room's connection
+    "cancel": "",  # the agent cancels the prefill: the room closes and SGLang aborts, either first
+    "abort": "aborted by SGLang",  # SGLang aborts the request (its client went away) alone
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_an_export_ended_while_held_back_frees_its_slots(sglang, monkeypatch, ending):
+    WINDOW = 2
+    closed = []
+    if ending == "abort":  # the room stays open: only SGLang's abort can stop the blocked sender
+        monkeypatch.setattr(sglang.bridge, "close_room", closed.append)
+
+    async def scenario() -> dict:
+        baseline = (await sglang.engine_stats())["kv_tokens_used"]
+        req, arrived = request(f"ended-{ending}", ids(HELD, 3), window=WINDOW), []
+        held = asyncio.create_task(prefill(sglang, req, arrived, hold=None))
+        while len(arrived) < WINDOW:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the window is full: SGLang's sender blocks on the socket
+        (room,) = [name for name, box in sglang.bridge.rooms.items() if box.kind == "export"]
+        if ending == "hangup":
+            sglang.bridge.close_room(room)
+        else:
+            sglang.cancel(req.request_id)
+        with pytest.raises((Cancelled, TandemError)):
+            await held
+        stats = await slots_freed(sglang, baseline)
+        if closed:
+            monkeypatch.undo()
+            sglang.bridge.close_room(room)  # its reader, still waiting for room, lets go
+        after, _ = await prefill(sglang, request(f"after-{ending}", ids(OTHER, 4)))  # SGLang serves on
+        return dict(locals())
+
+    r = asyncio.run(scenario())
+    assert len(r["arrived"]) == WINDOW
+    assert (r["stats"]["kv_tokens_used"], r["stats"]["prefill_inflight"]) == (r["baseline"], 0), r["stats"]
+    assert f"Tandem export of room {r['room']} failed: {ENDINGS[ending]}" in sglang.server.log_tail(60)
+    assert len(r["after"]) == sglang.geometry.pages_for(OTHER)
