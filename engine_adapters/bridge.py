@@ -274,7 +274,12 @@ class Bridge:
 
     def _collect(self, stream, room: Room) -> None:
         def deliver(item) -> None:
-            room.loop.call_soon_threadsafe(room.incoming.put_nowait, item)
+            if room.closed:  # nobody reads the room any more
+                return
+            try:
+                room.loop.call_soon_threadsafe(room.incoming.put_nowait, item)
+            except RuntimeError:  # its event loop closed as the room did
+                pass
 
         try:
             while room._wait_grant() and (item := read_item(stream)) is not None:
