@@ -117,8 +117,9 @@ class ChunkWriter:
         the loop's transport; False if the client is gone."""
         if self._sender is None:
             return not self._cycle.disconnected
-        sender, self._sender = self._sender, None
-        return await sender.close() and not self._cycle.disconnected
+        written = await self._sender.close()  # cancelled meanwhile: `abandon` still reaches the thread
+        self._sender = None
+        return written and not self._cycle.disconnected
 
     def abandon(self) -> None:
         """The response ends early (its reader gone, cancelled): stop the sender thread now."""
@@ -217,20 +218,23 @@ class PageStreamResponse(StreamingResponse):
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         writer = self._writer if self._writer is not None and self._writer.usable else None
+        ended = False
         try:
             async for frame in self.body_iterator:
                 pieces = frame if isinstance(frame, tuple) else (frame,)
                 if writer is not None:
-                    if not await writer.write(*pieces):  # the client is gone: let go of the frames' source now
-                        await aclose(self.body_iterator)
+                    if not await writer.write(*pieces):  # the client is gone
                         return
                 else:
                     await send({"type": "http.response.body", "body": b"".join(pieces), "more_body": True})
+            ended = True
             if writer is not None and not await writer.finish():
                 return
         finally:
             if writer is not None:
                 writer.abandon()  # a no-op once finished
+            if not ended:  # the client is gone, or the task cancelled (Starlette's disconnect listener)
+                await aclose(self.body_iterator)  # let go of the frames' source now, not at collection
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:

@@ -13,6 +13,19 @@ output. What it holds the GIL for is a few bytecodes per call (and, over TLS, th
 BIO, in slices of `TLS_SLICE`). bench/bench_sender.py measures P's prefill inside P/D ÷ alone for
 both senders on both transports (bench/results/sender-*.md).
 
+Measured on the 2-CPU development VM, shared (load average 6-50 from other work), with
+`bench/bench_sender.py --engine synthetic --ops 5000 --chunks 16 --page-mib 8 --rounds 3`: an
+engine thread host-bound as a GPU prefill is (tiny torch ops, each taking the GIL) making 8 MiB
+pages at about 1.3 GB/s, streamed by the same process to a reader over loopback; the engine's time
+in P/D ÷ alone, loop → thread: plain 1.79 → 1.20, TLS 3.45 → 2.09. What is left on two cores is
+CPU, not the GIL: the kernel's copy and, over TLS, the encryption share them with the engine thread
+and the reader. The real prefill on a GPU: `BENCH=sender bash bench/gpu_scale_run.sh`.
+Not chosen: kTLS (the thread would write through the kernel's TLS) — Python 3.11's `ssl` has no
+`OP_ENABLE_KTLS`, OpenSSL enables it only on a socket BIO (asyncio's TLS uses memory BIOs) and this
+kernel offers no `tls` ULP; the engine in a process of its own — it moves the pages between
+processes and changes the engine adapters, while the thread takes the writes off the GIL for both
+transports in the HTTP layer alone.
+
 How. `PageStreamProtocol` (http_server.py) lends the connection to a `SocketSender` for the body
 of one page stream, once the response head has gone out and nothing is left in the transport's
 buffer; the thread writes each chunk as the loop would (size line, header, payload, CRLF: the same

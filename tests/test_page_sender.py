@@ -11,6 +11,7 @@ import socket
 import ssl
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -206,3 +207,48 @@ def test_a_reader_that_hangs_up_releases_the_stream(transport, tls, senders):
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
     assert len(senders) == 1 and senders[0].ended.done()
+
+
+@pytest.mark.parametrize("tls_on", [False, True], ids=["plain", "tls"])
+def test_an_agent_releases_a_handoff_whose_reader_hangs_up_mid_stream(smol_dir, tmp_path, tls_on):
+    """The agent's own sender (the thread, its default) and TLS layer: a decoder that reads part of
+    a page stream and hangs up leaves no handoff, and the engine serves the next one."""
+    from tests.agents import TEST_KEY, AgentProcess
+
+    ids = [100 + (i * 7919) % 40000 for i in range(1500)]
+
+    async def main(agent: AgentProcess):
+        client = AgentClient(agent.url, TEST_KEY, pin=agent.fingerprint)
+        try:
+            contract = (await client.info())["contract"]["fingerprint"]
+
+            async def handoff() -> dict:
+                hid = uuid.uuid4().hex
+                return {"id": hid, **await client.create_handoff(handoff_id=hid, token_ids=ids, contract=contract)}
+
+            h = await handoff()
+            host, port = agent.url.rsplit("//", 1)[1].rsplit(":", 1)
+            r, w = await asyncio.open_connection(
+                host, int(port), ssl=client_context(agent.fingerprint) if tls_on else None
+            )
+            w.write(
+                f"GET /v1/handoffs/{h['id']}/pages HTTP/1.1\r\nHost: {host}\r\n"
+                f"Authorization: Bearer {h['read_token']}\r\n\r\n".encode()
+            )
+            assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            await r.readexactly(1 << 20)  # the first page, partly
+            w.transport.abort()
+            for _ in range(600):
+                if not (await client.status())["handoffs"]:
+                    break
+                await asyncio.sleep(0.1)
+            assert (await client.status())["handoffs"] == []
+            h = await handoff()  # the engine is free again: a whole stream reads to its end
+            async with client.page_stream(h["id"], None, token=h["read_token"]) as stream:
+                items = [item async for item in stream]
+            assert len(items) == h["pages"] + 1
+        finally:
+            await client.aclose()
+
+    with AgentProcess("torch", smol_dir, tmp_path / "p", tls=tls_on) as agent:
+        asyncio.run(main(agent))
