@@ -8,6 +8,9 @@
 # Carry [".whl", ".devcarry"] (`bash bench/gpu_carry.sh` here first). Run from the repository root
 # on that machine with $OUT set:   LINK=shaped RATE=1170 LENGTHS=2048,8192,32768 bash bench/gpu_scale_run.sh
 # The built model stays in /tmp/llama8b while the machine is warm (the next call reuses it).
+# BENCH=sender instead measures P's prefill inside P/D ÷ P alone for the loop's page sender and the
+# sender thread, plain and TLS, over loopback (bench/bench_sender.py; issue 23, deliverable 2):
+#   BENCH=sender TOKENS=8192 ROUNDS=3 bash bench/gpu_scale_run.sh
 set -e
 REPO=$PWD
 rm -rf /tmp/site
@@ -17,6 +20,14 @@ PY=$(python3 -c 'import sys;print(sys.executable)')
 printf "#!$PY\nfrom tandem_cli.main import main\nmain()\n" > "$(dirname "$PY")/tandem"; chmod +x "$(dirname "$PY")/tandem"
 if [ ! -f /tmp/llama8b/config.json ]; then
   python3 bench/gpu_build_llama8b.py /tmp/llama8b .devcarry/tok | tee "$OUT/build.txt"
+fi
+if [ "${BENCH:-}" = sender ]; then
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  for t in plain tls; do  # two 8B agents on the GPU at a time (both senders), not four
+    timeout "${SECONDS_LEFT:-270}" python3 bench/bench_sender.py --model /tmp/llama8b --device cuda --transports $t \
+      --tokens "${TOKENS:-8192}" --rounds "${ROUNDS:-3}" --out "$OUT" ${EXTRA:-} 2>&1 | tail -20 | tee "$OUT/bench-$t.txt"
+  done
+  exit 0
 fi
 if [ "${LINK:-loopback}" = shaped ]; then  # `ip` and `tc` from the carried debs, their libraries for them alone
   for f in .devcarry/ipr/*.deb; do dpkg -x "$f" /tmp/ipr; done

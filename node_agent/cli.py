@@ -139,6 +139,11 @@ def serve(
         help="Seconds a page stream may move no byte before both ends give it up (a pulled cable, a frozen "
         "peer; a prefiller still computing sends a heartbeat every second).",
     ),
+    page_sender: str = typer.Option(
+        "thread",
+        help="Who writes a page stream's frames to the socket: `thread` (a thread of its own, off the "
+        "event loop and its GIL; the default) or `loop` (the event loop's transport).",
+    ),
     advertise_address: list[str] = typer.Option(
         None,
         help="HOST:PORT this agent is also reached at (a port forward or proxy in front of it): it proves "
@@ -168,7 +173,7 @@ def serve(
     from engine_adapters.settings import EngineSettings
     from tandem_protocol.contract import HashCache
     from tandem_protocol.discovery import Announcer, announced_properties, lan_addresses
-    from tandem_protocol.http_server import PageStreamProtocol, quiet_shutdown_cancels
+    from tandem_protocol.http_server import PageStreamProtocol, quiet_shutdown_cancels, server_tls_context
     from tandem_protocol.settings import load
 
     from .app import AgentConfig, create_app
@@ -179,6 +184,8 @@ def serve(
         raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
     if insecure_http and tls_cert:
         raise typer.BadParameter("--insecure-http serves no certificate: drop --tls-cert/--tls-key, or it")
+    if page_sender not in ("thread", "loop"):
+        raise typer.BadParameter("--page-sender is `thread` or `loop`")
     path = resolve_model(model)
     name = name or socket.gethostname()
     try:  # the lock is held until the process exits
@@ -242,17 +249,19 @@ def serve(
     else:
         console.print("[bold red]plain HTTP[/]: prompts, pages and the cluster key cross the network readable")
     agent = create_app(adapter, config, announcer, loader)
+    tls_context = server_tls_context(tls_cert, tls_key) if tls_cert and page_sender == "thread" else None
     try:
         server = uvicorn.Server(
             uvicorn.Config(
                 agent,
                 log_level="warning",
-                http=PageStreamProtocol.with_stall_timeout(stall_timeout),
+                http=PageStreamProtocol.configured(stall_timeout, sender=page_sender, tls=tls_context),
                 timeout_keep_alive=75,
                 limit_concurrency=MAX_CONNECTIONS,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-                ssl_certfile=str(tls_cert) if tls_cert else None,
-                ssl_keyfile=str(tls_key) if tls_key else None,
+                # TLS served by uvloop, or (a sender thread) by the protocol's own TLS layer
+                ssl_certfile=str(tls_cert) if tls_cert and tls_context is None else None,
+                ssl_keyfile=str(tls_key) if tls_key and tls_context is None else None,
             )
         )
         quiet_shutdown_cancels()
