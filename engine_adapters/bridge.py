@@ -183,6 +183,11 @@ class Room:
         """Whether the agent has room for a page the engine has not sent yet."""
         return self.granted > self.delivered
 
+    def close_export(self) -> None:
+        """The agent reads no more: a reader waiting for room stops, and closes the connection."""
+        self.closed = True
+        self._granted.release()
+
     def _wait_grant(self) -> bool:
         """The reader's wait for room for the next page; False once the room is closed."""
         self._granted.acquire()
@@ -212,8 +217,7 @@ class Bridge:
         if r is not None and r.kind == "import":
             r.outgoing.put(END)  # a loader still waiting gets an early end: its load fails
         elif r is not None:
-            r.closed = True
-            r._granted.release()  # a reader waiting for room stops, and closes the engine's connection
+            r.close_export()
 
     def close(self) -> None:
         self._server.close()

@@ -90,9 +90,9 @@ class HandoffManager:
     def adapter(self) -> EngineAdapter:
         return self.slot.adapter  # the engine cannot change while a handoff is open (EngineSlot)
 
-    def page_bytes_for(self, prompt_tokens: int, mode: FirstTokenMode, have_pages: int = 0) -> tuple[int, int]:
-        """The pages a handoff sends and their staging bytes; RequestError if the decoder claims
-        to hold more than the whole pages of the KV it needs."""
+    def pages_to_send(self, prompt_tokens: int, mode: FirstTokenMode, have_pages: int = 0) -> int:
+        """The pages a handoff sends; RequestError if the decoder claims to hold more than the
+        whole pages of the KV it needs."""
         g = self.adapter.geometry
         tokens = kv_tokens(prompt_tokens, mode)
         if have_pages > tokens // g.page_tokens:
@@ -100,8 +100,7 @@ class HandoffManager:
                 f"have_pages {have_pages} exceeds the {tokens // g.page_tokens} whole pages of this "
                 f"prompt's {tokens}-token KV (a partly filled page is always sent)"
             )
-        pages = g.pages_for(tokens) - have_pages
-        return pages, pages * g.page_bytes
+        return g.pages_for(tokens) - have_pages
 
     async def check_engine_holds(self, tokens: int) -> None:
         """413 for a prompt whose KV (FP16) is more than the engine can hold for a request: the
@@ -138,7 +137,7 @@ class HandoffManager:
     ) -> Handoff:
         request = EngineRequest(f"handoff-{handoff_id}", list(token_ids), sampling, mode, have_pages=have_pages)
         self.adapter.validate(request, generates=False)
-        pages, _ = self.page_bytes_for(len(token_ids), mode, have_pages)
+        pages = self.pages_to_send(len(token_ids), mode, have_pages)
         # refused before any wait or compute: a prompt the engine cannot hold, a budget below a page
         await self.check_engine_holds(kv_tokens(len(token_ids), mode))
         window = self.window_pages(pages)
