@@ -93,6 +93,7 @@ def bench_ttft(
         "samples": samples,
         "warmup": warmup,
         "max_tokens": max_tokens,
+        "staging": staging,  # None: the agents' default budget
         "trace": trace,
         "cells": [],
     }

@@ -105,8 +105,9 @@ def header(result: dict) -> str:
         )
     load = result.get("load_average")
     load = f"; load average {load['start']:.1f} at the start, {load['end']:.1f} at the end" if load else ""
+    staging = f"; staging budget {result['staging']}" if result.get("staging") else ""
     return (
-        f"TTFT through the panel ({result['link']} link; {link}; agents pinned: {result['pinned']}{load}; "
+        f"TTFT through the panel ({result['link']} link; {link}; agents pinned: {result['pinned']}{load}{staging}; "
         f"{result['samples']} samples after {result['warmup']} warm-up, {result['max_tokens']} tokens)\n\n"
         "bound = max(P's own prefill of the same request, raw TCP stream of the same wire bytes on the same "
         "path) + D's step where D recomputes the last prompt token; TTFT ÷ bound is the lowest of the cell's "
