@@ -9,7 +9,7 @@
 #                         (netns + tbf work on that machine as root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+PLAT="--platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
 version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 fetch() {  # fetch DIR NAME... at .venv's versions, wheels for CPython 3.12
@@ -24,7 +24,8 @@ fetch .devcarry/wheels312 fastapi starlette uvicorn httptools h11 pydantic pydan
   sqlmodel sqlalchemy greenlet alembic mako argon2-cffi argon2-cffi-bindings cffi pycparser itsdangerous \
   babel python-multipart annotated-types annotated-doc typing-extensions typing-inspection anyio zstandard \
   xxhash opentelemetry-api aiohttp multidict yarl propcache frozenlist aiosignal attrs aiohappyeyeballs \
-  uvloop pydantic-settings python-dotenv psutil
+  uvloop pydantic-settings python-dotenv psutil llguidance cryptography
+python3 bench/trim_babel_wheel.py .devcarry/wheels312/babel-*.whl  # the carry is 64 MiB at most
 mkdir -p .devcarry/tok
 model=$(.venv/bin/python -c "from engine_adapters.embedded_model import model_dir; from tandem_protocol.settings import data_dir; print(model_dir(data_dir()))")
 cp "$model"/tokenizer* "$model"/special_tokens_map.json "$model"/chat_template* .devcarry/tok/ 2>/dev/null || true

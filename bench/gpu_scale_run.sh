@@ -7,11 +7,13 @@
 # pages, P/D with FP8 pages; TTFT, bound, TTFT ÷ bound (tandem bench ttft).
 # Carry [".whl", ".devcarry"] (`bash bench/gpu_carry.sh` here first). Run from the repository root
 # on that machine with $OUT set:   LINK=shaped RATE=1170 LENGTHS=2048,8192,32768 bash bench/gpu_scale_run.sh
+# (or LINKS="loopback shaped:1170 shaped:117" for all three in one call).
 # The built model stays in /tmp/llama8b while the machine is warm (the next call reuses it).
 # BENCH=sender instead measures P's prefill inside P/D ÷ P alone for the loop's page sender and the
 # sender thread, plain and TLS, over loopback (bench/bench_sender.py; issue 23, deliverable 2):
 #   BENCH=sender TOKENS=8192 ROUNDS=3 bash bench/gpu_scale_run.sh
 set -e
+DEADLINE=$(( $(date +%s) + ${SECONDS_LEFT:-540} ))  # the whole call, model build included
 REPO=$PWD
 rm -rf /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .devcarry/wheels312/*.whl
@@ -24,20 +26,31 @@ fi
 if [ "${BENCH:-}" = sender ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   for t in plain tls; do  # two 8B agents on the GPU at a time (both senders), not four
-    timeout "${SECONDS_LEFT:-270}" python3 bench/bench_sender.py --model /tmp/llama8b --device cuda --transports $t \
+    share=$([ $t = plain ] && echo 2 || echo 1)  # plain gets half the time left, TLS the rest
+    timeout -s INT -k 20 $(( (DEADLINE - $(date +%s)) / share )) python3 bench/bench_sender.py --model /tmp/llama8b --device cuda --transports $t \
       --tokens "${TOKENS:-8192}" --rounds "${ROUNDS:-3}" --out "$OUT" ${EXTRA:-} 2>&1 | tail -20 | tee "$OUT/bench-$t.txt"
   done
   exit 0
 fi
-if [ "${LINK:-loopback}" = shaped ]; then  # `ip` and `tc` from the carried debs, their libraries for them alone
+# LINKS runs several links in one call (a machine is scarce: one call, one model build), in order,
+# each in $OUT/<link>[-<rate>]/, sharing what is left of SECONDS_LEFT: LINKS="loopback shaped:1170 shaped:117".
+LINKS=${LINKS:-${LINK:-loopback}${RATE:+:$RATE}}
+case " $LINKS " in *" shaped"*)  # `ip` and `tc` from the carried debs, their libraries for them alone
   for f in .devcarry/ipr/*.deb; do dpkg -x "$f" /tmp/ipr; done
   for t in bin/ip sbin/tc; do
     printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/ipr/usr/lib/x86_64-linux-gnu:/tmp/ipr/lib/x86_64-linux-gnu exec /tmp/ipr/%s "$@"\n' "$t" > /usr/local/bin/$(basename $t)
     chmod +x /usr/local/bin/$(basename $t)
-  done
-fi
+  done;;
+esac
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-TANDEM_HOME=/tmp/th timeout "${SECONDS_LEFT:-540}" "$(dirname "$PY")/tandem" bench ttft --model /tmp/llama8b \
-  --prefill torch --decode torch --direction a2b --link "${LINK:-loopback}" ${RATE:+--rate $RATE} \
-  --lengths "${LENGTHS:-2048,8192,32768}" --samples "${SAMPLES:-2}" --warmup 1 --max-tokens 8 --fp8 \
-  --staging "${STAGING:-512MiB}" --cores-per-agent 4 --no-trace --out "$OUT" ${EXTRA:-} 2>&1 | tail -40 | tee "$OUT/bench.txt"
+for spec in $LINKS; do
+  IFS=: read -r link rate <<<"$spec"
+  left=$(( DEADLINE - $(date +%s) ))
+  [ "$left" -gt 30 ] || { echo "no time left for $spec"; break; }
+  dir="$OUT/$link${rate:+-$rate}"; mkdir -p "$dir"
+  echo "== $spec ($left s left)"
+  TANDEM_HOME=/tmp/th timeout -s INT -k 20 "$left" "$(dirname "$PY")/tandem" bench ttft --model /tmp/llama8b \
+    --prefill torch --decode torch --direction a2b --link "$link" ${rate:+--rate $rate} \
+    --lengths "${LENGTHS:-2048,8192,32768}" --samples "${SAMPLES:-2}" --warmup "${WARMUP:-1}" --max-tokens 8 --fp8 \
+    --staging "${STAGING:-512MiB}" --cores-per-agent 4 --no-trace --out "$dir" ${EXTRA:-} 2>&1 | tail -40 | tee "$dir/bench.txt" || true
+done
