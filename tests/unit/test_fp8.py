@@ -77,6 +77,22 @@ def test_rounding_is_to_the_nearest_code_ties_to_even_for_every_fp16_value():
     assert (fp8.decode(fp8.encode(page), page.shape) == page).all()
 
 
+def test_torchs_float8_cast_is_this_codec_for_every_fp16_value_and_block_exponent():
+    """A GPU can encode pages with torch's own cast (value * 2**-e to float8_e4m3fn) and send
+    exactly the bytes this codec would: checked here for every finite FP16 value under every
+    block exponent the codec uses (torch's CPU cast; CUDA's follows the same rounding rule)."""
+    import torch  # the engines' own dependency: always installed
+
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = x[torch.isfinite(x)]
+    bits = x.view(torch.int16).numpy().view(np.uint16)
+    for e in range(fp8.EXP_MIN, fp8.EXP_MAX + 1):
+        y = x.float() * 2.0**-e  # exact: a power of two
+        ok = (y.abs() <= fp8.E4M3_MAX).numpy()  # a block's exponent keeps its values in range
+        got = y[torch.from_numpy(ok)].to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        assert (got == fp8._encode_table()[e - fp8.EXP_MIN][bits[ok]]).all(), f"exponent {e}"
+
+
 def test_zero_and_extreme_pages():
     zero = np.zeros((2, 2, 64, 3, 64), np.float16)
     assert not fp8.decode(fp8.encode(zero), zero.shape).view(np.uint16).any()
