@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -39,7 +38,7 @@ from tandem_protocol.auth import key_matches
 from tandem_protocol.contract import token_digest
 from tandem_protocol.errors import Cancelled, RequestError, TandemError
 from tandem_protocol.handoff import FirstTokenMode, kv_tokens
-from tandem_protocol.pages import RAW, KVPage, encode_frame
+from tandem_protocol.pages import RAW, KVPage, codec_pool, encode_frame
 from tandem_protocol.sampling import SamplingParams
 from tandem_protocol.wire import DONE_MAGIC, HEARTBEAT_FRAME, HEARTBEAT_SECONDS, done_frame, error_frame
 
@@ -48,11 +47,6 @@ from .engine_slot import EngineSlot
 from .metrics import Metrics
 
 log = logging.getLogger("tandem.handoffs")
-
-
-def encode_workers() -> int:
-    """Threads that encode pages (FP8, zstd): the cores this process may run on, up to 4."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 class HandoffError(TandemError):
@@ -92,11 +86,6 @@ class HandoffManager:
         self.waiting: dict[str, asyncio.Task] = {}  # handoffs waiting for budget, cancellable by id
         self.prefill_calls = 0  # how many prefills reached the engine (tests assert on it)
         self._engine_bytes: tuple[EngineAdapter, int] | None = None  # the KV the engine can hold
-        # Encoded pages (FP8, zstd) are made here, several at once and apart from the prefill: an
-        # FP8 page of an 8B model costs ~25 ms of one core, so encoded one after another in the
-        # prefill's path they held the engine's next chunk back (8k tokens: prefill 0.49 -> 3.6 s
-        # on the H100). The window already bounds how many pages are in flight.
-        self.encoder = ThreadPoolExecutor(max_workers=encode_workers(), thread_name_prefix="tandem-page-encode")
 
     @property
     def adapter(self) -> EngineAdapter:
@@ -192,7 +181,7 @@ class HandoffManager:
                         h.frames.put_nowait(encode_frame(item, contract=contract, handoff_id=id_bytes, tokens=digest))
                     elif isinstance(item, KVPage):  # queued as a future, in order: prefill goes on meanwhile
                         h.frames.put_nowait(
-                            self.encoder.submit(
+                            codec_pool().submit(
                                 encode_frame,
                                 item,
                                 contract=contract,
@@ -310,7 +299,6 @@ class HandoffManager:
     async def close(self) -> None:
         for handoff_id in list(self.handoffs):
             await self.finish(handoff_id, "shutdown")
-        self.encoder.shutdown(wait=False, cancel_futures=True)
 
     def staged_bytes(self, h: Handoff | None = None) -> int:
         """Bytes of pages in host memory now (taken from a window, not yet sent): one handoff's,

@@ -19,11 +19,12 @@ import asyncio
 import ssl
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
 from .handoff import PrefillDone
-from .pages import FrameExpectation, KVPage
+from .pages import FrameExpectation, KVPage, codec_pool
 from .wire import FrameReader
 
 MAX_HEAD = 64 * 1024  # status line + headers
@@ -259,6 +260,8 @@ class _Receiver(asyncio.BufferedProtocol):
             self.transport.resume_reading()
         if isinstance(item, BaseException):
             raise item
+        if isinstance(item, Future):  # an encoded page, decoded in the codec pool (FrameError if bad)
+            return await asyncio.wrap_future(item)
         return item
 
 
@@ -341,7 +344,7 @@ class ReceiverPool:
             receiver = self._idle.pop() if self._idle and attempt == 0 else await self._connect()
             if receiver._lost is not None:
                 continue
-            receiver._reset(FrameReader(expect))
+            receiver._reset(FrameReader(expect, codec_pool()))  # FP8/zstd pages decode off the loop
             receiver.transport.write(request)
             receiver.transport.resume_reading()
             # A reused connection the server had just closed fails before any byte: retry once.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import struct
+from concurrent.futures import Executor
 
 import numpy as np
 import xxhash
@@ -29,6 +30,7 @@ from .handoff import PrefillDone
 from .pages import (
     HEADER_SIZE,
     MAGIC,
+    RAW,
     FrameExpectation,
     FrameHeader,
     KVPage,
@@ -84,10 +86,15 @@ HEARTBEAT_FRAME = HEARTBEAT_MAGIC + _LEN.pack(0)
 
 
 class FrameReader:
-    """Incremental parser: `feed(chunk)` returns the items completed by that chunk."""
+    """Incremental parser: `feed(chunk)` returns the items completed by that chunk.
 
-    def __init__(self, expect: FrameExpectation | None):
+    `pool`: decode encoded pages (FP8, zstd) there; such a page is then returned as the
+    `concurrent.futures.Future` of its KVPage, in its place among the items (raw pages, views of
+    the received bytes, are always returned as pages)."""
+
+    def __init__(self, expect: FrameExpectation | None, pool: Executor | None = None):
         self.expect = expect
+        self.pool = pool
         self.finished = False
         self.bytes_read = 0
         self._head = bytearray()  # magic + header (or length + JSON) still being collected
@@ -149,9 +156,10 @@ class FrameReader:
         if end < len(self._view):
             return []
         header, view, self._frame, self._view = self._header, self._view, None, None
-        return [
-            decode_payload(header, view[HEADER_SIZE:], self.expect, checksum=checksum_finish(self._hash, header.raw))
-        ]
+        args = (header, view[HEADER_SIZE:], self.expect, checksum_finish(self._hash, header.raw))
+        if self.pool is not None and header.encoding != RAW:
+            return [self.pool.submit(decode_payload, *args)]
+        return [decode_payload(*args)]
 
     def head_missing(self) -> int:
         """How many more bytes the frame head being collected needs (0 when it is complete)."""

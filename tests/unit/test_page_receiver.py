@@ -18,6 +18,9 @@ from tandem_protocol.client import AgentClient, AgentHTTPError, TransportError
 from tandem_protocol.errors import FrameError
 from tandem_protocol.handoff import PrefillDone
 from tandem_protocol.pages import (
+    FP8_E4M3 as FP8,
+)
+from tandem_protocol.pages import (
     HEADER_SIZE,
     MAGIC,
     PROTOCOL_VERSION,
@@ -382,3 +385,47 @@ def test_a_hostile_peer_cannot_make_the_decoder_hold_what_it_claims():
 
     grown = asyncio.run(main())
     assert grown < 16, f"peak RSS grew {grown:.1f} MiB"
+
+
+def test_fp8_pages_are_decoded_off_the_loop_in_order_and_a_corrupted_one_is_refused(monkeypatch):
+    """An FP8 page of an 8B model costs ~25 ms of a core to decode: on the event loop that would
+    stall every other stream and request of the decoder, so encoded pages are decoded in the codec
+    pool and handed out in order; their checks (checksum, exponents) still fail the stream."""
+    import threading
+
+    from tandem_protocol import fp8
+
+    decoded_on = []
+    real_decode = fp8.decode
+
+    def recording_decode(payload, shape):
+        decoded_on.append(threading.current_thread())
+        return real_decode(payload, shape)
+
+    monkeypatch.setattr(fp8, "decode", recording_decode)
+    rng = np.random.default_rng(8)
+    kvs = [rng.standard_normal((2, 2, 64, 1, 8)).astype("<f2") for _ in range(6)]
+    frames = [
+        frame_bytes(make_page(GEOMETRY, i, kv), contract=CONTRACT, handoff_id=HANDOFF_ID, tokens=TOKENS, encoding=FP8)
+        for i, kv in enumerate(kvs)
+    ]
+    final = done_frame(PrefillDone(7, 64 * 6, 6, 0.1))
+    corrupted = bytearray(frames[3])
+    corrupted[-1] ^= 0x01
+
+    async def main():
+        loop_thread = threading.current_thread()
+        good, bad = b"".join(frames) + final, b"".join(frames[:3]) + bytes(corrupted) + b"".join(frames[4:]) + final
+        async with Server([ok(chunked(good, [4096])), ok(chunked(bad, [4096]))]) as url:
+            client = AgentClient(url, "k")
+            items = await pull(client)
+            assert [type(i) for i in items] == [KVPage] * 6 + [PrefillDone]
+            assert [p.index for p in items[:6]] == list(range(6))
+            for page, kv in zip(items, kvs):
+                assert np.array_equal(page.kv, real_decode(fp8.encode(kv), kv.shape))
+            assert len(decoded_on) == 6 and loop_thread not in decoded_on
+            with pytest.raises(FrameError, match="checksum mismatch on page 3"):
+                await pull(client)
+            await client.aclose()
+
+    asyncio.run(main())
