@@ -129,6 +129,9 @@ class EngineRequest:
     # A prefill's: the agent's staging window, one unit per page in host memory (None: unbounded,
     # as when an adapter is driven directly).
     window: PageWindow | None = None
+    # A prefill's: its pages leave as FP8 (`page_encoding: fp8`). An adapter that can encode them
+    # where they are computed (a GPU) sets each page's `fp8` payload; else the agent encodes them.
+    fp8_pages: bool = False
     # Where `sampling.logprobs` asks for them: each output token's, appended before it is yielded
     # (a commit-first decoder's first is the prefiller's, from PrefillDone.first_logprobs).
     token_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -12,11 +12,40 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 from transformers.utils import logging as hf_logging
 
+from tandem_protocol import fp8 as fp8_codec
 from tandem_protocol.pages import KVPage
 
 from .in_process import InProcessEngine
 
 CUDA_PREFILL_CHUNK_TOKENS = 2048  # measured on an H200: bench/results/gpu-h200-prefill-chunks-*.txt
+
+NOT_FINITE = 127  # a block exponent no FP8 page has: the block held an infinity or NaN
+
+
+def fp8_refused(payloads: np.ndarray, blocks: int) -> bool:
+    """Whether a block of these payloads (rows of fp8_payloads) held an infinity or NaN."""
+    return bool((payloads[:, :blocks].view(np.int8) == NOT_FINITE).any())
+
+
+def fp8_payloads(pages: torch.Tensor) -> torch.Tensor:
+    """FP16 pages [pages][layers][2][page_tokens][kv_heads][head_dim], on any device, as their FP8
+    payloads (fp8.py's layout: the int8 block exponents, then the E4M3 codes), one uint8 row a
+    page, computed where the pages are. Byte for byte what `fp8.encode` makes of each page: a
+    block's exponent is the smallest e with max|x| / 2**e <= 448, and scaling by a power of two
+    is exact, so torch's cast (nearest, ties to even) is the codec's table
+    (tests/unit/test_fp8.py checks every FP16 value under every exponent). A block holding an
+    infinity or NaN gets exponent NOT_FINITE (no sync with the device here: `fp8_refused` checks
+    the payloads on the host)."""
+    amax = pages.abs().amax(dim=(3, 5)).float()  # [pages][layers][2][kv_heads]
+    # ceil(log2(amax / 448)) exactly: frexp gives m in [0.5, 1) with amax / 448 = m * 2**k (the
+    # quotient rounds to 2**j only when it is exactly 2**j: FP16 magnitudes are far coarser)
+    m, k = torch.frexp(amax / fp8_codec.E4M3_MAX)
+    e = torch.where(m == 0.5, k - 1, k)
+    e = torch.where(amax > 0, e, fp8_codec.EXP_MIN).clamp(fp8_codec.EXP_MIN, fp8_codec.EXP_MAX)
+    e = torch.where(torch.isfinite(amax), e, NOT_FINITE)
+    scale = torch.exp2(-e.float())[:, :, :, None, :, None]
+    codes = (pages.float() * scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([e.to(torch.int8).view(torch.uint8).flatten(1), codes.flatten(1)], dim=1)
 
 
 class _FP16KVLayer(DynamicLayer):
@@ -188,7 +217,7 @@ class TorchAdapter(InProcessEngine):
         kv = self._gather(session, start, end).view(g.layers, 2, g.kv_heads, end - start, g.head_dim)
         return kv.permute(0, 1, 3, 2, 4).to(torch.float16).contiguous().cpu().numpy()
 
-    def export_start(self, session: Cache, start: int, end: int):
+    def export_start(self, session: Cache, start: int, end: int, fp8: bool = False):
         if not self.cuda:
             return super().export_start(session, start, end)
         # On the device: whole pages, page-major and zero-padded, so that each page is one
@@ -202,17 +231,28 @@ class TorchAdapter(InProcessEngine):
         kv = kv.view(g.layers, 2, g.kv_heads, pages, g.page_tokens, g.head_dim).permute(3, 0, 1, 4, 2, 5).contiguous()
         host = torch.empty(kv.shape, dtype=torch.float16, pin_memory=True)  # torch's caching host allocator
         host.copy_(kv, non_blocking=True)  # queued behind this chunk's compute on the same stream
+        codes = None
+        if fp8:  # encoded on the device, in the queue behind the copy: half the bytes come over
+            coded = fp8_payloads(kv)
+            codes = torch.empty(coded.shape, dtype=torch.uint8, pin_memory=True)
+            codes.copy_(coded, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return start, n, host, copied
+        return start, n, host, codes, copied
 
     def export_finish(self, handle) -> list[KVPage]:
         if not self.cuda:
             return super().export_finish(handle)
-        start, n, host, copied = handle
+        start, n, host, codes, copied = handle
         copied.synchronize()
-        P, data = self.geometry.page_tokens, host.numpy()  # the pages keep the pinned buffer alive
-        return [KVPage(index=start // P + i, valid_tokens=min(P, n - i * P), data=data[i]) for i in range(len(data))]
+        P, data = self.geometry.page_tokens, host.numpy()  # the pages keep the pinned buffers alive
+        coded = codes.numpy() if codes is not None else [None] * len(data)
+        if codes is not None and fp8_refused(coded, self.geometry.layers * 2 * self.geometry.kv_heads):
+            raise ValueError("a page with infinities or NaN cannot be sent as FP8")
+        return [
+            KVPage(index=start // P + i, valid_tokens=min(P, n - i * P), data=data[i], fp8=coded[i])
+            for i in range(len(data))
+        ]
 
     def import_kv(self, session: Cache, start: int, kv: np.ndarray) -> None:
         with warnings.catch_warnings():

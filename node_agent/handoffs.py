@@ -38,7 +38,7 @@ from tandem_protocol.auth import key_matches
 from tandem_protocol.contract import token_digest
 from tandem_protocol.errors import Cancelled, RequestError, TandemError
 from tandem_protocol.handoff import FirstTokenMode, kv_tokens
-from tandem_protocol.pages import RAW, KVPage, codec_pool, encode_frame
+from tandem_protocol.pages import FP8_E4M3, RAW, KVPage, codec_pool, encode_frame
 from tandem_protocol.sampling import SamplingParams
 from tandem_protocol.wire import DONE_MAGIC, HEARTBEAT_FRAME, HEARTBEAT_SECONDS, done_frame, error_frame
 
@@ -136,7 +136,14 @@ class HandoffManager:
         encoding: int = RAW,
         have_pages: int = 0,
     ) -> Handoff:
-        request = EngineRequest(f"handoff-{handoff_id}", list(token_ids), sampling, mode, have_pages=have_pages)
+        request = EngineRequest(
+            f"handoff-{handoff_id}",
+            list(token_ids),
+            sampling,
+            mode,
+            have_pages=have_pages,
+            fp8_pages=encoding == FP8_E4M3,
+        )
         self.adapter.validate(request, generates=False)
         pages = self.pages_to_send(len(token_ids), mode, have_pages)
         # refused before any wait or compute: a prompt the engine cannot hold, a budget below a page

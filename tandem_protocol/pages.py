@@ -94,6 +94,9 @@ class KVPage:
     index: int
     valid_tokens: int
     data: np.ndarray
+    # The page's FP8 payload (fp8.py's layout, byte for byte), where the engine encoded it itself
+    # (a GPU: `engine_adapters/torch_adapter.py`); None: encode_frame encodes `data` when asked.
+    fp8: np.ndarray | None = None
 
     @property
     def start(self) -> int:
@@ -229,7 +232,8 @@ def encode_frame(
     if encoding == ZSTD_PLANES:
         payload, payload_state = memoryview(compress_planes(data)), None
     elif encoding == FP8_E4M3:
-        payload, payload_state = memoryview(fp8.encode(data)), None
+        payload = memoryview(fp8.encode(data) if page.fp8 is None else page.fp8).cast("B")
+        payload_state = None
     elif encoding == RAW:
         payload = memoryview(data).cast("B")
     else:

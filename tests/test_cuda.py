@@ -125,3 +125,17 @@ def test_requests_at_once_on_the_gpu_get_their_own_greedy_answers(gpu_and_cpu):
     print(f"\nCUDA FP16, 4 requests at once: {sum(same)} of 4 equal alone; widest step {gpu.batch.widest}")
     assert gpu.batch.widest >= 2
     assert batched == alone  # 4 of 4 on an H200
+
+
+@pytest.mark.parametrize("n", [65, 300])
+def test_fp8_pages_are_encoded_on_the_gpu_as_the_codec_would(gpu_and_cpu, n):
+    """With `fp8_pages` the CUDA prefill encodes each page on the device: the FP8 payload it
+    carries is byte for byte what the host's codec makes of the page's FP16 data."""
+    from tandem_protocol import fp8
+
+    gpu, _ = gpu_and_cpu
+    req = EngineRequest("fp8", ids_of(n), SamplingParams(max_tokens=1), fp8_pages=True)
+    pages = [p for p in run(collect(gpu.prefill(req))) if hasattr(p, "fp8")]
+    assert len(pages) == -(-n // 64) and all(p.fp8 is not None for p in pages)
+    for p in pages:
+        assert p.fp8.tobytes() == fp8.encode(p.data), f"page {p.index}"
