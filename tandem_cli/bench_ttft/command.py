@@ -197,12 +197,20 @@ def own_cluster(
 
 def measure_links(c: Cluster, net: Link, dirs: list[tuple[int, int]], key: str) -> dict:
     """Each direction's raw TCP throughput and round trip, and the page stream on the same link,
-    same size, same pinning (for the table's header: the bound's link term is measured per cell)."""
+    same size, same pinning (for the table's header: the bound's link term is measured per cell).
+    The best of three of each: a first, cold page stream (a new connection, fresh page buffers)
+    ran at 0.36x raw TCP on a 1,170 MB/s veth where the next ones ran at 0.96-1.01x."""
     agents, mb = c.agents, 64 if net.kind == "shaped" else 512
     measured = {}
     for p, d in dirs:
-        m = raw_tcp(net.places[p], net.places[d], mb, (agents[p].cpus, agents[d].cpus))
-        m["page_stream"] = page_stream(agents[p].url, agents[p].info, net.places[d], key, mb, agents[d].cpus)
+        m = max(
+            (raw_tcp(net.places[p], net.places[d], mb, (agents[p].cpus, agents[d].cpus)) for _ in range(3)),
+            key=lambda r: r["bytes_per_second"],
+        )
+        m["page_stream"] = max(
+            (page_stream(agents[p].url, agents[p].info, net.places[d], key, mb, agents[d].cpus) for _ in range(3)),
+            key=lambda r: r["bytes_per_second"],
+        )
         m["page_stream_over_raw_tcp"] = m["page_stream"]["bytes_per_second"] / m["bytes_per_second"]
         measured[f"{agents[p].name}->{agents[d].name}"] = m
     if net.kind == "shaped":
