@@ -198,8 +198,8 @@ def own_cluster(
 def measure_links(c: Cluster, net: Link, dirs: list[tuple[int, int]], key: str) -> dict:
     """Each direction's raw TCP throughput and round trip, and the page stream on the same link,
     same size, same pinning (for the table's header: the bound's link term is measured per cell).
-    The best of three of each: a first, cold page stream (a new connection, fresh page buffers)
-    ran at 0.36x raw TCP on a 1,170 MB/s veth where the next ones ran at 0.96-1.01x."""
+    The best of three of each: single pulls are noisy (on this 2-core VM at 1,170 MB/s, pulls of
+    one link ranged 0.36-1.19x raw TCP; bench/bench_page_stream_shaped.py)."""
     agents, mb = c.agents, 64 if net.kind == "shaped" else 512
     measured = {}
     for p, d in dirs:
