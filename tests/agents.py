@@ -8,6 +8,8 @@ import ssl
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -90,6 +92,21 @@ class AgentProcess(ServiceProcess):
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def side_by_side(*starts: Callable[[], ServiceProcess], timeout: float = 300) -> Iterator[list]:
+    """Services started all at once and awaited together (each loads its engine while the others
+    do), in the order given; every one started is stopped on the way out, also when a later one
+    fails to start. `with AgentProcess(...) as a, AgentProcess(...) as b` loads a, then b."""
+    with ExitStack() as stack:
+        services = []
+        for start in starts:
+            services.append(start())
+            stack.callback(services[-1].stop)
+        for service in services:
+            service.wait_ready(timeout)
+        yield services
 
 
 def log_rows(home: Path) -> list:

@@ -14,7 +14,7 @@ from tandem_protocol.client import AgentClient, AgentHTTPError
 from tandem_protocol.pages import PageGeometry
 from tandem_protocol.wire import PeerError
 
-from .agents import TEST_KEY, AgentProcess, generate_request, pd_request, tokens_of
+from .agents import TEST_KEY, AgentProcess, generate_request, pd_request, side_by_side, tokens_of
 from .conftest import prompt, run
 
 PAGE = 1_474_560
@@ -196,10 +196,10 @@ def test_a_prefill_chunk_longer_than_the_stall_timeout_is_no_stall(smol_dir, tmp
     """A prefiller that computes longer than the decoder's stall timeout without a page to send
     (here its first chunk takes 8 s more, the decoder gives up after 3 s of silence) sends
     heartbeats: the request completes P/D. A silent link still stalls (tests/integration/test_faults)."""
-    with (
-        AgentProcess("torch", smol_dir, tmp_path / "p", env={"TANDEM_FAILPOINTS": "slow_prefill_chunk@1"}) as p,
-        AgentProcess("torch", smol_dir, tmp_path / "d", "--stall-timeout", "3") as d,
-    ):
+    with side_by_side(
+        lambda: AgentProcess("torch", smol_dir, tmp_path / "p", env={"TANDEM_FAILPOINTS": "slow_prefill_chunk@1"}),
+        lambda: AgentProcess("torch", smol_dir, tmp_path / "d", "--stall-timeout", "3"),
+    ) as (p, d):
         ids = prompt(long_ids, 130)
         lines = run(pd_request(p.url, d.url, ids, {"max_tokens": 4}))
         assert lines[-1].get("done"), lines[-1]

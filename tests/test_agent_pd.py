@@ -10,7 +10,7 @@ from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.pages import FP8_E4M3
 from tandem_protocol.sampling import SamplingParams
 
-from .agents import AgentProcess, pd_request, tokens_of
+from .agents import AgentProcess, pd_request, side_by_side, tokens_of
 from .conftest import collect, prompt, run
 
 LENGTHS = [1, 64, 65, 193]
@@ -20,10 +20,9 @@ SAMPLING = {"max_tokens": 16, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def agents(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("agents")
-    with (
-        AgentProcess("torch", smol_dir, home / "torch") as torch_agent,
-        AgentProcess("mlx", smol_dir, home / "mlx") as mlx_agent,
-    ):
+    with side_by_side(
+        lambda: AgentProcess("torch", smol_dir, home / "torch"), lambda: AgentProcess("mlx", smol_dir, home / "mlx")
+    ) as (torch_agent, mlx_agent):
         yield {"torch": torch_agent, "mlx": mlx_agent}
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from tandem_protocol.client import AgentClient, TransportError
 from tandem_protocol.settings import settings
-from tests.agents import AgentProcess, generate_request, pd_request, settle, tokens_of
+from tests.agents import AgentProcess, generate_request, pd_request, settle, side_by_side, tokens_of
 
 SAMPLING = {"max_tokens": 12, "ignore_eos": True}
 
@@ -45,14 +45,11 @@ def cert(tmp_path_factory):
 def test_pd_over_tls(smol_dir, long_ids, cert, tmp_path, monkeypatch):
     cert_file, key_file = cert
     trust = {"TANDEM_CA_FILE": str(cert_file)}
-    with (
-        AgentProcess(
-            "torch", smol_dir, tmp_path / "p", "--tls-cert", str(cert_file), "--tls-key", str(key_file), env=trust
-        ) as p,
-        AgentProcess(
-            "mlx", smol_dir, tmp_path / "d", "--tls-cert", str(cert_file), "--tls-key", str(key_file), env=trust
-        ) as d,
-    ):
+    tls = ("--tls-cert", str(cert_file), "--tls-key", str(key_file))
+    with side_by_side(
+        lambda: AgentProcess("torch", smol_dir, tmp_path / "p", *tls, env=trust),
+        lambda: AgentProcess("mlx", smol_dir, tmp_path / "d", *tls, env=trust),
+    ) as (p, d):
         assert p.url.startswith("https://") and d.url.startswith("https://")
         ids = list(long_ids[:130])
         monkeypatch.setenv("TANDEM_CA_FILE", str(cert_file))  # this process routes, as a panel would

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from .agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess
+from .agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, side_by_side
 from .netns import needs_netns
 
 
@@ -139,8 +139,10 @@ def test_bench_ttft_against_a_running_panel(tmp_path, smol_dir):
     from its database), nothing started; each pair's link measured by its decoder pulling pages
     from its prefiller (POST /v1/bench/link), checked against an unknown model name first."""
     with (
-        AgentProcess("torch", smol_dir, tmp_path / "p") as p,
-        AgentProcess("torch", smol_dir, tmp_path / "d") as d,
+        side_by_side(
+            lambda: AgentProcess("torch", smol_dir, tmp_path / "p"),
+            lambda: AgentProcess("torch", smol_dir, tmp_path / "d"),
+        ) as (p, d),
         PanelProcess(tmp_path, "--pair", f"duo={p.url},{d.url},threshold=1") as panel,
     ):
         args = ("--lengths", "51", "--panel", panel.url, "--api-key", panel.api_key)

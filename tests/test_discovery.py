@@ -17,7 +17,7 @@ import pytest
 
 from tandem_protocol.discovery import ANNOUNCED_KEYS, Announcer
 
-from .agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, wait_for
+from .agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, side_by_side, wait_for
 from .netns import needs_netns, sh
 
 
@@ -62,10 +62,10 @@ def browse_in(ns: str, addr: str, seconds: float = 4.0) -> list[dict]:
 def test_agents_find_each_other(two_hosts, smol_dir, tmp_path):
     (ns_a, _, addr_a), (ns_b, _, addr_b) = two_hosts["a"], two_hosts["b"]
     mdns = ("--mdns", "--mdns-interface")
-    with (
-        AgentProcess("torch", smol_dir, tmp_path / "a", *mdns, addr_a, host=addr_a, netns=ns_a) as a,
-        AgentProcess("mlx", smol_dir, tmp_path / "b", *mdns, addr_b, host=addr_b, netns=ns_b) as b,
-    ):
+    with side_by_side(
+        lambda: AgentProcess("torch", smol_dir, tmp_path / "a", *mdns, addr_a, host=addr_a, netns=ns_a),
+        lambda: AgentProcess("mlx", smol_dir, tmp_path / "b", *mdns, addr_b, host=addr_b, netns=ns_b),
+    ) as (a, b):
         seen_from_a = {p["properties"]["name"]: p for p in browse_in(ns_a, addr_a)}
         seen_from_b = {p["properties"]["name"]: p for p in browse_in(ns_b, addr_b)}
         peer_b, peer_a = seen_from_a["mlx-b"], seen_from_b["torch-a"]

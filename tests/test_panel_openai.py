@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from .agents import AgentProcess, PanelProcess
+from .agents import AgentProcess, PanelProcess, side_by_side
 from .conftest import prompt
 
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]
@@ -14,7 +14,9 @@ LENGTHS = [64, 65, 66, 128, 129, 130, 193]
 @pytest.fixture(scope="module")
 def cluster(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("panel")
-    with AgentProcess("torch", smol_dir, home / "torch") as t, AgentProcess("mlx", smol_dir, home / "mlx") as m:
+    with side_by_side(
+        lambda: AgentProcess("torch", smol_dir, home / "torch"), lambda: AgentProcess("mlx", smol_dir, home / "mlx")
+    ) as (t, m):
         with PanelProcess(
             home / "panel", "--pair", f"t2m={t.url},{m.url},threshold=1", "--pair", f"m2t={m.url},{t.url},threshold=1"
         ) as panel:

@@ -13,14 +13,16 @@ from sqlmodel import Session, select
 from control_panel.db import open_db
 from control_panel.models import Pool, RequestLog
 
-from .agents import AgentProcess, PanelProcess, log_rows, settle
+from .agents import AgentProcess, PanelProcess, log_rows, settle, side_by_side
 from .panel_db import insert_old_pair
 
 
 @pytest.fixture(scope="module")
 def cluster(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("routing")
-    with AgentProcess("torch", smol_dir, home / "p") as p, AgentProcess("torch", smol_dir, home / "d") as d:
+    with side_by_side(
+        lambda: AgentProcess("torch", smol_dir, home / "p"), lambda: AgentProcess("torch", smol_dir, home / "d")
+    ) as (p, d):
         with PanelProcess(
             home, "--pair", f"pd={p.url},{d.url},threshold=1", "--pair", f"pdz={p.url},{d.url},zstd,threshold=1"
         ) as panel:

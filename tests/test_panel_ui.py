@@ -16,7 +16,7 @@ import pytest
 
 from tandem_protocol.tls import spaced
 
-from .agents import TEST_KEY, AgentProcess, PanelProcess
+from .agents import TEST_KEY, AgentProcess, PanelProcess, side_by_side
 from .conftest import make_tiny_checkpoint
 from .netns import host_namespace, netns_available
 from .prerequisites import missing
@@ -52,14 +52,14 @@ def cluster(smol_dir, tmp_path_factory):
     # also inside, finds them; the browser and the test reach everything over the host's veth
     with host_namespace() as host:
         mdns = ("--mdns", "--mdns-interface", host.mdns_addr)
-        with (
-            # two serve HTTPS, as agents do by default; one plain HTTP (--insecure-http), which the UI marks
-            AgentProcess(
+        # two serve HTTPS, as agents do by default; one plain HTTP (--insecure-http), which the UI marks
+        with side_by_side(
+            lambda: AgentProcess(
                 "torch", smol_dir, home / "torch", *roots, *mdns, host=host.addr, netns=host.ns, tls=True
-            ) as t,
-            AgentProcess("mlx", smol_dir, home / "mlx", *roots, *mdns, host=host.addr, netns=host.ns, tls=True) as m,
-            AgentProcess("mlx", smol_dir, home / "mlx2", *mdns, host=host.addr, netns=host.ns) as m2,
-        ):
+            ),
+            lambda: AgentProcess("mlx", smol_dir, home / "mlx", *roots, *mdns, host=host.addr, netns=host.ns, tls=True),
+            lambda: AgentProcess("mlx", smol_dir, home / "mlx2", *mdns, host=host.addr, netns=host.ns),
+        ) as (t, m, m2):
             with PanelProcess(home / "panel", "--host", host.addr, *mdns, netns=host.ns) as panel:
                 yield {"panel": panel, "torch": t, "mlx": m, "mlx2": m2}
 

@@ -5,7 +5,7 @@ history, runs there alone; both routes are logged with the TTFT the planner pred
 
 from __future__ import annotations
 
-from .agents import AgentProcess, PanelProcess, log_rows, settle
+from .agents import AgentProcess, PanelProcess, log_rows, settle, side_by_side
 from .test_pools import system_prompt
 
 # predicted ÷ actual TTFT of each planned request must lie within this range: twice as wide as
@@ -18,8 +18,10 @@ def test_the_planner_sends_a_long_fresh_prompt_p_d_and_a_short_delta_to_the_deco
     import openai
 
     with (
-        AgentProcess("torch", smol_dir, tmp_path / "p", prefix_cache="default") as p,
-        AgentProcess("mlx", smol_dir, tmp_path / "d", prefix_cache="default") as d,
+        side_by_side(
+            lambda: AgentProcess("torch", smol_dir, tmp_path / "p", prefix_cache="default"),
+            lambda: AgentProcess("mlx", smol_dir, tmp_path / "d", prefix_cache="default"),
+        ) as (p, d),
         PanelProcess(tmp_path, "--pair", f"pool={p.url},{d.url}") as panel,
     ):
         client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=600)

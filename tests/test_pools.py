@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from .agents import AgentProcess, PanelProcess, log_rows, settle
+from .agents import AgentProcess, PanelProcess, log_rows, settle, side_by_side
 
 CONVERSATIONS = 16
 THRESHOLD = 256
@@ -29,9 +29,11 @@ def test_a_pool_of_three_spreads_conversations_keeps_them_and_survives_a_decoder
     import openai
 
     with (
-        AgentProcess("torch", smol_dir, tmp_path / "p", prefix_cache="default") as p,
-        AgentProcess("mlx", smol_dir, tmp_path / "d1", prefix_cache="default") as d1,
-        AgentProcess("mlx", smol_dir, tmp_path / "d2", prefix_cache="default") as d2,
+        side_by_side(
+            lambda: AgentProcess("torch", smol_dir, tmp_path / "p", prefix_cache="default"),
+            lambda: AgentProcess("mlx", smol_dir, tmp_path / "d1", prefix_cache="default"),
+            lambda: AgentProcess("mlx", smol_dir, tmp_path / "d2", prefix_cache="default"),
+        ) as (p, d1, d2),
         PanelProcess(tmp_path, "--pair", f"pool={p.url},{d1.url}+{d2.url},threshold={THRESHOLD}") as panel,
     ):
         client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=600)

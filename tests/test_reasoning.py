@@ -15,7 +15,7 @@ import shutil
 import openai
 import pytest
 
-from .agents import AgentProcess, PanelProcess
+from .agents import AgentProcess, PanelProcess, side_by_side
 
 THINKING_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -37,7 +37,12 @@ def client(smol_dir, tmp_path_factory):
         elif f.name != "chat_template.jinja":
             shutil.copy(f, model / f.name)
     (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
-    with AgentProcess("torch", model, home / "p") as p, AgentProcess("mlx", model, home / "d") as d:
+    with side_by_side(
+        lambda: AgentProcess("torch", model, home / "p"), lambda: AgentProcess("mlx", model, home / "d")
+    ) as (
+        p,
+        d,
+    ):
         with PanelProcess(home / "panel", "--pair", f"think={p.url},{d.url},threshold=1") as panel:
             yield openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)
 
