@@ -43,6 +43,19 @@ def desk(smol_dir, tmp_path_factory):
             agent.stop()
 
 
+_ANSWERS: dict = {}
+
+
+def prompts_and_answers(d: AgentProcess) -> tuple[list[list[int]], list]:
+    """The load's prompts and the decoder's own answer to each, asked once per decoder agent: the
+    pairs into one decoder, and both tests, share them (torch and MLX answer alone the same way
+    every time)."""
+    if d.url not in _ANSWERS:
+        ids = prompts(d)
+        _ANSWERS[d.url] = ids, [alone(d, x) for x in ids]
+    return _ANSWERS[d.url]
+
+
 def burst(panel: PanelProcess, model: str, ids: list[list[int]]) -> list[dict]:
     order = [i % len(ids) for i in range(CONCURRENT)]
 
@@ -65,8 +78,7 @@ def idle(*agents: AgentProcess) -> None:
 def test_64_streams_at_the_default_budgets_all_complete_with_their_own_answers(desk, model):
     agents, panel, panel_home = desk
     p, d = (agents[n] for n in PAIRS[model])
-    ids = prompts(d)
-    expected = [alone(d, x) for x in ids]
+    ids, expected = prompts_and_answers(d)
     before = len(log_rows(panel_home))
     results = burst(panel, model, ids)
     assert [r["status"] for _, r in results] == [200] * CONCURRENT, [r for _, r in results if r["status"] != 200]
@@ -86,8 +98,7 @@ def configure(agent: AgentProcess, smol_dir, **body) -> None:
 def test_past_a_small_decode_budget_streams_wait_then_complete_or_get_429(desk, smol_dir, model):
     agents, panel, _ = desk
     p, d = (agents[n] for n in PAIRS[model])
-    ids = prompts(d)
-    expected = [alone(d, x) for x in ids]
+    ids, expected = prompts_and_answers(d)
     default = d.status()["decode"]["kv_capacity"]
     configure(d, smol_dir, decode_kv_bytes=SMALL_KV)
     try:
