@@ -246,9 +246,11 @@ class TorchAdapter(InProcessEngine):
         start, n, host, codes, copied = handle
         copied.synchronize()
         P, data = self.geometry.page_tokens, host.numpy()  # the pages keep the pinned buffers alive
-        coded = codes.numpy() if codes is not None else [None] * len(data)
-        if codes is not None and fp8_refused(coded, self.geometry.layers * 2 * self.geometry.kv_heads):
-            raise ValueError("a page with infinities or NaN cannot be sent as FP8")
+        coded = [None] * len(data)
+        if codes is not None:
+            coded = codes.numpy()
+            if fp8_refused(coded, self.geometry.layers * 2 * self.geometry.kv_heads):
+                raise ValueError("a page with infinities or NaN cannot be sent as FP8")
         return [
             KVPage(index=start // P + i, valid_tokens=min(P, n - i * P), data=data[i], fp8=coded[i])
             for i in range(len(data))
