@@ -8,7 +8,7 @@ torch adapter on CUDA:
   bound's prefill term;
 - export: P's prefill: whole pages laid out on the device, copied into pinned host memory on the
   device's stream and collected one chunk later (`EngineAdapter.export_start`).
-Prints median milliseconds, export ÷ alone for each chunk size, and how each chunk size's alone
+The engine's prefix cache is off (each length is one prompt, run again and again). Prints median milliseconds, export ÷ alone for each chunk size, and how each chunk size's alone
 compares with the first's: a small model on a big GPU is bound by the host queueing kernels, a
 cost per chunk, not per token. Also counts the device syncs of an export run
 (`torch.cuda.set_sync_debug_mode`).
@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu checks the script itself (no device syncs to count)")
     args = ap.parse_args()
     adapter = load_adapter("torch", args.model, device=args.device)
+    # off, as the TTFT benchmark's agents have it: with it, every run after the first would
+    # restore the prompt from host memory instead of computing it (it is one prompt a length)
+    adapter.set_prefix_cache_bytes(0)
     chunks = [int(x) for x in (args.chunks or str(adapter.prefill_chunk_tokens)).split(",")]
     vocab = adapter.info.vocab_size
     print(

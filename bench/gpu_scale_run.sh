@@ -12,6 +12,9 @@
 # BENCH=sender instead measures P's prefill inside P/D ÷ P alone for the loop's page sender and the
 # sender thread, plain and TLS, over loopback (bench/bench_sender.py; issue 23, deliverable 2):
 #   BENCH=sender TOKENS=8192 ROUNDS=3 bash bench/gpu_scale_run.sh
+# Before the benchmark, in the same call: CUDA_TESTS=1 runs tests/test_cuda.py (CUDA_K: pytest's -k); PROBE=8192 runs
+# bench/gpu_prefill_export.py on the 8B checkpoint (CHUNKS=512,2048 compares chunk sizes).
+# TRACE=1 traces one more P/D request per cell (where its time goes; bench ttft --trace).
 set -e
 DEADLINE=$(( $(date +%s) + ${SECONDS_LEFT:-540} ))  # the whole call, model build included
 REPO=$PWD
@@ -22,6 +25,13 @@ PY=$(python3 -c 'import sys;print(sys.executable)')
 printf "#!$PY\nfrom tandem_cli.main import main\nmain()\n" > "$(dirname "$PY")/tandem"; chmod +x "$(dirname "$PY")/tandem"
 if [ ! -f /tmp/llama8b/config.json ]; then
   python3 bench/gpu_build_llama8b.py /tmp/llama8b .devcarry/tok | tee "$OUT/build.txt"
+fi
+if [ -n "${CUDA_TESTS:-}" ]; then
+  TANDEM_TOKENIZER_DIR=.devcarry/tok timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    -k "${CUDA_K:-}" 2>&1 | grep -v "^[0-9.]*s \(call\|setup\|teardown\)" | tail -40 | tee "$OUT/test_cuda.txt" || true
+fi
+if [ -n "${PROBE:-}" ]; then
+  timeout 240 python3 bench/gpu_prefill_export.py --model /tmp/llama8b --lengths "$PROBE" ${CHUNKS:+--chunks $CHUNKS} --reps "${PROBE_REPS:-3}" 2>&1 | tail -12 | tee "$OUT/export.txt" || true
 fi
 if [ "${BENCH:-}" = sender ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -52,5 +62,5 @@ for spec in $LINKS; do
   TANDEM_HOME=/tmp/th timeout -s INT -k 20 "$left" "$(dirname "$PY")/tandem" bench ttft --model /tmp/llama8b \
     --prefill torch --decode torch --direction a2b --link "$link" ${rate:+--rate $rate} \
     --lengths "${LENGTHS:-2048,8192,32768}" --samples "${SAMPLES:-2}" --warmup "${WARMUP:-1}" --max-tokens 8 --fp8 \
-    --staging "${STAGING:-512MiB}" --cores-per-agent 4 --no-trace --out "$dir" ${EXTRA:-} 2>&1 | tail -40 | tee "$dir/bench.txt" || true
+    --staging "${STAGING:-512MiB}" --cores-per-agent "${CORES:-4}" $([ -n "${TRACE:-}" ] && echo --trace || echo --no-trace) --out "$dir" ${EXTRA:-} 2>&1 | tail -40 | tee "$dir/bench.txt" || true
 done

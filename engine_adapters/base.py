@@ -36,6 +36,7 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from tandem_protocol import fp8
 from tandem_protocol.contract import HashCache, Progress, compute_contract
 from tandem_protocol.errors import Cancelled, FrameError, RequestError
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
@@ -146,6 +147,9 @@ class EngineAdapter(ABC):
     """The engine's name in `engine_adapters.ADAPTERS` ("torch", "mlx", "vllm", "sglang")."""
     decoder_modes: ClassVar[tuple[FirstTokenMode, ...]] = (FirstTokenMode.COMMIT_FIRST, FirstTokenMode.RECOMPUTE_LAST)
     """The first-token modes this engine decodes in; the first is the one it prefers."""
+    decodes_fp8: bool = False
+    """Whether its decode imports FP8 pages as they came (KVPage.fp8) and decodes them on its own
+    device (torch on CUDA); else the receiver decodes them to FP16 on the host first."""
     sampling: ClassVar[frozenset[str]] = SAMPLER_FIELDS
     """Sampling fields this engine applies when it generates."""
     first_token_sampling: ClassVar[frozenset[str]] = SAMPLER_FIELDS | OUTPUT_ONLY_FIELDS
@@ -446,10 +450,13 @@ class EngineAdapter(ABC):
                     raise FrameError(f"page {page.index} arrived where page {index} was expected (out of order)")
                 if page.valid_tokens != want_valid:
                     raise FrameError(f"page {index} holds {page.valid_tokens} tokens, expected {want_valid}")
-                if page.data.shape != self.geometry.page_shape:
-                    raise FrameError(
-                        f"page {index} has shape {page.data.shape}, this model needs {self.geometry.page_shape}"
-                    )
+                g = self.geometry
+                if page.data is None:  # FP8, left encoded for this engine (decodes_fp8)
+                    got, want = page.fp8.shape, (fp8.payload_bytes(g.layers, g.kv_heads, g.head_dim, g.page_tokens),)
+                else:
+                    got, want = page.data.shape, g.page_shape
+                if got != want:
+                    raise FrameError(f"page {index} has shape {got}, this model needs {want}")
                 pending.append(asyncio.ensure_future(self.on_engine(write, page)))
                 index += 1
                 if len(pending) > IMPORT_AHEAD:

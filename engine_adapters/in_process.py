@@ -72,6 +72,11 @@ class InProcessEngine(EngineAdapter):
     @abstractmethod
     def set_length(self, session: Any, length: int) -> None: ...
 
+    def import_fp8(self, session: Any, start: int, payload: np.ndarray, n: int) -> None:
+        """Import a page's first `n` tokens from its FP8 payload (fp8.py's layout), decoding on the
+        device: only engines with `decodes_fp8` receive pages so."""
+        raise NotImplementedError(f"{self.name} does not decode FP8 pages itself")
+
     def release(self, session: Any) -> None:  # noqa: B027 (optional hook, not abstract)
         """Free the session's KV memory (engines with pooled memory override this)."""
 
@@ -217,7 +222,10 @@ class InProcessEngine(EngineAdapter):
             await self.on_engine(self._import_held, session, held)  # the stream brings the rest
 
             def write(page: KVPage) -> None:
-                self.import_kv(session, page.index * P, page.kv)
+                if page.data is None:  # FP8 as it came (decodes_fp8)
+                    self.import_fp8(session, page.index * P, page.fp8, page.valid_tokens)
+                else:
+                    self.import_kv(session, page.index * P, page.kv)
 
             commit_first, done = req.mode is FirstTokenMode.COMMIT_FIRST, None
             async with aclosing(self._import_pages(req, event, stream, expected_tokens, write)) as complete:

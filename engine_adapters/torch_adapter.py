@@ -13,7 +13,7 @@ from transformers.masking_utils import sdpa_mask
 from transformers.utils import logging as hf_logging
 
 from tandem_protocol import fp8 as fp8_codec
-from tandem_protocol.pages import KVPage
+from tandem_protocol.pages import KVPage, PageGeometry
 
 from .in_process import InProcessEngine
 
@@ -43,9 +43,29 @@ def fp8_payloads(pages: torch.Tensor) -> torch.Tensor:
     e = torch.where(m == 0.5, k - 1, k)
     e = torch.where(amax > 0, e, fp8_codec.EXP_MIN).clamp(fp8_codec.EXP_MIN, fp8_codec.EXP_MAX)
     e = torch.where(torch.isfinite(amax), e, NOT_FINITE)
-    scale = torch.exp2(-e.float())[:, :, :, None, :, None]
+    scale = _pow2(-e)[:, :, :, None, :, None]
     codes = (pages.float() * scale).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.cat([e.to(torch.int8).view(torch.uint8).flatten(1), codes.flatten(1)], dim=1)
+
+
+def fp8_decoded(payloads: torch.Tensor, geometry: PageGeometry) -> torch.Tensor:
+    """FP8 payloads (uint8 rows in fp8.py's layout, on any device) as FP16 pages
+    [pages][layers][2][page_tokens][kv_heads][head_dim], computed where they are. Byte for byte
+    what `fp8.decode` makes of each: a code's value times 2**e is exact in float32, the two NaN
+    codes read as 0, a value past FP16's range is clamped to 65504, then one rounding to FP16, as
+    the codec's table (tests/unit/test_fp8_device.py)."""
+    g = geometry
+    blocks = g.layers * 2 * g.kv_heads
+    e = payloads[:, :blocks].view(torch.int8).view(-1, g.layers, 2, 1, g.kv_heads, 1)
+    codes = payloads[:, blocks:].view(torch.float8_e4m3fn).view(-1, *g.page_shape)
+    values = torch.nan_to_num(codes.float(), nan=0.0) * _pow2(e)
+    return values.clamp(-fp8_codec.FP16_MAX, fp8_codec.FP16_MAX).to(torch.float16)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2**e as float32, exactly, for integer e in -126..127 (the exponent's bits, not exp2's
+    approximation on a device)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
 class _FP16KVLayer(DynamicLayer):
@@ -142,6 +162,7 @@ class TorchAdapter(InProcessEngine):
         self.cuda = self.device.type == "cuda"
         self.dtype = torch.float16 if self.cuda else torch.float32
         self.export_lag = 1 if self.cuda else 0  # see InProcessEngine.export_start
+        self.decodes_fp8 = self.cuda  # FP8 pages are decoded on the GPU (import_fp8)
         if self.cuda:
             # A small model on a big GPU is bound by the host queueing kernels: a cost per chunk,
             # not per token. Bigger chunks cut it (bench/gpu_prefill_export.py --chunks); pages still
@@ -257,10 +278,21 @@ class TorchAdapter(InProcessEngine):
         ]
 
     def import_kv(self, session: Cache, start: int, kv: np.ndarray) -> None:
+        self._write(session, start, self._to_device(np.ascontiguousarray(kv)))
+
+    def import_fp8(self, session: Cache, start: int, payload: np.ndarray, n: int) -> None:
+        # half the bytes cross to the device, and the host's codec (~25 ms a core for an 8B
+        # model's page) is not in the stream's way
+        self._write(session, start, fp8_decoded(self._to_device(payload)[None], self.geometry)[0, :, :, :n])
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
         with warnings.catch_warnings():
             # Received pages are read-only views of the wire buffer; we only read from them.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            block = torch.from_numpy(np.ascontiguousarray(kv)).to(self.device)  # [L][2][n][H][D]
+            return torch.from_numpy(array).to(self.device)
+
+    def _write(self, session: Cache, start: int, block: torch.Tensor) -> None:
+        """Tokens [start, start + n) of every layer from `block` [layers][2][n][kv_heads][head_dim]."""
         block = block.permute(0, 1, 3, 2, 4).unsqueeze(2)  # [L][2][1][H][n][D]
         for layer, layer_kv in zip(session.layers, block):
             layer.write(start, layer_kv[0], layer_kv[1])

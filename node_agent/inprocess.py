@@ -52,7 +52,11 @@ async def run_pair(
     request_id = uuid.uuid4().hex
     handoff_id, digest = uuid.uuid4().bytes, token_digest(token_ids)
     expect = FrameExpectation(
-        contract=decoder.contract.fingerprint_bytes, handoff_id=handoff_id, tokens=digest, geometry=decoder.geometry
+        contract=decoder.contract.fingerprint_bytes,
+        handoff_id=handoff_id,
+        tokens=digest,
+        geometry=decoder.geometry,
+        keep_fp8=decoder.decodes_fp8,
     )
     # Distinct ids per role: one engine may serve both roles of a pair.
     p_req = EngineRequest(f"{request_id}-p", list(token_ids), sampling, mode)

@@ -98,13 +98,20 @@ def encode(data: np.ndarray) -> bytes:
     return exps.tobytes() + codes.tobytes()
 
 
-def decode(payload: bytes | memoryview, page_shape: tuple[int, ...]) -> np.ndarray:
-    """The FP16 page an FP8 payload of this shape holds. The caller has checked its size."""
+def split(payload: bytes | memoryview, page_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Views of an FP8 payload's block exponents ([layers][2][kv_heads], checked to be in range)
+    and codes (page-shaped). The caller has checked its size."""
     layers, two, page_tokens, kv_heads, head_dim = page_shape
     n_exp = layers * two * kv_heads
     exps = np.frombuffer(payload, dtype=np.int8, count=n_exp).reshape(layers, two, kv_heads)
     codes = np.frombuffer(payload, dtype=np.uint8, offset=n_exp).reshape(page_shape)
     if exps.min() < EXP_MIN or exps.max() > EXP_MAX:
         raise ValueError(f"block exponents outside {EXP_MIN}..{EXP_MAX}")
+    return exps, codes
+
+
+def decode(payload: bytes | memoryview, page_shape: tuple[int, ...]) -> np.ndarray:
+    """The FP16 page an FP8 payload of this shape holds. The caller has checked its size."""
+    exps, codes = split(payload, page_shape)
     rows = ((exps.astype(np.int32) - EXP_MIN) << 8)[:, :, None, :, None]
     return _decode_table().ravel().take(codes + rows)

@@ -93,9 +93,12 @@ class KVPage:
 
     index: int
     valid_tokens: int
-    data: np.ndarray
-    # The page's FP8 payload (fp8.py's layout, byte for byte), where the engine encoded it itself
-    # (a GPU: `engine_adapters/torch_adapter.py`); None: encode_frame encodes `data` when asked.
+    # None only for a received FP8 page left encoded for an engine that decodes it on its device
+    # (FrameExpectation.keep_fp8): then `fp8` holds it.
+    data: np.ndarray | None
+    # The page's FP8 payload (fp8.py's layout, byte for byte): encoded by the prefiller's engine
+    # itself (a GPU: `engine_adapters/torch_adapter.py`; None: encode_frame encodes `data` when
+    # asked), or received for the decoder's engine to decode.
     fp8: np.ndarray | None = None
 
     @property
@@ -193,6 +196,10 @@ class FrameExpectation:
     handoff_id: bytes
     tokens: bytes
     geometry: PageGeometry
+    # The decoder's engine decodes FP8 pages on its own device (a GPU): an FP8 page is checked
+    # (checksum, scales, zeros past its valid tokens) and handed over still encoded, half the
+    # bytes to copy to the device and no host codec in the stream's way.
+    keep_fp8: bool = False
 
 
 def _id16(value: bytes, what: str) -> bytes:
@@ -364,6 +371,8 @@ def decode_payload(
     if expect is not None:
         check_expectation(header, expect)
     g = header.geometry
+    if header.encoding == FP8_E4M3 and expect is not None and expect.keep_fp8:
+        return _checked_fp8(header, payload)
     if header.encoding == RAW:
         data = np.frombuffer(payload, dtype=KV_DTYPE).reshape(g.page_shape)
     elif header.encoding == FP8_E4M3:
@@ -376,6 +385,21 @@ def decode_payload(
     if header.valid_tokens < g.page_tokens and data[:, :, header.valid_tokens :].view(np.uint16).any():
         raise FrameError(f"page {header.page_index} has non-zero bytes past its {header.valid_tokens} valid tokens")
     return KVPage(index=header.page_index, valid_tokens=header.valid_tokens, data=data)
+
+
+def _checked_fp8(header: FrameHeader, payload: bytes | memoryview) -> KVPage:
+    """An FP8 page left encoded, with the checks a decoded one gets: its block exponents in range
+    and nothing but zero codes past its valid tokens (the FP16 zeros a sender's padding encodes to)."""
+    g = header.geometry
+    try:
+        exps, codes = fp8.split(payload, g.page_shape)
+    except ValueError as e:
+        raise FrameError(f"FP8 page {header.page_index}: {e}") from e
+    if header.valid_tokens < g.page_tokens and codes[:, :, header.valid_tokens :].any():
+        raise FrameError(f"page {header.page_index} has non-zero bytes past its {header.valid_tokens} valid tokens")
+    return KVPage(
+        index=header.page_index, valid_tokens=header.valid_tokens, data=None, fp8=np.frombuffer(payload, np.uint8)
+    )
 
 
 def check_expectation(header: FrameHeader, expect: FrameExpectation) -> None:

@@ -28,6 +28,7 @@ import xxhash
 from .errors import FrameError, TandemError
 from .handoff import PrefillDone
 from .pages import (
+    FP8_E4M3,
     HEADER_SIZE,
     MAGIC,
     RAW,
@@ -157,7 +158,8 @@ class FrameReader:
             return []
         header, view, self._frame, self._view = self._header, self._view, None, None
         args = (header, view[HEADER_SIZE:], self.expect, checksum_finish(self._hash, header.raw))
-        if self.pool is not None and header.encoding != RAW:
+        kept = header.encoding == FP8_E4M3 and self.expect is not None and self.expect.keep_fp8
+        if self.pool is not None and header.encoding != RAW and not kept:  # a kept page is only checked
             return [self.pool.submit(decode_payload, *args)]
         return [decode_payload(*args)]
 

@@ -134,8 +134,74 @@ def test_fp8_pages_are_encoded_on_the_gpu_as_the_codec_would(gpu_and_cpu, n):
     from tandem_protocol import fp8
 
     gpu, _ = gpu_and_cpu
-    req = EngineRequest("fp8", ids_of(n), SamplingParams(max_tokens=1), fp8_pages=True)
+    # a prompt no other test sent: pages from the prefix cache leave the host's way (no device code)
+    ids = [int(x) for x in np.random.default_rng(1000 + n).integers(20, 49000, size=n)]
+    req = EngineRequest("fp8", ids, SamplingParams(max_tokens=1), fp8_pages=True)
     pages = [p for p in run(collect(gpu.prefill(req))) if hasattr(p, "fp8")]
     assert len(pages) == -(-n // 64) and all(p.fp8 is not None for p in pages)
     for p in pages:
         assert p.fp8.tobytes() == fp8.encode(p.data), f"page {p.index}"
+
+
+@pytest.mark.parametrize("n", [65, 300])
+def test_fp8_pages_decoded_on_the_gpu_answer_as_the_hosts_codec(gpu_and_cpu, n):
+    """A CUDA decoder imports FP8 pages as they came and decodes them on the device (decodes_fp8):
+    the same tokens as pages the host's codec decoded to FP16 first."""
+    from tandem_protocol.pages import FP8_E4M3
+
+    gpu, _ = gpu_and_cpu
+    assert gpu.decodes_fp8
+
+    def pair() -> list[int]:
+        return run(collect(run_pair(gpu, gpu, ids_of(n), SAMPLING, FirstTokenMode.COMMIT_FIRST, encoding=FP8_E4M3)))
+
+    on_device = pair()
+    gpu.decodes_fp8 = False
+    try:
+        on_host = pair()
+    finally:
+        gpu.decodes_fp8 = True
+    assert on_device == on_host
+
+
+def test_cudas_float8_cast_is_the_codec_for_every_fp16_value_and_block_exponent():
+    """What tests/unit/test_fp8.py checks of torch's CPU cast, on the device: the CUDA prefill's
+    FP8 bytes are the codec's only if the device's cast rounds as the codec's table does."""
+    from tandem_protocol import fp8
+
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = x[torch.isfinite(x)]
+    bits = x.view(torch.int16).numpy().view(np.uint16)
+    bad = []
+    for e in range(fp8.EXP_MIN, fp8.EXP_MAX + 1):
+        y = x.float() * 2.0**-e
+        ok = (y.abs() <= fp8.E4M3_MAX).numpy()
+        got = y[torch.from_numpy(ok)].cuda().to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy()
+        want = fp8._encode_table()[e - fp8.EXP_MIN][bits[ok]]
+        for i in np.flatnonzero(got != want)[:3]:
+            bad.append(
+                f"e={e} fp16 {bits[ok][i]:#06x} ({float(x[torch.from_numpy(ok)][i])!r}): {got[i]:#04x} not {want[i]:#04x}"
+            )
+    assert not bad, "\n".join(bad[:30])
+
+
+def test_the_device_encoder_makes_the_codecs_bytes_on_the_gpu():
+    """`fp8_payloads` on CUDA over pages spanning FP16's range (as tests/unit/test_fp8_device.py
+    on the CPU), payload for payload against the host's codec; where they differ, what differs."""
+    from engine_adapters.torch_adapter import fp8_payloads
+    from tandem_protocol import fp8
+
+    from .unit.test_fp8_device import SHAPE, pages_like_kv
+
+    pages = pages_like_kv(np.random.default_rng(0), 4)
+    rows = fp8_payloads(torch.from_numpy(pages).cuda()).cpu().numpy()
+    blocks = SHAPE[0] * 2 * SHAPE[3]
+    for i, page in enumerate(pages):
+        want = np.frombuffer(fp8.encode(page), np.uint8)
+        diff = np.flatnonzero(rows[i] != want)
+        where = [
+            f"byte {j} ({'exponent' if j < blocks else 'code'}): {rows[i][j]:#04x} not {want[j]:#04x}"
+            + ("" if j < blocks else f", value {page.reshape(-1)[j - blocks]!r}")
+            for j in diff[:10]
+        ]
+        assert not len(diff), f"page {i}: {len(diff)} bytes differ\n" + "\n".join(where)

@@ -20,3 +20,38 @@ def test_fp8_pages_against_fp16_pages_as_measured(engines):
     assert r["first_step_max_abs_diff"] <= 2 * 1.2388, r
     assert r["mean_kl"] <= 2 * 3.57e-3, r
     assert r["fp8_wire_ratio"] <= 0.5002, r
+
+
+def test_a_decoder_that_decodes_fp8_on_its_device_answers_as_the_hosts_codec(engines, long_ids):
+    """torch decodes FP8 pages on its device where it has one (decodes_fp8, on CUDA): the same
+    import path on the CPU gives exactly the tokens of pages the host's codec decoded first."""
+    from node_agent.inprocess import run_pair
+    from tandem_protocol.handoff import FirstTokenMode
+    from tandem_protocol.pages import FP8_E4M3
+    from tandem_protocol.sampling import SamplingParams
+
+    from .conftest import collect, prompt, run
+
+    torch_engine, params = engines["torch"], SamplingParams(max_tokens=16, ignore_eos=True)
+    ids = prompt(long_ids, 193)
+
+    def pair() -> list[int]:
+        return run(
+            collect(run_pair(torch_engine, torch_engine, ids, params, FirstTokenMode.COMMIT_FIRST, encoding=FP8_E4M3))
+        )
+
+    assert not torch_engine.decodes_fp8  # on the CPU the host decodes
+    on_host = pair()
+    imported, import_fp8 = [], torch_engine.import_fp8
+    torch_engine.import_fp8 = lambda session, start, payload, n: (
+        imported.append(start),
+        import_fp8(session, start, payload, n),
+    )
+    torch_engine.decodes_fp8 = True
+    try:
+        on_device = pair()
+    finally:
+        torch_engine.decodes_fp8 = False
+        del torch_engine.import_fp8
+    assert imported == [0, 64, 128, 192]  # every page came to the engine encoded
+    assert on_device == on_host
