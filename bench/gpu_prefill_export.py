@@ -8,8 +8,9 @@ torch adapter on CUDA:
   bound's prefill term;
 - export: P's prefill: whole pages laid out on the device, copied into pinned host memory on the
   device's stream and collected one chunk later (`EngineAdapter.export_start`).
-The engine's prefix cache is off (each length is one prompt, run again and again). Prints median milliseconds, export ÷ alone for each chunk size, and how each chunk size's alone
-compares with the first's: a small model on a big GPU is bound by the host queueing kernels, a
+The engine's prefix cache is off (each length is one prompt, run again and again). Prints median
+milliseconds, export ÷ alone for each chunk size, and how each chunk size's alone compares with the
+first's: a small model on a big GPU is bound by the host queueing kernels, a
 cost per chunk, not per token. Also counts the device syncs of an export run
 (`torch.cuda.set_sync_debug_mode`).
 """

@@ -63,8 +63,8 @@ def fp8_decoded(payloads: torch.Tensor, geometry: PageGeometry) -> torch.Tensor:
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """2**e as float32, exactly, for integer e in -126..127 (the exponent's bits, not exp2's
-    approximation on a device)."""
+    """2**e as float32, exactly, for integer e in -126..127: built from the exponent's bits, since
+    torch.exp2's exactness on a device is not documented."""
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 

@@ -370,36 +370,28 @@ def decode_payload(
         raise FrameError(f"checksum mismatch on page {header.page_index}: the page was corrupted in transit")
     if expect is not None:
         check_expectation(header, expect)
-    g = header.geometry
-    if header.encoding == FP8_E4M3 and expect is not None and expect.keep_fp8:
-        return _checked_fp8(header, payload)
+    g, kept = header.geometry, keeps_fp8(header, expect)
     if header.encoding == RAW:
-        data = np.frombuffer(payload, dtype=KV_DTYPE).reshape(g.page_shape)
+        values = np.frombuffer(payload, dtype=KV_DTYPE).reshape(g.page_shape)
     elif header.encoding == FP8_E4M3:
-        try:
-            data = fp8.decode(payload, g.page_shape)
+        try:  # a kept page's codes are checked, not decoded: the decoder's engine decodes them
+            values = fp8.split(payload, g.page_shape)[1] if kept else fp8.decode(payload, g.page_shape)
         except ValueError as e:
             raise FrameError(f"FP8 page {header.page_index}: {e}") from e
     else:
-        data = decompress_planes(payload, g.page_bytes).reshape(g.page_shape)
-    if header.valid_tokens < g.page_tokens and data[:, :, header.valid_tokens :].view(np.uint16).any():
+        values = decompress_planes(payload, g.page_bytes).reshape(g.page_shape)
+    # FP16 zeros past the valid tokens (a kept page: the zero codes they encode to)
+    if header.valid_tokens < g.page_tokens and values[:, :, header.valid_tokens :].view(np.uint8).any():
         raise FrameError(f"page {header.page_index} has non-zero bytes past its {header.valid_tokens} valid tokens")
-    return KVPage(index=header.page_index, valid_tokens=header.valid_tokens, data=data)
+    if kept:
+        return KVPage(header.page_index, header.valid_tokens, data=None, fp8=np.frombuffer(payload, np.uint8))
+    return KVPage(index=header.page_index, valid_tokens=header.valid_tokens, data=values)
 
 
-def _checked_fp8(header: FrameHeader, payload: bytes | memoryview) -> KVPage:
-    """An FP8 page left encoded, with the checks a decoded one gets: its block exponents in range
-    and nothing but zero codes past its valid tokens (the FP16 zeros a sender's padding encodes to)."""
-    g = header.geometry
-    try:
-        exps, codes = fp8.split(payload, g.page_shape)
-    except ValueError as e:
-        raise FrameError(f"FP8 page {header.page_index}: {e}") from e
-    if header.valid_tokens < g.page_tokens and codes[:, :, header.valid_tokens :].any():
-        raise FrameError(f"page {header.page_index} has non-zero bytes past its {header.valid_tokens} valid tokens")
-    return KVPage(
-        index=header.page_index, valid_tokens=header.valid_tokens, data=None, fp8=np.frombuffer(payload, np.uint8)
-    )
+def keeps_fp8(header: FrameHeader, expect: FrameExpectation | None) -> bool:
+    """Whether this frame's page is handed over still encoded: FP8, to a decoder whose engine
+    decodes FP8 itself (FrameExpectation.keep_fp8)."""
+    return header.encoding == FP8_E4M3 and expect is not None and expect.keep_fp8
 
 
 def check_expectation(header: FrameHeader, expect: FrameExpectation) -> None:

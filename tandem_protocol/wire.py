@@ -28,7 +28,6 @@ import xxhash
 from .errors import FrameError, TandemError
 from .handoff import PrefillDone
 from .pages import (
-    FP8_E4M3,
     HEADER_SIZE,
     MAGIC,
     RAW,
@@ -38,6 +37,7 @@ from .pages import (
     check_expectation,
     checksum_finish,
     decode_payload,
+    keeps_fp8,
     parse_header,
 )
 from .sampling import TokenLogprobs
@@ -158,8 +158,8 @@ class FrameReader:
             return []
         header, view, self._frame, self._view = self._header, self._view, None, None
         args = (header, view[HEADER_SIZE:], self.expect, checksum_finish(self._hash, header.raw))
-        kept = header.encoding == FP8_E4M3 and self.expect is not None and self.expect.keep_fp8
-        if self.pool is not None and header.encoding != RAW and not kept:  # a kept page is only checked
+        # an encoded page is decoded in the pool; a kept one is only checked (cheap: here)
+        if self.pool is not None and header.encoding != RAW and not keeps_fp8(header, self.expect):
             return [self.pool.submit(decode_payload, *args)]
         return [decode_payload(*args)]
 

@@ -167,21 +167,9 @@ def test_fp8_pages_decoded_on_the_gpu_answer_as_the_hosts_codec(gpu_and_cpu, n):
 def test_cudas_float8_cast_is_the_codec_for_every_fp16_value_and_block_exponent():
     """What tests/unit/test_fp8.py checks of torch's CPU cast, on the device: the CUDA prefill's
     FP8 bytes are the codec's only if the device's cast rounds as the codec's table does."""
-    from tandem_protocol import fp8
+    from .unit.test_fp8 import cast_mismatches
 
-    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
-    x = x[torch.isfinite(x)]
-    bits = x.view(torch.int16).numpy().view(np.uint16)
-    bad = []
-    for e in range(fp8.EXP_MIN, fp8.EXP_MAX + 1):
-        y = x.float() * 2.0**-e
-        ok = (y.abs() <= fp8.E4M3_MAX).numpy()
-        got = y[torch.from_numpy(ok)].cuda().to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy()
-        want = fp8._encode_table()[e - fp8.EXP_MIN][bits[ok]]
-        for i in np.flatnonzero(got != want)[:3]:
-            bad.append(
-                f"e={e} fp16 {bits[ok][i]:#06x} ({float(x[torch.from_numpy(ok)][i])!r}): {got[i]:#04x} not {want[i]:#04x}"
-            )
+    bad = cast_mismatches("cuda")
     assert not bad, "\n".join(bad[:30])
 
 

@@ -5,6 +5,12 @@ measured (bench/results/fp8-quality-20261205-071636.md, torch -> MLX, the cross-
 from __future__ import annotations
 
 from bench.bench_fp8_quality import measure
+from node_agent.inprocess import run_pair
+from tandem_protocol.handoff import FirstTokenMode
+from tandem_protocol.pages import FP8_E4M3
+from tandem_protocol.sampling import SamplingParams
+
+from .conftest import collect, prompt, run
 
 
 def test_fp8_pages_against_fp16_pages_as_measured(engines):
@@ -25,13 +31,6 @@ def test_fp8_pages_against_fp16_pages_as_measured(engines):
 def test_a_decoder_that_decodes_fp8_on_its_device_answers_as_the_hosts_codec(engines, long_ids):
     """torch decodes FP8 pages on its device where it has one (decodes_fp8, on CUDA): the same
     import path on the CPU gives exactly the tokens of pages the host's codec decoded first."""
-    from node_agent.inprocess import run_pair
-    from tandem_protocol.handoff import FirstTokenMode
-    from tandem_protocol.pages import FP8_E4M3
-    from tandem_protocol.sampling import SamplingParams
-
-    from .conftest import collect, prompt, run
-
     torch_engine, params = engines["torch"], SamplingParams(max_tokens=16, ignore_eos=True)
     ids = prompt(long_ids, 193)
 

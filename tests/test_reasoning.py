@@ -39,10 +39,7 @@ def client(smol_dir, tmp_path_factory):
     (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
     with side_by_side(
         lambda: AgentProcess("torch", model, home / "p"), lambda: AgentProcess("mlx", model, home / "d")
-    ) as (
-        p,
-        d,
-    ):
+    ) as (p, d):
         with PanelProcess(home / "panel", "--pair", f"think={p.url},{d.url},threshold=1") as panel:
             yield openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)
 
