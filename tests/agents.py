@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import ssl
 import threading
 import time
@@ -270,6 +271,7 @@ def complete(client, model: str, ids: list[int], stream: bool, max_tokens: int =
 
 
 RELEASE_PIECE = 1 << 20  # bytes a held stream's release writes at a time
+UPSTREAM_RCVBUF = 1 << 18  # a frozen link's receive buffer (the kernel doubles it)
 
 
 class TamperProxy:
@@ -318,9 +320,26 @@ class TamperProxy:
         self._ready.set()
         self.loop.run_forever()
 
+    async def _connect_upstream(self, small_buffer: bool):
+        """A frozen link must stop the upstream's bytes at a known point: loopback TCP autotunes its
+        receive buffer up to net.ipv4.tcp_rmem's maximum (32 MiB on CI-like machines, a whole
+        16-page prompt), so a frozen connection's is fixed small (set before connect: that is
+        what keeps autotuning off)."""
+        if not small_buffer:
+            return await asyncio.open_connection(self.upstream_host, self.upstream_port)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UPSTREAM_RCVBUF)
+        sock.setblocking(False)
+        try:
+            await self.loop.sock_connect(sock, (self.upstream_host, self.upstream_port))
+        except BaseException:
+            sock.close()
+            raise
+        return await asyncio.open_connection(sock=sock)
+
     async def _handle(self, client_r, client_w) -> None:
         flip_at, cut_at, freeze_at, rate = self.flip_at, self.cut_at, self.freeze_at, self.rate
-        up_r, up_w = await asyncio.open_connection(self.upstream_host, self.upstream_port)
+        up_r, up_w = await self._connect_upstream(small_buffer=freeze_at is not None)
         first = await client_r.read(65536)  # a page stream's connection carries nothing else
         held = self._held if re.match(rb"GET /v1/handoffs/\w+/pages ", first) else None
         chunks: asyncio.Queue[bytes] = asyncio.Queue()  # what a held stream's upstream sent
