@@ -13,9 +13,10 @@ Life of a handoff (one "handoff_id"):
    call sends the queue as it fills (a heartbeat each second it stays empty), then the final
    frame (P's first token) or an error frame. The window (`engine_adapters.base.PageWindow`)
    bounds the pages between the engine and the wire: the engine takes a unit before it copies
-   a page out of its KV memory, and the unit comes back once the page is sent. So a prompt of
-   any size streams through the budget; a slow link pauses export while the engine computes on,
-   its pages waiting in the engine's own KV memory.
+   a page out of its KV memory, and the unit comes back once the page is in the socket (not when
+   it is queued for a sender thread: what a sender holds counts). So a prompt of any size streams
+   through the budget; a slow link pauses export while the engine computes on, its pages waiting
+   in the engine's own KV memory.
 3. `finish` ends the handoff on every path — read to the end, cancelled, decoder gone, lease
    expired: it stops prefill, waits for the engine's in-flight work to finish (so engine memory
    is released after it), drops staged pages and returns the reservation. It is idempotent.
@@ -24,6 +25,7 @@ Life of a handoff (one "handoff_id"):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -38,6 +40,7 @@ from tandem_protocol.auth import key_matches
 from tandem_protocol.contract import token_digest
 from tandem_protocol.errors import Cancelled, RequestError, TandemError
 from tandem_protocol.handoff import FirstTokenMode, kv_tokens
+from tandem_protocol.http_server import TrackedFrame
 from tandem_protocol.pages import FP8_E4M3, RAW, KVPage, codec_pool, encode_frame
 from tandem_protocol.sampling import SamplingParams
 from tandem_protocol.wire import DONE_MAGIC, HEARTBEAT_FRAME, HEARTBEAT_SECONDS, done_frame, error_frame
@@ -249,15 +252,17 @@ class HandoffManager:
                     yield frame
                     outcome = "done" if frame[:4] == DONE_MAGIC else "failed"
                     return
-                header, payload = frame
-                yield frame
-                h.window.give()  # on the wire: its room in the window is free
-                h.pages_sent += 1
-                h.bytes_sent += len(header) + len(payload)
-                self.metrics.pages_sent.inc()
-                self.metrics.bytes_sent.inc(len(header) + len(payload))
+                yield TrackedFrame(frame, functools.partial(self._page_written, h, len(frame[0]) + len(frame[1])))
         finally:
             await self.finish(h.handoff_id, outcome)
+
+    def _page_written(self, h: Handoff, nbytes: int) -> None:
+        """A page is in the socket (not merely queued for it): its room in the window is free."""
+        h.window.give()
+        h.pages_sent += 1
+        h.bytes_sent += nbytes
+        self.metrics.pages_sent.inc()
+        self.metrics.bytes_sent.inc(nbytes)
 
     async def cancel(self, handoff_id: str) -> bool:
         wait = self.waiting.get(handoff_id)

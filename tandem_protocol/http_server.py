@@ -20,7 +20,8 @@ server's, and against raw TCP.
   the `ChunkWriter` lend the connection to a sender thread for the rest of a page stream's body
   (`tandem_protocol/page_sender.py`: why, how, what it measured) and serves TLS through the layer
   that can lend its SSL object to that thread.
-- `PageStreamResponse` takes an iterator of frames, each a `bytes` or a `(header, payload)` pair.
+- `PageStreamResponse` takes an iterator of frames, each a `bytes` or a `(header, payload)` pair, or
+  a `TrackedFrame` (the pair, and a callback for when it is in the socket).
   Under a server with `tandem.vectored` a frame is one chunk, written by the `ChunkWriter`; any
   other server gets each frame joined into one body message (one copy, still correct).
 
@@ -35,7 +36,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Callable
+from dataclasses import dataclass
 
 from starlette.responses import StreamingResponse
 from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
@@ -87,10 +89,12 @@ class ChunkWriter:
         c = self._cycle
         return c.response_started and bool(c.chunked_encoding) and c.scope["method"] != "HEAD"
 
-    async def write(self, *pieces: bytes | memoryview) -> bool:
+    async def write(self, *pieces: bytes | memoryview, on_written: Callable[[], None] | None = None) -> bool:
         """One chunk made of `pieces`; False once the client is gone (nothing more is sent). The
         transport (or the sender thread) keeps references to the buffers until they are written:
-        callers must not reuse them (page frames are immutable bytes or views of unchanging arrays)."""
+        callers must not reuse them (page frames are immutable bytes or views of unchanging arrays).
+        `on_written` runs on the loop once the chunk is in the socket (through the loop's transport:
+        all but what its buffer holds below its low-water mark); never if the client goes first."""
         if not self.usable:
             raise RuntimeError("ChunkWriter.write before a chunked response started")
         if self._may_lend:
@@ -104,12 +108,14 @@ class ChunkWriter:
                 pieces = (b"%x\r\n" % size + pieces[0], *pieces[1:])
             else:
                 pieces = (b"%x\r\n" % size, *pieces)
-            return await self._sender.send([*pieces, b"\r\n"])
+            return await self._sender.send([*pieces, b"\r\n"], on_written)
         if self._flow.write_paused and not self._cycle.disconnected:
             await self._flow.drain()
         if self._cycle.disconnected:
             return False
         self._cycle.transport.writelines([b"%x\r\n" % size, *pieces, b"\r\n"])
+        if on_written is not None:
+            self._flow.when_writable(on_written)
         return True
 
     async def finish(self) -> bool:
@@ -164,6 +170,21 @@ class StallFlowControl(FlowControl):
     def __init__(self, transport: asyncio.Transport, stall_timeout: float | None):
         super().__init__(transport)
         self.stall_timeout = stall_timeout
+        self._on_writable: list[Callable[[], None]] = []
+
+    def when_writable(self, callback: Callable[[], None]) -> None:
+        """`callback()` now if the transport's buffer is under its high-water mark, else once it
+        has drained under its low-water mark (never, if the connection is lost first)."""
+        if self.write_paused:
+            self._on_writable.append(callback)
+        else:
+            callback()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        callbacks, self._on_writable = self._on_writable, []
+        for callback in callbacks:
+            callback()
 
     async def drain(self) -> None:
         try:
@@ -209,10 +230,20 @@ async def aclose(iterator) -> None:
         await iterator.aclose()
 
 
+@dataclass(frozen=True, slots=True)
+class TrackedFrame:
+    """A frame (its pieces, written in order) whose `on_written` runs once it is in the socket, as
+    `ChunkWriter.write` says; on a server without `tandem.vectored`, once its body message is sent.
+    The prefiller's staging window gives a page's room back then, not when it is queued."""
+
+    pieces: tuple[bytes | memoryview, ...]
+    on_written: Callable[[], None]
+
+
 class PageStreamResponse(StreamingResponse):
     media_type = "application/x-tandem-pages"
 
-    def __init__(self, frames: AsyncIterable[Frame]):
+    def __init__(self, frames: AsyncIterable[Frame | TrackedFrame]):
         super().__init__(frames, media_type=self.media_type)
 
     async def stream_response(self, send) -> None:
@@ -221,12 +252,17 @@ class PageStreamResponse(StreamingResponse):
         ended = False
         try:
             async for frame in self.body_iterator:
+                on_written = None
+                if isinstance(frame, TrackedFrame):
+                    frame, on_written = frame.pieces, frame.on_written
                 pieces = frame if isinstance(frame, tuple) else (frame,)
                 if writer is not None:
-                    if not await writer.write(*pieces):  # the client is gone
+                    if not await writer.write(*pieces, on_written=on_written):  # the client is gone
                         return
                 else:
                     await send({"type": "http.response.body", "body": b"".join(pieces), "more_body": True})
+                    if on_written is not None:
+                        on_written()
             ended = True
             if writer is not None and not await writer.finish():
                 return

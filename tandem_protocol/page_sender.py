@@ -92,7 +92,7 @@ class SocketSender:
         self._loop, self._sock, self._stall, self._on_end, self._tls = loop, sock, stall_timeout, on_end, tls
         sock.settimeout(stall_timeout or _WAIT_FOREVER)  # O_NONBLOCK + poll: the loop's descriptor stays non-blocking
         self._cond = threading.Condition()
-        self._chunks: collections.deque[list | None] = collections.deque()
+        self._chunks: collections.deque[tuple[list, Callable[[], None] | None] | None] = collections.deque()
         self._stop = False
         self._room: asyncio.Future | None = None  # the loop waits on it for a free place in the queue
         self.error: BaseException | None = None
@@ -102,15 +102,17 @@ class SocketSender:
 
     # The loop's side
 
-    async def send(self, pieces: list) -> bool:
+    async def send(self, pieces: list, on_written: Callable[[], None] | None = None) -> bool:
         """Queue one chunk (its pieces, written in order); False once the thread has stopped. The
-        pieces are referenced until written: callers must not change them."""
+        pieces are referenced until written: callers must not change them. `on_written` runs on
+        the loop once the chunk's last byte is in the socket (never, if the stream is abandoned
+        first)."""
         while True:
             with self._cond:
                 if self._stop or self.ended.done():
                     return False
                 if len(self._chunks) < DEPTH:
-                    self._chunks.append(pieces)
+                    self._chunks.append((pieces, on_written))
                     self._cond.notify()
                     return True
                 self._room = room = self._loop.create_future()
@@ -148,9 +150,10 @@ class SocketSender:
                         self._cond.wait()
                     if self._stop:
                         break
-                    pieces = self._chunks[0]
-                if pieces is None:
+                    chunk = self._chunks[0]
+                if chunk is None:
                     break
+                pieces, on_written = chunk
                 if self._tls is None:
                     self._sendmsg([_bytes_view(p) for p in pieces])
                 else:
@@ -158,8 +161,8 @@ class SocketSender:
                 with self._cond:
                     self._chunks.popleft()
                     room, self._room = self._room, None
-                if room is not None:
-                    self._loop.call_soon_threadsafe(_resolve, room)
+                if room is not None or on_written is not None:
+                    self._loop.call_soon_threadsafe(_written, room, on_written)
         except (OSError, ValueError) as e:  # ssl.SSLError and TimeoutError are OSErrors
             error = e if not self._stop else None
         finally:
@@ -218,6 +221,13 @@ class SocketSender:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _written(room: asyncio.Future | None, on_written: Callable[[], None] | None) -> None:
+    if room is not None:
+        _resolve(room)
+    if on_written is not None:
+        on_written()
 
 
 def _peer(sock: socket.socket):

@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from tandem_protocol import page_sender
 from tandem_protocol.client import AgentClient
-from tandem_protocol.http_server import PageStreamProtocol, PageStreamResponse, server_tls_context
+from tandem_protocol.http_server import PageStreamProtocol, PageStreamResponse, TrackedFrame, server_tls_context
 from tandem_protocol.pages import FrameExpectation, PageGeometry, encode_frame, make_page
 from tandem_protocol.tls import certificate_fingerprint, client_context, ensure_certificate
 from tandem_protocol.wire import HEARTBEAT_FRAME
@@ -252,3 +252,56 @@ def test_an_agent_releases_a_handoff_whose_reader_hangs_up_mid_stream(smol_dir, 
 
     with AgentProcess("torch", smol_dir, tmp_path / "p", tls=tls_on) as agent:
         asyncio.run(main(agent))
+
+
+@pytest.mark.parametrize("transport", ["plain", "tls"])
+@pytest.mark.parametrize("sender", ["thread", "loop"])
+def test_a_tracked_frame_counts_as_written_only_once_it_is_in_the_socket(transport, sender, tls):
+    """What the prefiller's staging window relies on (issue 23): a page's room comes back when its
+    bytes are in the socket, not when it is queued. A reader takes nothing: the frames the response
+    has taken from its source but not written — the sender thread's queue (DEPTH) and the one
+    waiting for room in it, or the loop's chunk above the transport's low-water mark and the one
+    waiting for it to drain — are not reported written; once the reader reads, every one is."""
+    pages, piece = 48, bytes(1 << 20)  # 48 MiB: more than the kernel's buffers on both sides hold
+    queued = page_sender.DEPTH + 1 if sender == "thread" else 2
+
+    async def main():
+        taken, written = [0], [0]
+
+        async def pages_route(request):
+            def count() -> None:
+                written[0] += 1
+
+            async def gen():
+                for i in range(pages):
+                    taken[0] += 1
+                    yield TrackedFrame((b"%08d" % i, piece), count)
+
+            return PageStreamResponse(gen())
+
+        ctx, pin = tls if transport == "tls" else (None, None)
+        app = Starlette(routes=[Route("/pages", pages_route)])
+        async with serving(app, sender, ctx) as port:
+            raw = socket.socket()
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            raw.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(raw, ("127.0.0.1", port))
+            r, w = await asyncio.open_connection(
+                sock=raw, ssl=client_context(pin) if pin else None, server_hostname="127.0.0.1" if pin else None
+            )
+            try:
+                w.write(b"GET /pages HTTP/1.1\r\nHost: x\r\n\r\n")
+                await r.readuntil(b"\r\n\r\n")
+                last, still = -1, 0
+                while still < 10:  # the response stops taking frames: every buffer between is full
+                    await asyncio.sleep(0.05)
+                    last, still = taken[0], still + 1 if taken[0] == last else 0
+                assert taken[0] < pages, taken
+                assert written[0] == taken[0] - queued, (taken, written)
+                sizes, _ = await read_chunks(r)
+                assert len(sizes) == pages + 1 and written[0] == taken[0] == pages
+            finally:
+                w.transport.abort()  # a failed check must not leave the server waiting on this reader
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
