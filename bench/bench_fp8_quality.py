@@ -1,18 +1,18 @@
-"""What FP8 pages cost in quality, against FP16 pages of the same prefill, on the embedded model.
+"""What FP8 and INT8 pages cost in quality, against FP16 pages of the same prefill, on the embedded model.
 
-    .venv/bin/python bench/bench_fp8_quality.py [--steps 32]
+    .venv/bin/python bench/bench_fp8_quality.py [--steps 32] [--encodings fp8,int8]
 
 For each of the 20 cross-engine prompts (tests/integration/rules.py) and each direction between
 the in-process engines (torch -> MLX, MLX -> torch): P exports the pages of prompt[:-1]
-(recompute-last); D imports them as sent in FP16, and again as they arrive in FP8 (encoded and
-decoded by tandem_protocol/fp8.py, as on the wire). From each import D computes the last prompt
+(recompute-last); D imports them as sent in FP16, and again as they arrive in FP8 or INT8 (encoded
+and decoded by tandem_protocol/fp8.py or int8.py, as on the wire). From each import D computes the last prompt
 token and then `--steps` greedy tokens:
-- first-step logits: max |FP8 - FP16| over the vocabulary;
+- first-step logits: max |FP8 - FP16| over the vocabulary (FP8 here and below: the lossy encoding);
 - greedy agreement: the two answers identical over every step (and over the first 16, the
   cross-engine tests' length); beside it, as a baseline, FP16 pages against D's own prefill;
 - KL: KL(FP16 || FP8) of the next-token distributions, teacher-forced along the FP16 answer so
   both see the same context, averaged over the steps;
-and the wire: the FP8 payload's size against FP16's, and zstd's lossless ratio on the same pages.
+and the wire: the lossy payload's size against FP16's, and zstd's lossless ratio on the same pages.
 Writes bench/results/fp8-quality-<date>.json and .md.
 """
 
@@ -32,15 +32,18 @@ sys.path.insert(0, str(ROOT))
 
 from bench.prompts import PROMPTS  # noqa: E402
 from engine_adapters.base import EngineRequest  # noqa: E402
-from tandem_protocol import fp8  # noqa: E402
+from tandem_protocol import fp8, int8  # noqa: E402
 from tandem_protocol.handoff import FirstTokenMode  # noqa: E402
 from tandem_protocol.pages import KVPage, compress_planes  # noqa: E402
 from tandem_protocol.sampling import SamplingParams  # noqa: E402
 
+CODECS = {"fp8": fp8, "int8": int8}
 
-def as_fp8(page: KVPage) -> KVPage:
-    """The page as a decoder receives it over an FP8 link."""
-    data = fp8.decode(fp8.encode(page.data), page.data.shape)
+
+def over_the_wire(page: KVPage, encoding: str) -> KVPage:
+    """The page as a decoder receives it over a link with this lossy encoding."""
+    codec = CODECS[encoding]
+    data = codec.decode(codec.encode(page.data), page.data.shape)
     return KVPage(index=page.index, valid_tokens=page.valid_tokens, data=data)
 
 
@@ -89,10 +92,10 @@ def same_for(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
-async def measure_prompt(prefiller, decoder, ids: list[int], steps: int) -> dict:
+async def measure_prompt(prefiller, decoder, ids: list[int], steps: int, encoding: str) -> dict:
     req = EngineRequest("fp8-p", ids, SamplingParams(max_tokens=1), FirstTokenMode.RECOMPUTE_LAST)
     pages = [p async for p in prefiller.prefill(req) if isinstance(p, KVPage)]
-    eight = [as_fp8(p) for p in pages]
+    eight = [over_the_wire(p, encoding) for p in pages]
     ref_logits, ref_tokens = await run_from(decoder, pages, ids, None, steps)
     fp8_logits, fp8_tokens = await run_from(decoder, eight, ids, None, steps)
     forced, _ = await run_from(decoder, eight, ids, ref_tokens, steps)  # FP8 along FP16's answer
@@ -109,20 +112,23 @@ async def measure_prompt(prefiller, decoder, ids: list[int], steps: int) -> dict
         "fp16_same_for": same_for(ref_tokens, own_tokens),  # FP16 pages' answer against D's own prefill
         "mean_kl": float(np.mean(kls)),
         "raw_bytes": raw,
-        "fp8_bytes": sum(fp8.payload_bytes(*p.data.shape[:1], *p.data.shape[3:], p.data.shape[2]) for p in pages),
+        "lossy_bytes": sum(
+            CODECS[encoding].payload_bytes(*p.data.shape[:1], *p.data.shape[3:], p.data.shape[2]) for p in pages
+        ),
         "zstd_bytes": sum(len(compress_planes(p.data)) for p in pages),
     }
 
 
-def measure(prefiller, decoder, steps: int = 32) -> dict:
-    """Every prompt, one direction: the per-prompt figures and their summary."""
+def measure(prefiller, decoder, steps: int = 32, encoding: str = "fp8") -> dict:
+    """Every prompt, one direction, one lossy encoding: the per-prompt figures and their summary."""
     rows = []
     for text in PROMPTS:
         ids = decoder.chat_token_ids([{"role": "user", "content": text}])
-        rows.append(asyncio.run(measure_prompt(prefiller, decoder, ids, steps)))
+        rows.append(asyncio.run(measure_prompt(prefiller, decoder, ids, steps, encoding)))
     raw = sum(r["raw_bytes"] for r in rows)
     return {
         "direction": f"{prefiller.name}->{decoder.name}",
+        "encoding": encoding,
         "steps": steps,
         "prompts": len(rows),
         "greedy_agreement": sum(r["greedy_agree"] for r in rows),
@@ -132,7 +138,7 @@ def measure(prefiller, decoder, steps: int = 32) -> dict:
         "first_step_max_abs_diff": max(r["first_step_max_abs_diff"] for r in rows),
         "mean_kl": float(np.mean([r["mean_kl"] for r in rows])),
         "max_prompt_kl": max(r["mean_kl"] for r in rows),
-        "fp8_wire_ratio": sum(r["fp8_bytes"] for r in rows) / raw,
+        "wire_ratio": sum(r["lossy_bytes"] for r in rows) / raw,
         "zstd_wire_ratio": sum(r["zstd_bytes"] for r in rows) / raw,
         "per_prompt": rows,
     }
@@ -154,7 +160,7 @@ def full_page_ratios(prefiller, decoder) -> dict:
     return {
         "tokens": len(ids),
         "full_pages": len(full),
-        "fp8": sum(len(fp8.encode(p.data)) for p in full) / raw,
+        **{name: sum(len(codec.encode(p.data)) for p in full) / raw for name, codec in CODECS.items()},
         "zstd": sum(len(compress_planes(p.data)) for p in full) / raw,
     }
 
@@ -162,6 +168,7 @@ def full_page_ratios(prefiller, decoder) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--encodings", default="fp8,int8", help="the lossy encodings to measure, comma-separated")
     args = ap.parse_args()
     from engine_adapters import load_adapter
     from engine_adapters.embedded_model import fetch
@@ -171,34 +178,38 @@ def main() -> None:
     engines = {name: load_adapter(name, path) for name in ("torch", "mlx")}
     for adapter in engines.values():
         adapter.set_prefix_cache_bytes(0)
-    results = [measure(engines[p], engines[d], args.steps) for p, d in (("torch", "mlx"), ("mlx", "torch"))]
+    results = [
+        measure(engines[p], engines[d], args.steps, encoding)
+        for encoding in args.encodings.split(",")
+        for p, d in (("torch", "mlx"), ("mlx", "torch"))
+    ]
     wire = {name: full_page_ratios(engines[name], engines[name]) for name in engines}
     for adapter in engines.values():
         adapter.close()
     lines = [
-        f"# FP8 pages against FP16 pages (embedded model, 20 prompts, {args.steps} greedy steps)",
+        f"# FP8 and INT8 pages against FP16 pages (embedded model, 20 prompts, {args.steps} greedy steps)",
         "",
-        "| direction | FP8 = FP16 pages, greedy, all steps | first 16 | baseline: FP16 pages = D's own "
+        "| encoding | direction | = FP16 pages, greedy, all steps | first 16 | baseline: FP16 pages = D's own "
         "prefill, all steps / first 16 | first-step max abs logit diff | mean KL (nats) | worst prompt KL | "
-        "FP8 wire ÷ FP16 | zstd wire ÷ FP16 (lossless) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "wire ÷ FP16 | zstd wire ÷ FP16 (lossless) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         lines.append(
-            f"| {r['direction']} | {r['greedy_agreement']}/{r['prompts']} | {r['greedy_agreement_16']}/{r['prompts']} | "
+            f"| {r['encoding']} | {r['direction']} | {r['greedy_agreement']}/{r['prompts']} | {r['greedy_agreement_16']}/{r['prompts']} | "
             f"{r['fp16_pages_vs_own_prefill']}/{r['prompts']} / {r['fp16_pages_vs_own_prefill_16']}/{r['prompts']} | "
             f"{r['first_step_max_abs_diff']:.4f} | "
-            f"{r['mean_kl']:.2e} | {r['max_prompt_kl']:.2e} | {r['fp8_wire_ratio']:.4f} | {r['zstd_wire_ratio']:.4f} |"
+            f"{r['mean_kl']:.2e} | {r['max_prompt_kl']:.2e} | {r['wire_ratio']:.4f} | {r['zstd_wire_ratio']:.4f} |"
         )
     lines += ["", "Wire bytes ÷ FP16 over full pages only (one long prompt):", ""]
     lines += [
         f"- {name} pages ({w['full_pages']} full pages of a {w['tokens']}-token prompt): FP8 {w['fp8']:.4f}, "
-        f"zstd {w['zstd']:.4f}"
+        f"INT8 {w['int8']:.4f}, zstd {w['zstd']:.4f}"
         for name, w in wire.items()
     ]
     print("\n".join(lines))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = ROOT / "bench" / "results" / f"fp8-quality-{stamp}"
+    out = ROOT / "bench" / "results" / f"lossy-pages-quality-{stamp}"
     out.with_suffix(".json").write_text(json.dumps({"directions": results, "full_pages": wire}, indent=1))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out}.json and .md")

@@ -37,8 +37,8 @@ def panel(
     node: list[str] = typer.Option(None, help="Agent URL to add and pair (repeatable)."),
     pair: list[str] = typer.Option(
         None,
-        help="NAME=PREFILL_URL,DECODE_URL[,zstd|fp8][,threshold=N]: serve a model by P/D (repeatable). Several "
-        "nodes of a role join with '+' (NAME=P1,D1+D2: a pool); zstd: pages travel compressed, fp8: as FP8. Without a "
+        help="NAME=PREFILL_URL,DECODE_URL[,zstd|fp8|int8][,threshold=N]: serve a model by P/D (repeatable). Several "
+        "nodes of a role join with '+' (NAME=P1,D1+D2: a pool); zstd: pages travel compressed, fp8: as FP8, int8: as INT8. Without a "
         "threshold the panel estimates each route's time to first token and picks the fastest; threshold=N "
         "overrides it: prompts with fewer new tokens than N (past what the decoder holds) run on the decoder "
         "alone, the rest P/D (threshold=1: always P/D).",

@@ -44,7 +44,7 @@ class Pool(SQLModel, table=True):
     context_length: int
     local_threshold: int = 0  # prompts (less what the decoder holds) shorter than this run on D alone
     fallback: str = "decode_alone"  # or "fail"
-    page_encoding: str = "raw"  # or "zstd": pages compressed on the wire (lossless), for slow links
+    page_encoding: str = "raw"  # or zstd (lossless), fp8 or int8 (lossy): pages.ENCODINGS
 
 
 class PoolMember(SQLModel, table=True):

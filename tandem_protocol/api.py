@@ -12,7 +12,7 @@ from .handoff import FirstTokenMode
 from .pages import PROTOCOL_VERSION
 from .sampling import SamplingParams
 
-PageEncoding = Literal["raw", "zstd", "fp8"]
+PageEncoding = Literal["raw", "zstd", "fp8", "int8"]
 _URL = r"^https?://[^\s/]+(/.*)?$"
 _FINGERPRINT = r"^[0-9a-f]{64}$"
 

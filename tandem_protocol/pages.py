@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from . import fp8
+from . import fp8, int8
 from .errors import ContractMismatch, FrameError
 
 PAGE_TOKENS = 64
@@ -139,9 +139,11 @@ def make_page(geometry: PageGeometry, index: int, kv: np.ndarray, out: np.ndarra
 # ---- wire encodings of a payload ----------------------------------------------------------------
 # FP16 stays the canonical form: an encoding only changes how a page's bytes travel, and the
 # receiver restores canonical FP16 before any check of their content: the exact bytes (raw,
-# zstd), or the nearest FP8 values with per-block scales (fp8: lossy, opt-in per model; fp8.py).
-RAW, ZSTD_PLANES, FP8_E4M3 = 0, 1, 2
-ENCODINGS = {"raw": RAW, "zstd": ZSTD_PLANES, "fp8": FP8_E4M3}  # the name a pair asks for -> the header's code
+# zstd), or the nearest FP8 values with per-block scales (fp8: lossy, opt-in per model; fp8.py),
+# or INT8 codes with per-channel K and per-token V scales (int8: lossy, opt-in; int8.py).
+RAW, ZSTD_PLANES, FP8_E4M3, INT8 = 0, 1, 2, 3
+# the name a pair asks for -> the header's code
+ENCODINGS = {"raw": RAW, "zstd": ZSTD_PLANES, "fp8": FP8_E4M3, "int8": INT8}
 ZSTD_LEVEL = 1  # fastest: the point is to beat a slow link, not to save disk
 
 
@@ -230,8 +232,8 @@ def encode_frame(
     """Frame a page: returns (header, payload view). Write both; a raw payload is not copied.
 
     `payload_state`: `xxhash.xxh3_64(payload)` already computed, for a payload framed again.
-    `encoding`: ZSTD_PLANES sends the page compressed, FP8_E4M3 as FP8 (the checksum covers the
-    bytes sent)."""
+    `encoding`: ZSTD_PLANES sends the page compressed, FP8_E4M3 as FP8, INT8 as INT8 (the checksum
+    covers the bytes sent)."""
     data = page.data
     if data.dtype != KV_DTYPE or not data.flags.c_contiguous:
         raise ValueError("page data must be C-contiguous little-endian FP16")
@@ -241,6 +243,8 @@ def encode_frame(
     elif encoding == FP8_E4M3:
         payload = memoryview(fp8.encode(data) if page.fp8 is None else page.fp8).cast("B")
         payload_state = None
+    elif encoding == INT8:
+        payload, payload_state = memoryview(int8.encode(data)), None
     elif encoding == RAW:
         payload = memoryview(data).cast("B")
     else:
@@ -316,13 +320,13 @@ def parse_header(buf: bytes | memoryview) -> FrameHeader:
     if header_size != HEADER_SIZE or encoding not in ENCODINGS.values():
         raise FrameError(f"bad frame header (size {header_size}, encoding {encoding})")
     geometry = PageGeometry(layers, kv_heads, head_dim, page_tokens)
-    fits = (
-        payload_size == geometry.page_bytes
-        if encoding == RAW
-        else payload_size == fp8.payload_bytes(layers, kv_heads, head_dim, page_tokens)
-        if encoding == FP8_E4M3
-        else 0 < payload_size <= max_compressed(geometry.page_bytes)
-    )
+    if encoding == RAW:
+        fits = payload_size == geometry.page_bytes
+    elif encoding in (FP8_E4M3, INT8):
+        codec = fp8 if encoding == FP8_E4M3 else int8
+        fits = payload_size == codec.payload_bytes(layers, kv_heads, head_dim, page_tokens)
+    else:
+        fits = 0 < payload_size <= max_compressed(geometry.page_bytes)
     if min(layers, kv_heads, head_dim, page_tokens) == 0 or not fits:
         raise FrameError(f"frame payload size {payload_size} does not match its geometry {geometry}")
     if not 1 <= valid <= page_tokens:
@@ -378,6 +382,11 @@ def decode_payload(
             values = fp8.split(payload, g.page_shape)[1] if kept else fp8.decode(payload, g.page_shape)
         except ValueError as e:
             raise FrameError(f"FP8 page {header.page_index}: {e}") from e
+    elif header.encoding == INT8:
+        try:
+            values = int8.decode(payload, g.page_shape)
+        except ValueError as e:
+            raise FrameError(f"INT8 page {header.page_index}: {e}") from e
     else:
         values = decompress_planes(payload, g.page_bytes).reshape(g.page_shape)
     # FP16 zeros past the valid tokens (a kept page: the zero codes they encode to)

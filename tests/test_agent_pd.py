@@ -7,7 +7,7 @@ import pytest
 from engine_adapters.base import EngineRequest
 from node_agent.inprocess import run_pair
 from tandem_protocol.handoff import FirstTokenMode
-from tandem_protocol.pages import FP8_E4M3
+from tandem_protocol.pages import ENCODINGS
 from tandem_protocol.sampling import SamplingParams
 
 from .agents import AgentProcess, pd_request, side_by_side, tokens_of
@@ -67,20 +67,26 @@ def test_compressed_pages_give_the_same_tokens_in_fewer_bytes(agents, long_ids):
         assert "zstd" in c.get("/v1/info").json()["page_encodings"]
 
 
-def test_fp8_pages_travel_in_half_the_bytes_and_decode_as_the_codec_says(agents, engines, long_ids):
-    """A pair that asks for FP8 pages: over HTTP, D decodes exactly what the same pair gives in
-    one process with FP8 frames (tandem_protocol/fp8.py both ways), in half the bytes of FP16."""
+@pytest.mark.parametrize("encoding, ratio", [("fp8", 0.51), ("int8", 0.52)])
+def test_lossy_pages_travel_in_about_half_the_bytes_and_decode_as_the_codec_says(
+    agents, engines, long_ids, encoding, ratio
+):
+    """A pair that asks for FP8 or INT8 pages: over HTTP, D decodes exactly what the same pair gives
+    in one process with such frames (tandem_protocol/fp8.py, int8.py both ways), in about half the
+    bytes of FP16."""
     for p, d in (("torch", "mlx"), ("mlx", "torch")):
         ids = prompt(long_ids, 193)
         raw = run(pd_request(agents[p].url, agents[d].url, ids, SAMPLING, "commit-first"))
-        eight = run(pd_request(agents[p].url, agents[d].url, ids, SAMPLING, "commit-first", page_encoding="fp8"))
+        lossy = run(pd_request(agents[p].url, agents[d].url, ids, SAMPLING, "commit-first", page_encoding=encoding))
         params = SamplingParams(**SAMPLING)
         expected = run(
-            collect(run_pair(engines[p], engines[d], ids, params, FirstTokenMode.COMMIT_FIRST, encoding=FP8_E4M3))
+            collect(
+                run_pair(engines[p], engines[d], ids, params, FirstTokenMode.COMMIT_FIRST, encoding=ENCODINGS[encoding])
+            )
         )
-        assert tokens_of(eight) == expected, (p, d)
-        assert eight[-1]["pages"] == raw[-1]["pages"] == 4
-        assert eight[-1]["wire_bytes"] < 0.51 * raw[-1]["wire_bytes"], (eight[-1], raw[-1])
+        assert tokens_of(lossy) == expected, (p, d)
+        assert lossy[-1]["pages"] == raw[-1]["pages"] == 4
+        assert lossy[-1]["wire_bytes"] < ratio * raw[-1]["wire_bytes"], (lossy[-1], raw[-1])
 
 
 def test_same_engine_http_pd_equals_local(agents, engines, long_ids):

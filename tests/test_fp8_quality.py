@@ -1,6 +1,7 @@
-"""FP8 pages' cost in quality on the embedded model, held to what bench/bench_fp8_quality.py
-measured (bench/results/fp8-quality-20261205-071636.md, torch -> MLX, the cross-engine tests'
-16 greedy tokens): FP8 is opt-in because it changes answers, and this says by how much."""
+"""FP8 and INT8 pages' cost in quality on the embedded model, held to what bench/bench_fp8_quality.py
+measured (bench/results/fp8-quality-20261205-071636.md for FP8, this test's own run for INT8;
+torch -> MLX, the cross-engine tests' 16 greedy tokens): both are opt-in because they may change
+answers, and this says by how much."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_fp8_pages_against_fp16_pages_as_measured(engines):
     assert r["greedy_agreement"] >= 15, r
     assert r["first_step_max_abs_diff"] <= 2 * 1.2388, r
     assert r["mean_kl"] <= 2 * 3.57e-3, r
-    assert r["fp8_wire_ratio"] <= 0.5002, r
+    assert r["wire_ratio"] <= 0.5002, r
 
 
 def test_a_decoder_that_decodes_fp8_on_its_device_answers_as_the_hosts_codec(engines, long_ids):
@@ -54,3 +55,19 @@ def test_a_decoder_that_decodes_fp8_on_its_device_answers_as_the_hosts_codec(eng
         del torch_engine.import_fp8
     assert imported == [0, 64, 128, 192]  # every page came to the engine encoded
     assert on_device == on_host
+
+
+def test_int8_pages_against_fp16_pages_as_measured(engines):
+    """INT8 pages (per-channel K, per-token V scales) in about the bytes of FP8's: every answer as
+    with FP16 pages."""
+    r = measure(engines["torch"], engines["mlx"], steps=16, encoding="int8")
+    print(
+        f"\ntorch->mlx INT8 pages: greedy agreement with FP16 pages {r['greedy_agreement']}/20 over 16 tokens, "
+        f"first-step max abs logit diff {r['first_step_max_abs_diff']:.4f}, mean KL {r['mean_kl']:.2e}"
+    )
+    assert r["fp16_pages_vs_own_prefill"] == 20, r
+    # measured over 16 steps: 20/20, 0.3483, 1.26e-4; a tolerance within 2x
+    assert r["greedy_agreement"] == 20, r
+    assert r["first_step_max_abs_diff"] <= 2 * 0.3483, r
+    assert r["mean_kl"] <= 2 * 1.26e-4, r
+    assert r["wire_ratio"] == 0.515625, r  # at this geometry; 0.512 at an 8B model's

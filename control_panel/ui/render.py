@@ -29,6 +29,7 @@ PAGE_ENCODINGS = {
     "raw": N_("Raw FP16"),
     "zstd": N_("Compressed (zstd, lossless)"),
     "fp8": N_("FP8 (lossy, half the bytes)"),
+    "int8": N_("INT8 (lossy, about half the bytes, closer to FP16)"),
 }
 ROLES = {"prefill": N_("prefill"), "decode": N_("decode")}
 ROUTES = {"pd": N_("prefill → decode"), "decode_alone": N_("decoder alone"), "node": N_("single node")}

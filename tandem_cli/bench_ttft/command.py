@@ -61,6 +61,9 @@ def bench_ttft(
     ),
     zstd: bool = typer.Option(False, help="Also run every P->D direction with compressed pages (byte planes + zstd)."),
     fp8: bool = typer.Option(False, help="Also run every P->D direction with FP8 pages (lossy, half the bytes)."),
+    int8: bool = typer.Option(
+        False, help="Also run every P->D direction with INT8 pages (lossy, 0.51-0.52 the bytes)."
+    ),
     staging: str = typer.Option(
         None, help="Both agents' --staging-bytes (e.g. 8GiB: the pages of a long prompt of a large model)."
     ),
@@ -120,7 +123,7 @@ def bench_ttft(
         dirs = [(0, 1)] if fast_prefiller else dirs
         with shaped_link(rate, delay_ms, random_block()) if link == "shaped" else loopback_link() as net:
             for engines in pairs:
-                encodings = ("raw", *(e for e, on in (("zstd", zstd), ("fp8", fp8)) if on))
+                encodings = ("raw", *(e for e, on in (("zstd", zstd), ("fp8", fp8), ("int8", int8)) if on))
                 own_cluster(
                     result,
                     net,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem_protocol import fp8
+from tandem_protocol import fp8, int8
 from tandem_protocol.errors import FrameError
 from tandem_protocol.pages import FP8_E4M3, KVPage, PageGeometry, decode_frame, encode_frame
 
@@ -104,17 +104,19 @@ def test_torchs_float8_cast_is_this_codec_for_every_fp16_value_and_block_exponen
     assert not bad, "\n".join(bad[:30])
 
 
-def test_zero_and_extreme_pages():
+@pytest.mark.parametrize("codec", [fp8, int8], ids=["fp8", "int8"])
+def test_zero_and_extreme_pages(codec):
+    """Both lossy codecs (int8.py too): zeros stay +0, FP16's extremes and subnormals come back."""
     zero = np.zeros((2, 2, 64, 3, 64), np.float16)
-    assert not fp8.decode(fp8.encode(zero), zero.shape).view(np.uint16).any()
+    assert not codec.decode(codec.encode(zero), zero.shape).view(np.uint16).any()
     extreme = np.full((1, 2, 64, 2, 8), 65504, np.float16)
     extreme[0, 1] = -65504
     extreme[0, 0, :, 1] = 6e-8  # FP16's smallest subnormal, a block of its own
-    y = fp8.decode(fp8.encode(extreme), extreme.shape)
+    y = codec.decode(codec.encode(extreme), extreme.shape)
     assert np.isfinite(y).all() and (y[0, 0, :, 0] == 65504).all() and (y[0, 1] == -65504).all()
     assert (y[0, 0, :, 1] == extreme[0, 0, :, 1]).all()
     with pytest.raises(ValueError, match="infinities or NaN"):
-        fp8.encode(np.full((1, 2, 64, 1, 8), np.inf, np.float16))
+        codec.encode(np.full((1, 2, 64, 1, 8), np.inf, np.float16))
 
 
 def test_an_fp8_frame_is_half_the_bytes_and_a_flipped_bit_is_caught():
