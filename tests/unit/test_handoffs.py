@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from contextlib import aclosing
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,6 +23,7 @@ from node_agent.handoffs import HandoffError, HandoffManager
 from node_agent.metrics import Metrics
 from tandem_protocol.errors import Cancelled, RequestError
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
+from tandem_protocol.http_server import TrackedFrame
 from tandem_protocol.pages import PageGeometry, make_page
 from tandem_protocol.sampling import SamplingParams
 from tandem_protocol.wire import DONE_MAGIC, ERROR_MAGIC, HEARTBEAT_MAGIC
@@ -96,6 +98,17 @@ def finished(metrics: Metrics, outcome: str) -> float:
     return Metrics.value(metrics.handoffs_finished.labels(outcome=outcome))
 
 
+async def written(frames):
+    """A handoff's frames as the page-stream response passes them on: each page as its (header,
+    payload) pieces, reported written (its room in the window back) as it is taken."""
+    async with aclosing(frames):
+        async for frame in frames:
+            if isinstance(frame, TrackedFrame):
+                frame.on_written()
+                frame = frame.pieces
+            yield frame
+
+
 def kind(frame) -> str:
     if isinstance(frame, tuple):
         return "page"
@@ -127,7 +140,7 @@ def test_read_to_the_end():
         engine, budget, metrics, manager = setup()
         h = await create(manager, tokens=150)  # 3 pages
         assert budget.reserved == 3 * GEOMETRY.page_bytes  # reserved before any compute
-        frames = await manager.stream(h.handoff_id)
+        frames = written(await manager.stream(h.handoff_id))
         engine.allow(3)
         got = [f async for f in frames]
         assert [kind(f) for f in got] == ["page", "page", "page", "done"]
@@ -148,7 +161,7 @@ def test_a_reader_waiting_for_pages_gets_heartbeats(monkeypatch):
     async def main():
         engine, budget, metrics, manager = setup()
         h = await create(manager, tokens=150)
-        frames = await manager.stream(h.handoff_id)
+        frames = written(await manager.stream(h.handoff_id))
         loop = asyncio.get_running_loop()
         loop.call_later(0.4, engine.allow, 1)
         loop.call_later(0.8, engine.allow, 2)
@@ -183,7 +196,7 @@ def test_cancel_while_a_reader_waits_ends_its_stream_with_the_reason():
     async def main():
         engine, budget, metrics, manager = setup()
         h = await create(manager)
-        frames = await manager.stream(h.handoff_id)
+        frames = written(await manager.stream(h.handoff_id))
         engine.allow(1)
         first = await anext(frames)
         assert kind(first) == "page"
@@ -204,7 +217,7 @@ def test_a_reader_that_goes_away_mid_stream_stops_prefill():
     async def main():
         engine, budget, metrics, manager = setup()
         h = await create(manager)
-        frames = await manager.stream(h.handoff_id)
+        frames = written(await manager.stream(h.handoff_id))
         engine.allow(1)
         assert kind(await anext(frames)) == "page"
         await frames.aclose()  # the decoder hung up
@@ -221,7 +234,7 @@ def test_a_reader_task_cancelled_mid_teardown_still_releases_everything():
     async def main():
         engine, budget, metrics, manager = setup()
         h = await create(manager)
-        frames = await manager.stream(h.handoff_id)
+        frames = written(await manager.stream(h.handoff_id))
 
         async def read():
             async for _ in frames:
@@ -262,7 +275,7 @@ def test_a_reader_cancels_the_lease_and_reads_a_prefill_longer_than_it():
     async def main():
         engine, budget, metrics, manager = setup(ttl=0.05)
         h = await create(manager)
-        frames = await manager.stream(h.handoff_id)
+        frames = written(await manager.stream(h.handoff_id))
         await asyncio.sleep(0.15)  # three leases long, prefill not even started
         assert h.handoff_id in manager.handoffs
         engine.allow(3)
@@ -277,7 +290,7 @@ def test_an_engine_crash_ends_the_stream_with_an_error_frame():
     async def main():
         engine, budget, metrics, manager = setup(fail_at=1)
         h = await create(manager)
-        frames = await manager.stream(h.handoff_id)
+        frames = written(await manager.stream(h.handoff_id))
         engine.allow(3)
         got = [f async for f in frames]
         assert [kind(f) for f in got] == ["page", "error"]
@@ -341,7 +354,7 @@ def test_shutdown_ends_every_handoff_and_tells_the_readers():
     async def main():
         engine, budget, metrics, manager = setup()
         read, unread = await create(manager), await create(manager)
-        frames = await manager.stream(read.handoff_id)
+        frames = written(await manager.stream(read.handoff_id))
         await manager.close()
         got = [f async for f in frames]
         assert [kind(f) for f in got] == ["error"] and error_of(got[0])["code"] == "shutdown"
@@ -365,7 +378,7 @@ def test_a_prompt_larger_than_the_budget_streams_through_its_window():
             await asyncio.sleep(0)
         assert h.frames.qsize() == 2 and h.window.held == 2  # the rest wait for room
         assert manager.staged_bytes() == 2 * GEOMETRY.page_bytes
-        frames = await manager.stream(h.handoff_id)
+        frames = written(await manager.stream(h.handoff_id))
         got, peak = [], 0
         async for f in frames:
             got.append(kind(f))
@@ -429,7 +442,7 @@ def test_encoded_pages_are_made_apart_from_the_prefill_and_leave_in_order(monkey
             await asyncio.sleep(0.001)
         assert h.state == "prefilled" and h.frames.qsize() == 5  # four pages (being encoded) + done
         release.set()
-        frames = await manager.stream(h.handoff_id)
+        frames = written(await manager.stream(h.handoff_id))
         got = [f async for f in frames]
         assert [kind(f) for f in got] == ["page"] * 4 + ["done"]
         pages = [decode_frame(b"".join(f))[1] for f in got[:4]]
@@ -447,7 +460,7 @@ def test_a_page_that_cannot_be_encoded_ends_the_stream_with_an_error_and_frees_e
         engine, budget, metrics, manager = setup()
         engine.fill = {1: np.inf}  # FP8 has no infinities: page 1 cannot be encoded
         h = await create_encoded(manager, 3 * GEOMETRY.page_tokens, ENCODINGS["fp8"])
-        frames = await manager.stream(h.handoff_id)
+        frames = written(await manager.stream(h.handoff_id))
         engine.allow(3)
         got = [f async for f in frames]
         assert [kind(f) for f in got] == ["page", "error"]
