@@ -92,39 +92,55 @@ def same_for(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
-async def measure_prompt(prefiller, decoder, ids: list[int], steps: int, encoding: str) -> dict:
+async def measure_prompt(prefiller, decoder, ids: list[int], steps: int, encodings: list[str]) -> dict[str, dict]:
+    """One prompt's figures for each lossy encoding, against one FP16 reference.
+
+    A greedy run from lossy pages sees the same logits as the run teacher-forced along FP16's
+    answer until it first picks another token, so the forced run alone gives both the KL and how
+    many leading tokens the lossy answer shares with FP16's (and step 0 is the same in both)."""
     req = EngineRequest("fp8-p", ids, SamplingParams(max_tokens=1), FirstTokenMode.RECOMPUTE_LAST)
     pages = [p async for p in prefiller.prefill(req) if isinstance(p, KVPage)]
-    eight = [over_the_wire(p, encoding) for p in pages]
     ref_logits, ref_tokens = await run_from(decoder, pages, ids, None, steps)
-    fp8_logits, fp8_tokens = await run_from(decoder, eight, ids, None, steps)
-    forced, _ = await run_from(decoder, eight, ids, ref_tokens, steps)  # FP8 along FP16's answer
     own_tokens = await run_own(decoder, ids, steps)
-    kls = []
-    for a, b in zip(ref_logits, forced, strict=True):
-        la, lb = log_softmax(a), log_softmax(b)
-        kls.append(float(np.sum(np.exp(la) * (la - lb))))
     raw = sum(p.data.nbytes for p in pages)
+    rows = {}
+    for encoding in encodings:
+        lossy = [over_the_wire(p, encoding) for p in pages]
+        forced, _ = await run_from(decoder, lossy, ids, ref_tokens, steps)  # along FP16's answer
+        kls = []
+        for a, b in zip(ref_logits, forced, strict=True):
+            la, lb = log_softmax(a), log_softmax(b)
+            kls.append(float(np.sum(np.exp(la) * (la - lb))))
+        lossy_same_for = same_for(ref_tokens, [int(np.argmax(row)) for row in forced])
+        rows[encoding] = {
+            "first_step_max_abs_diff": float(np.max(np.abs(ref_logits[0] - forced[0]))),
+            "greedy_agree": lossy_same_for == steps,
+            "fp8_same_for": lossy_same_for,  # leading tokens the lossy pages' answer shares with FP16's
+            "fp16_same_for": same_for(ref_tokens, own_tokens),  # FP16 pages' answer against D's own prefill
+            "mean_kl": float(np.mean(kls)),
+            "raw_bytes": raw,
+            "lossy_bytes": sum(
+                CODECS[encoding].payload_bytes(*p.data.shape[:1], *p.data.shape[3:], p.data.shape[2]) for p in pages
+            ),
+            "zstd_bytes": sum(len(compress_planes(p.data)) for p in pages),
+        }
+    return rows
+
+
+def measure(prefiller, decoder, steps: int = 32, encodings: tuple[str, ...] = ("fp8",)) -> dict[str, dict]:
+    """Every prompt, one direction, each lossy encoding: per encoding, the per-prompt figures and
+    their summary."""
+    per_prompt = []
+    for text in PROMPTS:
+        ids = decoder.chat_token_ids([{"role": "user", "content": text}])
+        per_prompt.append(asyncio.run(measure_prompt(prefiller, decoder, ids, steps, list(encodings))))
     return {
-        "first_step_max_abs_diff": float(np.max(np.abs(ref_logits[0] - fp8_logits[0]))),
-        "greedy_agree": ref_tokens == fp8_tokens,
-        "fp8_same_for": same_for(ref_tokens, fp8_tokens),  # leading tokens FP8 pages' answer shares with FP16's
-        "fp16_same_for": same_for(ref_tokens, own_tokens),  # FP16 pages' answer against D's own prefill
-        "mean_kl": float(np.mean(kls)),
-        "raw_bytes": raw,
-        "lossy_bytes": sum(
-            CODECS[encoding].payload_bytes(*p.data.shape[:1], *p.data.shape[3:], p.data.shape[2]) for p in pages
-        ),
-        "zstd_bytes": sum(len(compress_planes(p.data)) for p in pages),
+        encoding: summary(prefiller, decoder, steps, encoding, [r[encoding] for r in per_prompt])
+        for encoding in encodings
     }
 
 
-def measure(prefiller, decoder, steps: int = 32, encoding: str = "fp8") -> dict:
-    """Every prompt, one direction, one lossy encoding: the per-prompt figures and their summary."""
-    rows = []
-    for text in PROMPTS:
-        ids = decoder.chat_token_ids([{"role": "user", "content": text}])
-        rows.append(asyncio.run(measure_prompt(prefiller, decoder, ids, steps, encoding)))
+def summary(prefiller, decoder, steps: int, encoding: str, rows: list[dict]) -> dict:
     raw = sum(r["raw_bytes"] for r in rows)
     return {
         "direction": f"{prefiller.name}->{decoder.name}",
@@ -178,11 +194,11 @@ def main() -> None:
     engines = {name: load_adapter(name, path) for name in ("torch", "mlx")}
     for adapter in engines.values():
         adapter.set_prefix_cache_bytes(0)
-    results = [
-        measure(engines[p], engines[d], args.steps, encoding)
-        for encoding in args.encodings.split(",")
-        for p, d in (("torch", "mlx"), ("mlx", "torch"))
+    encodings = tuple(args.encodings.split(","))
+    by_direction = [
+        measure(engines[p], engines[d], args.steps, encodings) for p, d in (("torch", "mlx"), ("mlx", "torch"))
     ]
+    results = [r[encoding] for encoding in encodings for r in by_direction]
     wire = {name: full_page_ratios(engines[name], engines[name]) for name in engines}
     for adapter in engines.values():
         adapter.close()

@@ -5,6 +5,8 @@ answers, and this says by how much."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.bench_fp8_quality import measure
 from node_agent.inprocess import run_pair
 from tandem_protocol.handoff import FirstTokenMode
@@ -14,8 +16,14 @@ from tandem_protocol.sampling import SamplingParams
 from .conftest import collect, prompt, run
 
 
-def test_fp8_pages_against_fp16_pages_as_measured(engines):
-    r = measure(engines["torch"], engines["mlx"], steps=16)
+@pytest.fixture(scope="module")
+def lossy(engines) -> dict[str, dict]:
+    """Both lossy encodings measured against one FP16 reference (the bench's figures, 16 steps)."""
+    return measure(engines["torch"], engines["mlx"], steps=16, encodings=("fp8", "int8"))
+
+
+def test_fp8_pages_against_fp16_pages_as_measured(lossy):
+    r = lossy["fp8"]
     print(
         f"\ntorch->mlx FP8 pages: greedy agreement with FP16 pages {r['greedy_agreement']}/20 over 16 tokens, "
         f"first-step max abs logit diff {r['first_step_max_abs_diff']:.4f}, mean KL {r['mean_kl']:.2e}"
@@ -57,10 +65,10 @@ def test_a_decoder_that_decodes_fp8_on_its_device_answers_as_the_hosts_codec(eng
     assert on_device == on_host
 
 
-def test_int8_pages_against_fp16_pages_as_measured(engines):
+def test_int8_pages_against_fp16_pages_as_measured(lossy):
     """INT8 pages (per-channel K, per-token V scales) in about the bytes of FP8's: every answer as
     with FP16 pages."""
-    r = measure(engines["torch"], engines["mlx"], steps=16, encoding="int8")
+    r = lossy["int8"]
     print(
         f"\ntorch->mlx INT8 pages: greedy agreement with FP16 pages {r['greedy_agreement']}/20 over 16 tokens, "
         f"first-step max abs logit diff {r['first_step_max_abs_diff']:.4f}, mean KL {r['mean_kl']:.2e}"
