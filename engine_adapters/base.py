@@ -36,12 +36,11 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from tandem_protocol import fp8
 from tandem_protocol.contract import HashCache, Progress, compute_contract
 from tandem_protocol.errors import Cancelled, FrameError, RequestError
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
 from tandem_protocol.model_dir import inspect_model
-from tandem_protocol.pages import KVPage
+from tandem_protocol.pages import LOSSY, KVPage
 from tandem_protocol.sampling import OUTPUT_ONLY_FIELDS, SAMPLER_FIELDS, SamplingParams, TokenLogprobs
 from tandem_protocol.settings import load
 from tandem_protocol.tools import render_messages
@@ -130,9 +129,10 @@ class EngineRequest:
     # A prefill's: the agent's staging window, one unit per page in host memory (None: unbounded,
     # as when an adapter is driven directly).
     window: PageWindow | None = None
-    # A prefill's: its pages leave as FP8 (`page_encoding: fp8`). An adapter that can encode them
-    # where they are computed (a GPU) sets each page's `fp8` payload; else the agent encodes them.
-    fp8_pages: bool = False
+    # A prefill's: its pages leave in this lossy encoding (`page_encoding: fp8` or `int8`; None:
+    # lossless). An adapter that can encode them where they are computed (a GPU) sets each page's
+    # `coded` payload; else the agent encodes them.
+    lossy_encoding: int | None = None
     # Where `sampling.logprobs` asks for them: each output token's, appended before it is yielded
     # (a commit-first decoder's first is the prefiller's, from PrefillDone.first_logprobs).
     token_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -147,9 +147,10 @@ class EngineAdapter(ABC):
     """The engine's name in `engine_adapters.ADAPTERS` ("torch", "mlx", "vllm", "sglang")."""
     decoder_modes: ClassVar[tuple[FirstTokenMode, ...]] = (FirstTokenMode.COMMIT_FIRST, FirstTokenMode.RECOMPUTE_LAST)
     """The first-token modes this engine decodes in; the first is the one it prefers."""
-    decodes_fp8: bool = False
-    """Whether its decode imports FP8 pages as they came (KVPage.fp8) and decodes them on its own
-    device (torch on CUDA); else the receiver decodes them to FP16 on the host first."""
+    decodes_coded: frozenset[int] = frozenset()
+    """The lossy encodings whose pages its decode imports as they came (KVPage.coded) and decodes
+    on its own device (torch on CUDA: FP8 and INT8); others the receiver decodes to FP16 on the
+    host first."""
     sampling: ClassVar[frozenset[str]] = SAMPLER_FIELDS
     """Sampling fields this engine applies when it generates."""
     first_token_sampling: ClassVar[frozenset[str]] = SAMPLER_FIELDS | OUTPUT_ONLY_FIELDS
@@ -451,8 +452,12 @@ class EngineAdapter(ABC):
                 if page.valid_tokens != want_valid:
                     raise FrameError(f"page {index} holds {page.valid_tokens} tokens, expected {want_valid}")
                 g = self.geometry
-                if page.data is None:  # FP8, left encoded for this engine (decodes_fp8)
-                    got, want = page.fp8.shape, (fp8.payload_bytes(g.layers, g.kv_heads, g.head_dim, g.page_tokens),)
+                if page.data is None:  # lossy, left encoded for this engine (decodes_coded)
+                    codec = LOSSY[page.encoding]
+                    got, want = (
+                        page.coded.shape,
+                        (codec.payload_bytes(g.layers, g.kv_heads, g.head_dim, g.page_tokens),),
+                    )
                 else:
                     got, want = page.data.shape, g.page_shape
                 if got != want:

@@ -72,10 +72,11 @@ class InProcessEngine(EngineAdapter):
     @abstractmethod
     def set_length(self, session: Any, length: int) -> None: ...
 
-    def import_fp8(self, session: Any, start: int, payload: np.ndarray, n: int) -> None:
-        """Import a page's first `n` tokens from its FP8 payload (fp8.py's layout), decoding on the
-        device: only engines with `decodes_fp8` receive pages so."""
-        raise NotImplementedError(f"{self.name} does not decode FP8 pages itself")
+    def import_coded(self, session: Any, start: int, payload: np.ndarray, n: int, encoding: int) -> None:
+        """Import a page's first `n` tokens from its payload in a lossy `encoding` (fp8.py's or
+        int8.py's layout), decoding on the device: only engines whose `decodes_coded` holds that
+        encoding receive pages so."""
+        raise NotImplementedError(f"{self.name} does not decode lossy pages itself")
 
     def release(self, session: Any) -> None:  # noqa: B027 (optional hook, not abstract)
         """Free the session's KV memory (engines with pooled memory override this)."""
@@ -102,12 +103,12 @@ class InProcessEngine(EngineAdapter):
     # engines that compute as they are called: waiting later would only hold pages back) or 1
     # (CUDA: the device still has the next chunk queued when the host waits, so the wait costs
     # the device nothing). Both run on the engine thread, so cutting pages never competes with
-    # the event loop. `fp8`: the pages leave as FP8; an engine on a device may encode them there
-    # (KVPage.fp8), where it costs nothing beside the compute (the host's codec: ~25 ms a core
-    # for an 8B model's page).
+    # the event loop. `lossy`: the pages leave in that lossy encoding (FP8_E4M3, INT8); an engine
+    # on a device may encode them there (KVPage.coded), where it costs nothing beside the compute
+    # (the host's codec: ~25-60 ms a core for an 8B model's page).
     export_lag = 0
 
-    def export_start(self, session: Any, start: int, end: int, fp8: bool = False) -> Any:
+    def export_start(self, session: Any, start: int, end: int, lossy: int | None = None) -> Any:
         return start, self.export_kv(session, start, end)
 
     def export_finish(self, handle: Any) -> list[KVPage]:
@@ -163,7 +164,7 @@ class InProcessEngine(EngineAdapter):
                 # session's cache while the next chunk computes (a slow link pauses export, not compute).
                 upto = self._room_upto(window, sent, ready)
                 if upto > sent:
-                    exports.append(await self.on_engine(self.export_start, session, sent, upto, req.fp8_pages))
+                    exports.append(await self.on_engine(self.export_start, session, sent, upto, req.lossy_encoding))
                     sent = upto
                 # The lag applies between the first chunk and the one before the last. The first
                 # chunk's pages go at once, so the link starts one chunk earlier (on a slow link that
@@ -188,7 +189,7 @@ class InProcessEngine(EngineAdapter):
             while sent < export:  # every chunk is computed: the rest leave as the window frees
                 await window.take()  # the page at `sent`
                 upto = self._room_upto(window, min(sent + P, export), export)
-                handle = await self.on_engine(self.export_start, session, sent, upto, req.fp8_pages)
+                handle = await self.on_engine(self.export_start, session, sent, upto, req.lossy_encoding)
                 for page in await self.on_engine(self.export_finish, handle):
                     yield page
                 sent = upto
@@ -222,8 +223,8 @@ class InProcessEngine(EngineAdapter):
             await self.on_engine(self._import_held, session, held)  # the stream brings the rest
 
             def write(page: KVPage) -> None:
-                if page.data is None:  # FP8 as it came (decodes_fp8)
-                    self.import_fp8(session, page.index * P, page.fp8, page.valid_tokens)
+                if page.data is None:  # lossy as it came (decodes_coded)
+                    self.import_coded(session, page.index * P, page.coded, page.valid_tokens, page.encoding)
                 else:
                     self.import_kv(session, page.index * P, page.kv)
 

@@ -13,7 +13,8 @@ from transformers.masking_utils import sdpa_mask
 from transformers.utils import logging as hf_logging
 
 from tandem_protocol import fp8 as fp8_codec
-from tandem_protocol.pages import KVPage, PageGeometry
+from tandem_protocol import int8 as int8_codec
+from tandem_protocol.pages import FP8_E4M3, INT8, LOSSY, KVPage, PageGeometry
 
 from .in_process import InProcessEngine
 
@@ -22,8 +23,9 @@ CUDA_PREFILL_CHUNK_TOKENS = 2048  # measured on an H200: bench/results/gpu-h200-
 NOT_FINITE = 127  # a block exponent no FP8 page has: the block held an infinity or NaN
 
 
-def fp8_refused(payloads: np.ndarray, blocks: int) -> bool:
+def fp8_refused(payloads: np.ndarray, geometry: PageGeometry) -> bool:
     """Whether a block of these payloads (rows of fp8_payloads) held an infinity or NaN."""
+    blocks = geometry.layers * 2 * geometry.kv_heads
     return bool((payloads[:, :blocks].view(np.int8) == NOT_FINITE).any())
 
 
@@ -60,6 +62,70 @@ def fp8_decoded(payloads: torch.Tensor, geometry: PageGeometry) -> torch.Tensor:
     codes = payloads[:, blocks:].view(torch.float8_e4m3fn).view(-1, *g.page_shape)
     values = torch.nan_to_num(codes.float(), nan=0.0) * _pow2(e)
     return values.clamp(-fp8_codec.FP16_MAX, fp8_codec.FP16_MAX).to(torch.float16)
+
+
+def int8_payloads(pages: torch.Tensor) -> torch.Tensor:
+    """FP16 pages [pages][layers][2][page_tokens][kv_heads][head_dim], on any device, as their INT8
+    payloads (int8.py's layout: K's per-channel scales, V's per-token scales, then the codes), one
+    uint8 row a page, computed where the pages are. Byte for byte what `int8.encode` makes of each
+    page: the same float32 operations (max |x| / 127 rounded up to FP16; x times the scale's
+    float32 reciprocal, rounded half to even, clamped to +-127). A block holding an infinity or NaN
+    gets a non-finite scale (no sync with the device here: `int8_refused` checks on the host)."""
+    magnitude = pages.abs()
+    k_scale = _int8_scale(magnitude[:, :, 0].amax(dim=2))  # over tokens: [pages][layers][heads][dim]
+    v_scale = _int8_scale(magnitude[:, :, 1].amax(dim=4))  # over head_dim: [pages][layers][tokens][heads]
+    x = pages.float()
+    k = x[:, :, 0] * _reciprocal(k_scale)[:, :, None]
+    v = x[:, :, 1] * _reciprocal(v_scale)[..., None]
+    codes = torch.stack([k, v], dim=2).round_().clamp_(-int8_codec.CODE_MAX, int8_codec.CODE_MAX).to(torch.int8)
+    rows = (k_scale.flatten(1), v_scale.flatten(1), codes.flatten(1))
+    return torch.cat([r.view(torch.uint8) for r in rows], dim=1)
+
+
+def int8_refused(payloads: np.ndarray, geometry: PageGeometry) -> bool:
+    """Whether a scale of these payloads (rows of int8_payloads) is an infinity or NaN."""
+    g = geometry
+    scales = g.layers * g.kv_heads * g.head_dim + g.layers * g.page_tokens * g.kv_heads
+    return bool(((payloads[:, : 2 * scales].view(np.uint16) & 0x7FFF) >= 0x7C00).any())
+
+
+def int8_decoded(payloads: torch.Tensor, geometry: PageGeometry) -> torch.Tensor:
+    """INT8 payloads (uint8 rows in int8.py's layout, on any device) as FP16 pages
+    [pages][layers][2][page_tokens][kv_heads][head_dim], computed where they are. Byte for byte
+    what `int8.decode` makes of each: code times scale in float32, clamped to FP16's range, one
+    rounding to FP16 (tests/unit/test_int8_device.py)."""
+    g = geometry
+    n_k, n_v = g.layers * g.kv_heads * g.head_dim, g.layers * g.page_tokens * g.kv_heads
+    k_scale = payloads[:, : 2 * n_k].view(torch.float16).view(-1, g.layers, 1, g.kv_heads, g.head_dim)
+    v_scale = (
+        payloads[:, 2 * n_k : 2 * (n_k + n_v)].view(torch.float16).view(-1, g.layers, g.page_tokens, g.kv_heads, 1)
+    )
+    codes = payloads[:, 2 * (n_k + n_v) :].view(torch.int8).view(-1, *g.page_shape).float()
+    values = torch.stack([codes[:, :, 0] * k_scale.float(), codes[:, :, 1] * v_scale.float()], dim=2)
+    return values.clamp(-int8_codec.FP16_MAX, int8_codec.FP16_MAX).to(torch.float16)
+
+
+def _int8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """max |x| / 127 rounded up to an FP16 value (0 for an all-zero block), as `int8._scale`: a
+    positive FP16 value's next one up is its bit pattern plus one."""
+    wanted = amax.float() / int8_codec.CODE_MAX
+    scale = wanted.to(torch.float16)
+    bumped = (scale.view(torch.int16) + 1).view(torch.float16)
+    return torch.where(scale.float() < wanted, bumped, scale)
+
+
+def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale in float32, 0 for an all-zero block's scale of 0 (its values are all 0)."""
+    s = scale.float()
+    return torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+
+
+# What a CUDA engine codes on its device, by lossy encoding: encoder, the host's check of what it
+# encoded, decoder.
+DEVICE_CODECS = {
+    FP8_E4M3: (fp8_payloads, fp8_refused, fp8_decoded),
+    INT8: (int8_payloads, int8_refused, int8_decoded),
+}
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
@@ -162,7 +228,8 @@ class TorchAdapter(InProcessEngine):
         self.cuda = self.device.type == "cuda"
         self.dtype = torch.float16 if self.cuda else torch.float32
         self.export_lag = 1 if self.cuda else 0  # see InProcessEngine.export_start
-        self.decodes_fp8 = self.cuda  # FP8 pages are decoded on the GPU (import_fp8)
+        # lossy pages are decoded on the GPU (import_coded)
+        self.decodes_coded = frozenset(DEVICE_CODECS) if self.cuda else frozenset()
         if self.cuda:
             # A small model on a big GPU is bound by the host queueing kernels: a cost per chunk,
             # not per token. Bigger chunks cut it (bench/gpu_prefill_export.py --chunks); pages still
@@ -238,7 +305,7 @@ class TorchAdapter(InProcessEngine):
         kv = self._gather(session, start, end).view(g.layers, 2, g.kv_heads, end - start, g.head_dim)
         return kv.permute(0, 1, 3, 2, 4).to(torch.float16).contiguous().cpu().numpy()
 
-    def export_start(self, session: Cache, start: int, end: int, fp8: bool = False):
+    def export_start(self, session: Cache, start: int, end: int, lossy: int | None = None):
         if not self.cuda:
             return super().export_start(session, start, end)
         # On the device: whole pages, page-major and zero-padded, so that each page is one
@@ -253,37 +320,44 @@ class TorchAdapter(InProcessEngine):
         host = torch.empty(kv.shape, dtype=torch.float16, pin_memory=True)  # torch's caching host allocator
         host.copy_(kv, non_blocking=True)  # queued behind this chunk's compute on the same stream
         codes = None
-        if fp8:  # encoded on the device, in the queue behind the copy: half the bytes come over
-            coded = fp8_payloads(kv)
+        if lossy is not None:  # encoded on the device, in the queue behind the copy: half the bytes come over
+            coded = DEVICE_CODECS[lossy][0](kv)
             codes = torch.empty(coded.shape, dtype=torch.uint8, pin_memory=True)
             codes.copy_(coded, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return start, n, host, codes, copied
+        return start, n, host, (lossy, codes), copied
 
     def export_finish(self, handle) -> list[KVPage]:
         if not self.cuda:
             return super().export_finish(handle)
-        start, n, host, codes, copied = handle
+        start, n, host, (lossy, codes), copied = handle
         copied.synchronize()
         P, data = self.geometry.page_tokens, host.numpy()  # the pages keep the pinned buffers alive
         coded = [None] * len(data)
         if codes is not None:
             coded = codes.numpy()
-            if fp8_refused(coded, self.geometry.layers * 2 * self.geometry.kv_heads):
-                raise ValueError("a page with infinities or NaN cannot be sent as FP8")
+            if DEVICE_CODECS[lossy][1](coded, self.geometry):
+                raise ValueError(f"a page with infinities or NaN cannot be sent as {LOSSY[lossy].NAME}")
         return [
-            KVPage(index=start // P + i, valid_tokens=min(P, n - i * P), data=data[i], fp8=coded[i])
+            KVPage(
+                start // P + i,
+                min(P, n - i * P),
+                data[i],
+                coded=coded[i],
+                encoding=lossy if codes is not None else None,
+            )
             for i in range(len(data))
         ]
 
     def import_kv(self, session: Cache, start: int, kv: np.ndarray) -> None:
         self._write(session, start, self._to_device(np.ascontiguousarray(kv)))
 
-    def import_fp8(self, session: Cache, start: int, payload: np.ndarray, n: int) -> None:
-        # half the bytes cross to the device, and the host's codec (~25 ms a core for an 8B
+    def import_coded(self, session: Cache, start: int, payload: np.ndarray, n: int, encoding: int) -> None:
+        # half the bytes cross to the device, and the host's codec (~15-30 ms a core for an 8B
         # model's page) is not in the stream's way
-        self._write(session, start, fp8_decoded(self._to_device(payload)[None], self.geometry)[0, :, :, :n])
+        decoded = DEVICE_CODECS[encoding][2](self._to_device(payload)[None], self.geometry)
+        self._write(session, start, decoded[0, :, :, :n])
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         with warnings.catch_warnings():

@@ -41,7 +41,7 @@ from tandem_protocol.contract import token_digest
 from tandem_protocol.errors import Cancelled, RequestError, TandemError
 from tandem_protocol.handoff import FirstTokenMode, kv_tokens
 from tandem_protocol.http_server import TrackedFrame
-from tandem_protocol.pages import FP8_E4M3, RAW, KVPage, codec_pool, encode_frame
+from tandem_protocol.pages import LOSSY, RAW, KVPage, codec_pool, encode_frame
 from tandem_protocol.sampling import SamplingParams
 from tandem_protocol.wire import DONE_MAGIC, HEARTBEAT_FRAME, HEARTBEAT_SECONDS, done_frame, error_frame
 
@@ -145,7 +145,7 @@ class HandoffManager:
             sampling,
             mode,
             have_pages=have_pages,
-            fp8_pages=encoding == FP8_E4M3,
+            lossy_encoding=encoding if encoding in LOSSY else None,
         )
         self.adapter.validate(request, generates=False)
         pages = self.pages_to_send(len(token_ids), mode, have_pages)

@@ -96,7 +96,7 @@ class Handshake:
             bytes.fromhex(self.handoff_id),
             token_digest(req.token_ids),
             self.adapter.geometry,
-            keep_fp8=self.adapter.decodes_fp8,
+            keep_coded=self.adapter.decodes_coded,
         )
         try:
             stream = self.prefiller.page_stream(self.handoff_id, expect, token=created["read_token"])

@@ -56,7 +56,7 @@ async def run_pair(
         handoff_id=handoff_id,
         tokens=digest,
         geometry=decoder.geometry,
-        keep_fp8=decoder.decodes_fp8,
+        keep_coded=decoder.decodes_coded,
     )
     # Distinct ids per role: one engine may serve both roles of a pair.
     p_req = EngineRequest(f"{request_id}-p", list(token_ids), sampling, mode)

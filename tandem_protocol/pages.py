@@ -93,13 +93,15 @@ class KVPage:
 
     index: int
     valid_tokens: int
-    # None only for a received FP8 page left encoded for an engine that decodes it on its device
-    # (FrameExpectation.keep_fp8): then `fp8` holds it.
+    # None only for a received lossy page left encoded for an engine that decodes it on its
+    # device (FrameExpectation.keep_coded): then `coded` holds it.
     data: np.ndarray | None
-    # The page's FP8 payload (fp8.py's layout, byte for byte): encoded by the prefiller's engine
-    # itself (a GPU: `engine_adapters/torch_adapter.py`; None: encode_frame encodes `data` when
-    # asked), or received for the decoder's engine to decode.
-    fp8: np.ndarray | None = None
+    # The page's payload in a lossy encoding (`encoding`: FP8_E4M3 or INT8; fp8.py's or int8.py's
+    # layout, byte for byte): encoded by the prefiller's engine itself (a GPU:
+    # `engine_adapters/torch_adapter.py`; None: encode_frame encodes `data` when asked), or
+    # received for the decoder's engine to decode.
+    coded: np.ndarray | None = None
+    encoding: int | None = None
 
     @property
     def start(self) -> int:
@@ -144,6 +146,7 @@ def make_page(geometry: PageGeometry, index: int, kv: np.ndarray, out: np.ndarra
 RAW, ZSTD_PLANES, FP8_E4M3, INT8 = 0, 1, 2, 3
 # the name a pair asks for -> the header's code
 ENCODINGS = {"raw": RAW, "zstd": ZSTD_PLANES, "fp8": FP8_E4M3, "int8": INT8}
+LOSSY = {FP8_E4M3: fp8, INT8: int8}  # the lossy encodings' codecs
 ZSTD_LEVEL = 1  # fastest: the point is to beat a slow link, not to save disk
 
 
@@ -198,10 +201,10 @@ class FrameExpectation:
     handoff_id: bytes
     tokens: bytes
     geometry: PageGeometry
-    # The decoder's engine decodes FP8 pages on its own device (a GPU): an FP8 page is checked
-    # (checksum, scales, zeros past its valid tokens) and handed over still encoded, half the
-    # bytes to copy to the device and no host codec in the stream's way.
-    keep_fp8: bool = False
+    # The lossy encodings the decoder's engine decodes on its own device (a GPU): such a page is
+    # checked (checksum, scales, zeros past its valid tokens) and handed over still encoded, half
+    # the bytes to copy to the device and no host codec in the stream's way.
+    keep_coded: frozenset[int] = frozenset()
 
 
 def _id16(value: bytes, what: str) -> bytes:
@@ -240,11 +243,11 @@ def encode_frame(
     layers, two, page_tokens, kv_heads, head_dim = data.shape
     if encoding == ZSTD_PLANES:
         payload, payload_state = memoryview(compress_planes(data)), None
-    elif encoding == FP8_E4M3:
-        payload = memoryview(fp8.encode(data) if page.fp8 is None else page.fp8).cast("B")
+    elif encoding in LOSSY:
+        if page.coded is not None and page.encoding != encoding:
+            raise ValueError(f"page {page.index} was encoded as {page.encoding}, the stream sends {encoding}")
+        payload = memoryview(LOSSY[encoding].encode(data) if page.coded is None else page.coded).cast("B")
         payload_state = None
-    elif encoding == INT8:
-        payload, payload_state = memoryview(int8.encode(data)), None
     elif encoding == RAW:
         payload = memoryview(data).cast("B")
     else:
@@ -322,9 +325,8 @@ def parse_header(buf: bytes | memoryview) -> FrameHeader:
     geometry = PageGeometry(layers, kv_heads, head_dim, page_tokens)
     if encoding == RAW:
         fits = payload_size == geometry.page_bytes
-    elif encoding in (FP8_E4M3, INT8):
-        codec = fp8 if encoding == FP8_E4M3 else int8
-        fits = payload_size == codec.payload_bytes(layers, kv_heads, head_dim, page_tokens)
+    elif encoding in LOSSY:
+        fits = payload_size == LOSSY[encoding].payload_bytes(layers, kv_heads, head_dim, page_tokens)
     else:
         fits = 0 < payload_size <= max_compressed(geometry.page_bytes)
     if min(layers, kv_heads, head_dim, page_tokens) == 0 or not fits:
@@ -374,33 +376,30 @@ def decode_payload(
         raise FrameError(f"checksum mismatch on page {header.page_index}: the page was corrupted in transit")
     if expect is not None:
         check_expectation(header, expect)
-    g, kept = header.geometry, keeps_fp8(header, expect)
+    g, kept = header.geometry, keeps_coded(header, expect)
     if header.encoding == RAW:
         values = np.frombuffer(payload, dtype=KV_DTYPE).reshape(g.page_shape)
-    elif header.encoding == FP8_E4M3:
+    elif header.encoding in LOSSY:
+        codec = LOSSY[header.encoding]
         try:  # a kept page's codes are checked, not decoded: the decoder's engine decodes them
-            values = fp8.split(payload, g.page_shape)[1] if kept else fp8.decode(payload, g.page_shape)
+            values = codec.codes(payload, g.page_shape) if kept else codec.decode(payload, g.page_shape)
         except ValueError as e:
-            raise FrameError(f"FP8 page {header.page_index}: {e}") from e
-    elif header.encoding == INT8:
-        try:
-            values = int8.decode(payload, g.page_shape)
-        except ValueError as e:
-            raise FrameError(f"INT8 page {header.page_index}: {e}") from e
+            raise FrameError(f"{codec.NAME} page {header.page_index}: {e}") from e
     else:
         values = decompress_planes(payload, g.page_bytes).reshape(g.page_shape)
     # FP16 zeros past the valid tokens (a kept page: the zero codes they encode to)
     if header.valid_tokens < g.page_tokens and values[:, :, header.valid_tokens :].view(np.uint8).any():
         raise FrameError(f"page {header.page_index} has non-zero bytes past its {header.valid_tokens} valid tokens")
     if kept:
-        return KVPage(header.page_index, header.valid_tokens, data=None, fp8=np.frombuffer(payload, np.uint8))
+        coded = np.frombuffer(payload, np.uint8)
+        return KVPage(header.page_index, header.valid_tokens, data=None, coded=coded, encoding=header.encoding)
     return KVPage(index=header.page_index, valid_tokens=header.valid_tokens, data=values)
 
 
-def keeps_fp8(header: FrameHeader, expect: FrameExpectation | None) -> bool:
-    """Whether this frame's page is handed over still encoded: FP8, to a decoder whose engine
-    decodes FP8 itself (FrameExpectation.keep_fp8)."""
-    return header.encoding == FP8_E4M3 and expect is not None and expect.keep_fp8
+def keeps_coded(header: FrameHeader, expect: FrameExpectation | None) -> bool:
+    """Whether this frame's page is handed over still encoded: a lossy page, to a decoder whose
+    engine decodes that encoding itself (FrameExpectation.keep_coded)."""
+    return header.encoding in LOSSY and expect is not None and header.encoding in expect.keep_coded
 
 
 def check_expectation(header: FrameHeader, expect: FrameExpectation) -> None:

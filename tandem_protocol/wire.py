@@ -37,7 +37,7 @@ from .pages import (
     check_expectation,
     checksum_finish,
     decode_payload,
-    keeps_fp8,
+    keeps_coded,
     parse_header,
 )
 from .sampling import TokenLogprobs
@@ -159,7 +159,7 @@ class FrameReader:
         header, view, self._frame, self._view = self._header, self._view, None, None
         args = (header, view[HEADER_SIZE:], self.expect, checksum_finish(self._hash, header.raw))
         # an encoded page is decoded in the pool; a kept one is only checked (cheap: here)
-        if self.pool is not None and header.encoding != RAW and not keeps_fp8(header, self.expect):
+        if self.pool is not None and header.encoding != RAW and not keeps_coded(header, self.expect):
             return [self.pool.submit(decode_payload, *args)]
         return [decode_payload(*args)]
 

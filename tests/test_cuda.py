@@ -127,40 +127,45 @@ def test_requests_at_once_on_the_gpu_get_their_own_greedy_answers(gpu_and_cpu):
     assert batched == alone  # 4 of 4 on an H200
 
 
+@pytest.mark.parametrize("encoding", ["fp8", "int8"])
 @pytest.mark.parametrize("n", [65, 300])
-def test_fp8_pages_are_encoded_on_the_gpu_as_the_codec_would(gpu_and_cpu, n):
-    """With `fp8_pages` the CUDA prefill encodes each page on the device: the FP8 payload it
-    carries is byte for byte what the host's codec makes of the page's FP16 data."""
-    from tandem_protocol import fp8
+def test_lossy_pages_are_encoded_on_the_gpu_as_the_codec_would(gpu_and_cpu, n, encoding):
+    """With a lossy `page_encoding` the CUDA prefill encodes each page on the device: the FP8 or
+    INT8 payload it carries is byte for byte what the host's codec makes of the page's FP16 data."""
+    from tandem_protocol.pages import ENCODINGS, LOSSY
 
     gpu, _ = gpu_and_cpu
+    code = ENCODINGS[encoding]
     # a prompt no other test sent: pages from the prefix cache leave the host's way (no device code)
-    ids = [int(x) for x in np.random.default_rng(1000 + n).integers(20, 49000, size=n)]
-    req = EngineRequest("fp8", ids, SamplingParams(max_tokens=1), fp8_pages=True)
-    pages = [p for p in run(collect(gpu.prefill(req))) if hasattr(p, "fp8")]
-    assert len(pages) == -(-n // 64) and all(p.fp8 is not None for p in pages)
+    ids = [int(x) for x in np.random.default_rng(1000 + n + code).integers(20, 49000, size=n)]
+    req = EngineRequest(encoding, ids, SamplingParams(max_tokens=1), lossy_encoding=code)
+    pages = [p for p in run(collect(gpu.prefill(req))) if hasattr(p, "coded")]
+    assert len(pages) == -(-n // 64) and all(p.coded is not None and p.encoding == code for p in pages)
     for p in pages:
-        assert p.fp8.tobytes() == fp8.encode(p.data), f"page {p.index}"
+        assert p.coded.tobytes() == LOSSY[code].encode(p.data), f"page {p.index}"
 
 
+@pytest.mark.parametrize("encoding", ["fp8", "int8"])
 @pytest.mark.parametrize("n", [65, 300])
-def test_fp8_pages_decoded_on_the_gpu_answer_as_the_hosts_codec(gpu_and_cpu, n):
-    """A CUDA decoder imports FP8 pages as they came and decodes them on the device (decodes_fp8):
-    the same tokens as pages the host's codec decoded to FP16 first."""
-    from tandem_protocol.pages import FP8_E4M3
+def test_lossy_pages_decoded_on_the_gpu_answer_as_the_hosts_codec(gpu_and_cpu, n, encoding):
+    """A CUDA decoder imports FP8 and INT8 pages as they came and decodes them on the device
+    (decodes_coded): the same tokens as pages the host's codec decoded to FP16 first."""
+    from tandem_protocol.pages import ENCODINGS
 
     gpu, _ = gpu_and_cpu
-    assert gpu.decodes_fp8
+    code = ENCODINGS[encoding]
+    assert code in gpu.decodes_coded
+    kept = gpu.decodes_coded
 
     def pair() -> list[int]:
-        return run(collect(run_pair(gpu, gpu, ids_of(n), SAMPLING, FirstTokenMode.COMMIT_FIRST, encoding=FP8_E4M3)))
+        return run(collect(run_pair(gpu, gpu, ids_of(n), SAMPLING, FirstTokenMode.COMMIT_FIRST, encoding=code)))
 
     on_device = pair()
-    gpu.decodes_fp8 = False
+    gpu.decodes_coded = frozenset()
     try:
         on_host = pair()
     finally:
-        gpu.decodes_fp8 = True
+        gpu.decodes_coded = kept
     assert on_device == on_host
 
 
@@ -173,23 +178,31 @@ def test_cudas_float8_cast_is_the_codec_for_every_fp16_value_and_block_exponent(
     assert not bad, "\n".join(bad[:30])
 
 
-def test_the_device_encoder_makes_the_codecs_bytes_on_the_gpu():
-    """`fp8_payloads` on CUDA over pages spanning FP16's range (as tests/unit/test_fp8_device.py
-    on the CPU), payload for payload against the host's codec; where they differ, what differs."""
-    from engine_adapters.torch_adapter import fp8_payloads
-    from tandem_protocol import fp8
+@pytest.mark.parametrize("encoding", ["fp8", "int8"])
+def test_the_device_encoder_makes_the_codecs_bytes_on_the_gpu(encoding):
+    """`fp8_payloads` and `int8_payloads` on CUDA over pages spanning FP16's range (as
+    tests/unit/test_lossy_device.py on the CPU), payload for payload against the host's codec;
+    where they differ, what differs. Then the device decoders against the host's, on those payloads."""
+    from engine_adapters.torch_adapter import DEVICE_CODECS
+    from tandem_protocol.pages import ENCODINGS, LOSSY
 
-    from .unit.test_fp8_device import SHAPE, pages_like_kv
+    from .unit.test_lossy_device import GEOMETRY, SHAPE, pages_like_kv
 
+    code = ENCODINGS[encoding]
+    (encode, _, decode), codec = DEVICE_CODECS[code], LOSSY[code]
     pages = pages_like_kv(np.random.default_rng(0), 4)
-    rows = fp8_payloads(torch.from_numpy(pages).cuda()).cpu().numpy()
-    blocks = SHAPE[0] * 2 * SHAPE[3]
+    rows = encode(torch.from_numpy(pages).cuda()).cpu().numpy()
+    head = len(codec.encode(pages[0])) - pages[0].size  # bytes before the codes: exponents or scales
     for i, page in enumerate(pages):
-        want = np.frombuffer(fp8.encode(page), np.uint8)
+        want = np.frombuffer(codec.encode(page), np.uint8)
         diff = np.flatnonzero(rows[i] != want)
         where = [
-            f"byte {j} ({'exponent' if j < blocks else 'code'}): {rows[i][j]:#04x} not {want[j]:#04x}"
-            + ("" if j < blocks else f", value {page.reshape(-1)[j - blocks]!r}")
+            f"byte {j} ({'exponent or scale' if j < head else 'code'}): {rows[i][j]:#04x} not {want[j]:#04x}"
+            + ("" if j < head else f", value {page.reshape(-1)[j - head]!r}")
             for j in diff[:10]
         ]
         assert not len(diff), f"page {i}: {len(diff)} bytes differ\n" + "\n".join(where)
+    decoded = decode(torch.from_numpy(rows).cuda(), GEOMETRY).cpu().numpy()
+    for i in range(len(pages)):
+        host = codec.decode(rows[i].tobytes(), SHAPE)
+        assert decoded[i].view(np.uint16).tobytes() == host.view(np.uint16).tobytes(), f"page {i}"

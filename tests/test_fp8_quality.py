@@ -10,7 +10,7 @@ import pytest
 from bench.bench_fp8_quality import measure
 from node_agent.inprocess import run_pair
 from tandem_protocol.handoff import FirstTokenMode
-from tandem_protocol.pages import FP8_E4M3
+from tandem_protocol.pages import FP8_E4M3, INT8
 from tandem_protocol.sampling import SamplingParams
 
 from .conftest import collect, prompt, run
@@ -37,31 +37,33 @@ def test_fp8_pages_against_fp16_pages_as_measured(lossy):
     assert r["wire_ratio"] <= 0.5002, r
 
 
-def test_a_decoder_that_decodes_fp8_on_its_device_answers_as_the_hosts_codec(engines, long_ids):
-    """torch decodes FP8 pages on its device where it has one (decodes_fp8, on CUDA): the same
-    import path on the CPU gives exactly the tokens of pages the host's codec decoded first."""
+@pytest.mark.parametrize("encoding", [FP8_E4M3, INT8], ids=["fp8", "int8"])
+def test_a_decoder_that_decodes_lossy_pages_on_its_device_answers_as_the_hosts_codec(engines, long_ids, encoding):
+    """torch decodes FP8 and INT8 pages on its device where it has one (decodes_coded, on CUDA):
+    the same import path on the CPU gives exactly the tokens of pages the host's codec decoded
+    first."""
     torch_engine, params = engines["torch"], SamplingParams(max_tokens=16, ignore_eos=True)
     ids = prompt(long_ids, 193)
 
     def pair() -> list[int]:
         return run(
-            collect(run_pair(torch_engine, torch_engine, ids, params, FirstTokenMode.COMMIT_FIRST, encoding=FP8_E4M3))
+            collect(run_pair(torch_engine, torch_engine, ids, params, FirstTokenMode.COMMIT_FIRST, encoding=encoding))
         )
 
-    assert not torch_engine.decodes_fp8  # on the CPU the host decodes
+    assert not torch_engine.decodes_coded  # on the CPU the host decodes
     on_host = pair()
-    imported, import_fp8 = [], torch_engine.import_fp8
-    torch_engine.import_fp8 = lambda session, start, payload, n: (
-        imported.append(start),
-        import_fp8(session, start, payload, n),
+    imported, import_coded = [], torch_engine.import_coded
+    torch_engine.import_coded = lambda session, start, payload, n, coding: (
+        imported.append((start, coding)),
+        import_coded(session, start, payload, n, coding),
     )
-    torch_engine.decodes_fp8 = True
+    torch_engine.decodes_coded = frozenset({encoding})
     try:
         on_device = pair()
     finally:
-        torch_engine.decodes_fp8 = False
-        del torch_engine.import_fp8
-    assert imported == [0, 64, 128, 192]  # every page came to the engine encoded
+        torch_engine.decodes_coded = frozenset()
+        del torch_engine.import_coded
+    assert imported == [(start, encoding) for start in (0, 64, 128, 192)]  # every page came to the engine encoded
     assert on_device == on_host
 
 
