@@ -15,6 +15,7 @@
 # Before the benchmark, in the same call: CUDA_TESTS=1 runs tests/test_cuda.py (CUDA_K: pytest's -k); PROBE=8192 runs
 # bench/gpu_prefill_export.py on the 8B checkpoint (CHUNKS=512,2048 compares chunk sizes).
 # TRACE=1 traces one more P/D request per cell (where its time goes; bench ttft --trace).
+# EXTRA=--int8 adds a column of P/D with INT8 pages (coded on both GPUs, as FP8's are).
 set -e
 DEADLINE=$(( $(date +%s) + ${SECONDS_LEFT:-540} ))  # the whole call, model build included
 REPO=$PWD
