@@ -93,7 +93,7 @@ def int8_decoded(payloads: torch.Tensor, geometry: PageGeometry) -> torch.Tensor
     """INT8 payloads (uint8 rows in int8.py's layout, on any device) as FP16 pages
     [pages][layers][2][page_tokens][kv_heads][head_dim], computed where they are. Byte for byte
     what `int8.decode` makes of each: code times scale in float32, clamped to FP16's range, one
-    rounding to FP16 (tests/unit/test_int8_device.py)."""
+    rounding to FP16 (tests/unit/test_lossy_device.py)."""
     g = geometry
     n_k, n_v = g.layers * g.kv_heads * g.head_dim, g.layers * g.page_tokens * g.kv_heads
     k_scale = payloads[:, : 2 * n_k].view(torch.float16).view(-1, g.layers, 1, g.kv_heads, g.head_dim)
