@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -84,9 +86,8 @@ def int8_payloads(pages: torch.Tensor) -> torch.Tensor:
 
 def int8_refused(payloads: np.ndarray, geometry: PageGeometry) -> bool:
     """Whether a scale of these payloads (rows of int8_payloads) is an infinity or NaN."""
-    g = geometry
-    scales = g.layers * g.kv_heads * g.head_dim + g.layers * g.page_tokens * g.kv_heads
-    return bool(((payloads[:, : 2 * scales].view(np.uint16) & 0x7FFF) >= 0x7C00).any())
+    n_k, n_v = int8_codec.scale_counts(geometry.layers, geometry.kv_heads, geometry.head_dim, geometry.page_tokens)
+    return bool(((payloads[:, : 2 * (n_k + n_v)].view(np.uint16) & 0x7FFF) >= 0x7C00).any())
 
 
 def int8_decoded(payloads: torch.Tensor, geometry: PageGeometry) -> torch.Tensor:
@@ -95,7 +96,7 @@ def int8_decoded(payloads: torch.Tensor, geometry: PageGeometry) -> torch.Tensor
     what `int8.decode` makes of each: code times scale in float32, clamped to FP16's range, one
     rounding to FP16 (tests/unit/test_lossy_device.py)."""
     g = geometry
-    n_k, n_v = g.layers * g.kv_heads * g.head_dim, g.layers * g.page_tokens * g.kv_heads
+    n_k, n_v = int8_codec.scale_counts(g.layers, g.kv_heads, g.head_dim, g.page_tokens)
     k_scale = payloads[:, : 2 * n_k].view(torch.float16).view(-1, g.layers, 1, g.kv_heads, g.head_dim)
     v_scale = (
         payloads[:, 2 * n_k : 2 * (n_k + n_v)].view(torch.float16).view(-1, g.layers, g.page_tokens, g.kv_heads, 1)
@@ -120,11 +121,17 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
 
 
-# What a CUDA engine codes on its device, by lossy encoding: encoder, the host's check of what it
-# encoded, decoder.
+class DeviceCodec(NamedTuple):
+    """How a CUDA engine codes one lossy encoding on its device."""
+
+    encode: Callable[[torch.Tensor], torch.Tensor]  # FP16 pages -> payload rows, on the device
+    refused: Callable[[np.ndarray, PageGeometry], bool]  # the host's check of those rows (inf, NaN)
+    decode: Callable[[torch.Tensor, PageGeometry], torch.Tensor]  # payload rows -> FP16 pages
+
+
 DEVICE_CODECS = {
-    FP8_E4M3: (fp8_payloads, fp8_refused, fp8_decoded),
-    INT8: (int8_payloads, int8_refused, int8_decoded),
+    FP8_E4M3: DeviceCodec(fp8_payloads, fp8_refused, fp8_decoded),
+    INT8: DeviceCodec(int8_payloads, int8_refused, int8_decoded),
 }
 
 
@@ -321,7 +328,7 @@ class TorchAdapter(InProcessEngine):
         host.copy_(kv, non_blocking=True)  # queued behind this chunk's compute on the same stream
         codes = None
         if lossy is not None:  # encoded on the device, in the queue behind the copy: half the bytes come over
-            coded = DEVICE_CODECS[lossy][0](kv)
+            coded = DEVICE_CODECS[lossy].encode(kv)
             codes = torch.empty(coded.shape, dtype=torch.uint8, pin_memory=True)
             codes.copy_(coded, non_blocking=True)
         copied = torch.cuda.Event()
@@ -337,7 +344,7 @@ class TorchAdapter(InProcessEngine):
         coded = [None] * len(data)
         if codes is not None:
             coded = codes.numpy()
-            if DEVICE_CODECS[lossy][1](coded, self.geometry):
+            if DEVICE_CODECS[lossy].refused(coded, self.geometry):
                 raise ValueError(f"a page with infinities or NaN cannot be sent as {LOSSY[lossy].NAME}")
         return [
             KVPage(
@@ -345,7 +352,7 @@ class TorchAdapter(InProcessEngine):
                 min(P, n - i * P),
                 data[i],
                 coded=coded[i],
-                encoding=lossy if codes is not None else None,
+                encoding=lossy,
             )
             for i in range(len(data))
         ]
@@ -356,7 +363,7 @@ class TorchAdapter(InProcessEngine):
     def import_coded(self, session: Cache, start: int, payload: np.ndarray, n: int, encoding: int) -> None:
         # half the bytes cross to the device, and the host's codec (~15-30 ms a core for an 8B
         # model's page) is not in the stream's way
-        decoded = DEVICE_CODECS[encoding][2](self._to_device(payload)[None], self.geometry)
+        decoded = DEVICE_CODECS[encoding].decode(self._to_device(payload)[None], self.geometry)
         self._write(session, start, decoded[0, :, :, :n])
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

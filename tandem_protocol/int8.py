@@ -28,9 +28,14 @@ CODE_MAX = 127
 FP16_MAX = 65504.0
 
 
+def scale_counts(layers: int, kv_heads: int, head_dim: int, page_tokens: int) -> tuple[int, int]:
+    """How many K scales and V scales a page's payload holds (FP16 each, before the codes)."""
+    return layers * kv_heads * head_dim, layers * page_tokens * kv_heads
+
+
 def payload_bytes(layers: int, kv_heads: int, head_dim: int, page_tokens: int) -> int:
-    scales = layers * kv_heads * head_dim + layers * page_tokens * kv_heads
-    return 2 * scales + layers * 2 * page_tokens * kv_heads * head_dim
+    n_k, n_v = scale_counts(layers, kv_heads, head_dim, page_tokens)
+    return 2 * (n_k + n_v) + layers * 2 * page_tokens * kv_heads * head_dim
 
 
 def _scale(amax: np.ndarray) -> np.ndarray:
@@ -73,7 +78,7 @@ def split(payload: bytes | memoryview, page_shape: tuple[int, ...]) -> tuple[np.
     """Views of an INT8 payload's K scales, V scales (checked finite and not negative) and codes
     (page-shaped, checked within -127..127). The caller has checked its size."""
     layers, _, page_tokens, kv_heads, head_dim = page_shape
-    n_k, n_v = layers * kv_heads * head_dim, layers * page_tokens * kv_heads
+    n_k, n_v = scale_counts(layers, kv_heads, head_dim, page_tokens)
     k_scale = np.frombuffer(payload, np.float16, n_k).reshape(layers, kv_heads, head_dim)
     v_scale = np.frombuffer(payload, np.float16, n_v, offset=2 * n_k).reshape(layers, page_tokens, kv_heads)
     codes = np.frombuffer(payload, np.int8, offset=2 * (n_k + n_v)).reshape(page_shape)

@@ -88,7 +88,7 @@ def test_the_device_int8_decoder_makes_the_codecs_values_for_every_code_under_ev
     clamped), zero scales among them."""
     g = PageGeometry(layers=16, kv_heads=2, head_dim=64)
     rng = np.random.default_rng(6)
-    n_k, n_v = g.layers * g.kv_heads * g.head_dim, g.layers * g.page_tokens * g.kv_heads
+    n_k, n_v = int8.scale_counts(g.layers, g.kv_heads, g.head_dim, g.page_tokens)
     bits = rng.integers(0, 0x6008, size=n_k + n_v)  # +0 .. 516 (65504 / 127, rounded up)
     bits[:4] = [0, 1, 0x3C00, 0x6008]  # zero, the smallest subnormal, 1, the largest scale
     codes = rng.permutation(np.tile(np.arange(-127, 128, dtype=np.int8), -(-int(np.prod(g.page_shape)) // 255)))
@@ -122,7 +122,7 @@ def test_a_decoder_that_decodes_lossy_pages_itself_gets_each_page_checked_but_en
         host = FrameReader(other).feed(frame)[0]
         assert np.array_equal(host.data, decoded(torch.from_numpy(page.coded)[None], g)[0].numpy())
 
-    scales = 2 * (g.layers * g.kv_heads * g.head_dim + g.layers * g.page_tokens * g.kv_heads)
+    scales = 2 * sum(int8.scale_counts(g.layers, g.kv_heads, g.head_dim, g.page_tokens))
     head = g.layers * 2 * g.kv_heads if encoding == FP8_E4M3 else scales  # bytes before the codes
 
     def reframed(change) -> bytes:
