@@ -102,7 +102,11 @@ async def measure_prompt(prefiller, decoder, ids: list[int], steps: int, encodin
     pages = [p async for p in prefiller.prefill(req) if isinstance(p, KVPage)]
     ref_logits, ref_tokens = await run_from(decoder, pages, ids, None, steps)
     own_tokens = await run_own(decoder, ids, steps)
-    raw = sum(p.data.nbytes for p in pages)
+    shared = {  # the same for every encoding
+        "fp16_same_for": same_for(ref_tokens, own_tokens),  # FP16 pages' answer against D's own prefill
+        "raw_bytes": sum(p.data.nbytes for p in pages),
+        "zstd_bytes": sum(len(compress_planes(p.data)) for p in pages),
+    }
     rows = {}
     for encoding in encodings:
         lossy = [over_the_wire(p, encoding) for p in pages]
@@ -116,13 +120,11 @@ async def measure_prompt(prefiller, decoder, ids: list[int], steps: int, encodin
             "first_step_max_abs_diff": float(np.max(np.abs(ref_logits[0] - forced[0]))),
             "greedy_agree": lossy_same_for == steps,
             "fp8_same_for": lossy_same_for,  # leading tokens the lossy pages' answer shares with FP16's
-            "fp16_same_for": same_for(ref_tokens, own_tokens),  # FP16 pages' answer against D's own prefill
             "mean_kl": float(np.mean(kls)),
-            "raw_bytes": raw,
             "lossy_bytes": sum(
                 CODECS[encoding].payload_bytes(*p.data.shape[:1], *p.data.shape[3:], p.data.shape[2]) for p in pages
             ),
-            "zstd_bytes": sum(len(compress_planes(p.data)) for p in pages),
+            **shared,
         }
     return rows
 
