@@ -5,6 +5,7 @@ the tier (tests/integration/conftest.py) and reused by every scenario."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from contextlib import ExitStack, contextmanager
@@ -20,6 +21,9 @@ from ..agents import AgentProcess, PanelProcess, TamperProxy, complete, log_rows
 # prefiller's compute between pages; this also bounds how long a decoder may leave queued pages
 # unread while its one engine finishes earlier requests (test_load's queues on two cores).
 STALL_SECONDS = "30"
+
+# An agent's log lines worth showing when a test fails (tracebacks, warnings, failed requests).
+NOTABLE = re.compile(r"WARNING|ERROR|CRITICAL|Traceback|Error\b|failed|refused|rejected")
 
 # name -> (engine, environment). SGLang starts one agent in each of its roles (either switches when
 # asked for the other, slowly), so SGLang prefills on "sglang" and decodes on "sglang2".
@@ -141,6 +145,19 @@ class Cluster:
             return rows[-1] if rows and rows[-1].outcome != "running" else None
 
         return wait_for(final, 10)
+
+    def diagnosis(self, rows: int = 3, lines: int = 8) -> str:
+        """What a failed test's reader needs and CI's output would otherwise lack: the panel's
+        newest failed requests (each error names the node and what it answered) and the newest
+        notable log lines of the agents those requests touched (of every agent if none did)."""
+        failed = [r for r in self.log() if r.outcome == "error"][-rows:]
+        out = [f"panel {r.request_id} {r.route} {r.prefill_node or '-'}->{r.decode_node}: {r.error}" for r in failed]
+        named = {n for r in failed for n in (r.prefill_node, r.decode_node) if n}
+        agents = [a for a in self.agents.values() if a.name in named] or list(self.agents.values())
+        for agent in agents:
+            notable = [line.rstrip()[:400] for line in agent.log if NOTABLE.search(line)][-lines:]
+            out += [f"{agent.name}: {line}" for line in notable]
+        return "\n".join(out) or "no failed request in the panel's log and nothing notable in the agents' logs"
 
     def alone(self, decoder: str, ids: list[int], max_tokens: int = 16) -> str:
         """The decoder's own answer through the panel (its node's model): what a fallback must give."""
