@@ -23,6 +23,9 @@ from tandem_protocol.page_memory import malloc_env
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)  # not passed on
+# The agent's own polls (its figures every few seconds, health checks) in the server's access log:
+# a log tail is read for what went wrong, and these would push it out.
+POLL_LINE = re.compile(r'"GET /(metrics|health)\S* HTTP/[\d.]+" \d{3}')
 
 
 def engine_python(engine: str, explicit: Path | None, env_var: str, venv: str, make_target: str) -> Path:
@@ -198,10 +201,12 @@ class ServerProcess:
             return False
 
     def log_tail(self, lines: int = 15) -> str:
+        """The log's last `lines` lines but the agent's own polls."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+        return "\n".join([line for line in text.splitlines() if not POLL_LINE.search(line)][-lines:])
 
     def stop(self) -> None:
         self._stopping = True

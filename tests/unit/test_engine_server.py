@@ -62,3 +62,16 @@ def test_a_server_that_cannot_bind_at_all_fails_with_its_log(tmp_path, monkeypat
         assert (tmp_path / "tiny.log").read_text().lower().count("address already in use") == server.port_attempts
     finally:
         squatter.close()
+
+
+def test_a_log_tail_leaves_out_the_agents_own_polls(tmp_path):
+    """A failure's message quotes the server's log tail; the agent's figures polls (every request
+    and every few seconds) would fill it, so they are left out and the lines around them kept."""
+    server = TinyServer(tmp_path / "tiny.log", start_timeout=30.0)
+    polls = [
+        f'[t] INFO:     127.0.0.1:4{i} - "GET /{p} HTTP/1.1" 200 OK' for i, p in enumerate(["metrics", "health"] * 10)
+    ]
+    kept = ["Scheduler hit an exception: ValueError", '[t] INFO:     127.0.0.1:42 - "POST /generate HTTP/1.1" 200 OK']
+    (tmp_path / "tiny.log").write_text("\n".join(["start", kept[0], *polls, kept[1], *polls]) + "\n")
+    assert server.log_tail(2) == "\n".join(kept)
+    assert server.log_tail(3) == "\n".join(["start", *kept])
