@@ -22,8 +22,9 @@ from ..agents import AgentProcess, PanelProcess, TamperProxy, complete, log_rows
 # unread while its one engine finishes earlier requests (test_load's queues on two cores).
 STALL_SECONDS = "30"
 
-# An agent's log lines worth showing when a test fails (tracebacks, warnings, failed requests).
-NOTABLE = re.compile(r"WARNING|ERROR|CRITICAL|Traceback|Error\b|failed|refused|rejected")
+# An agent's log lines worth showing when a test fails (tracebacks, warnings, failed requests,
+# its engine's exits and restarts).
+NOTABLE = re.compile(r"WARNING|ERROR|CRITICAL|Traceback|Error\b|failed|refused|rejected|exited|restart")
 
 # name -> (engine, environment). SGLang starts one agent in each of its roles (either switches when
 # asked for the other, slowly), so SGLang prefills on "sglang" and decodes on "sglang2".
