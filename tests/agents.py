@@ -27,7 +27,7 @@ class AgentProcess(ServiceProcess):
 
     Its engine's prefix cache is off unless `prefix_cache` says otherwise ("default": the agent's
     own default): tests that repeat a prompt to check its pages, transfer or faults need every
-    request's pages computed and on the wire (tests/test_prefix_cache.py turns it on)."""
+    request's pages computed and on the wire (tests/system/test_prefix_cache.py turns it on)."""
 
     def __init__(
         self,

@@ -71,7 +71,7 @@ def smol_dir() -> Path:
 def engines(smol_dir):
     """Both in-process engines on the embedded model, loaded once per test session. Their prefix
     caches are off: tests that compare pages and outputs across runs see every run compute what
-    it claims to (tests/test_prefix_cache.py turns them on)."""
+    it claims to (tests/system/test_prefix_cache.py turns them on)."""
     from engine_adapters import load_adapter
 
     loaded = {name: load_adapter(name, smol_dir) for name in ("torch", "mlx")}

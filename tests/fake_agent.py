@@ -1,4 +1,4 @@
-"""A fake agent for the pairing attack (tests/test_tls.py), run as a process inside a test's
+"""A fake agent for the pairing attack (tests/system/test_tls.py), run as a process inside a test's
 network namespace:
 
     python -m tests.fake_agent HOST PORT UPSTREAM_PORT MDNS_ADDR RECORD_FILE

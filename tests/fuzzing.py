@@ -309,7 +309,7 @@ def cancel_open_handoffs(*agents: AgentProcess) -> None:
 
 
 # The agent routes whose handling reaches the engine (the rest of the API is the same for every
-# engine, and fuzzed against torch agents in tests/test_bad_input.py).
+# engine, and fuzzed against torch agents in tests/system/test_bad_input.py).
 ENGINE_ROUTES = {
     "POST /v1/tokenize",
     "POST /v1/handoffs",

@@ -1,4 +1,4 @@
-"""Run by tests/test_vllm.py with vLLM's interpreter: the connector's GPU layout code against caches
+"""Run by tests/integration/test_server_engines.py with vLLM's interpreter: the connector's GPU layout code against caches
 built by vLLM's own view functions, for every KVCacheLayout vLLM defines. Prints one JSON line."""
 
 import json

@@ -30,7 +30,7 @@ def tolerance(p: str, d: str) -> float:
     return 2 * MEASURED_MAX[(p, d)]
 
 
-# The core issue's stated bound on first-step differences, which tests/test_decoders_consume_pages.py
+# The core issue's stated bound on first-step differences, which tests/system/test_decoders_consume_pages.py
 # holds a perturbed page well past; each direction's own tolerance above is the tighter check.
 LOGIT_TOLERANCE = 0.1
 

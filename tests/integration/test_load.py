@@ -9,7 +9,7 @@ from ..conftest import write_report
 from ..load import BUDGET_PAGES, PAGE_BYTES, check_load
 from .cluster import pair_name
 
-# torch and MLX batch concurrent requests exactly (tests/test_batching.py); vLLM and SGLang with
+# torch and MLX batch concurrent requests exactly (tests/system/test_batching.py); vLLM and SGLang with
 # kernels whose float results depend on the batch (check_load's batch_invariant)
 LOAD_PAIRS = [("torch", "mlx", True), ("mlx", "torch", True), ("vllm", "vllm2", False), ("sglang", "sglang2", False)]
 

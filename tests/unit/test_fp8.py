@@ -99,7 +99,7 @@ def cast_mismatches(device: str) -> list[str]:
 
 def test_torchs_float8_cast_is_this_codec_for_every_fp16_value_and_block_exponent():
     """A GPU can encode pages with torch's own cast and send exactly the bytes this codec would:
-    torch's CPU cast here, CUDA's in tests/test_cuda.py."""
+    torch's CPU cast here, CUDA's in tests/system/test_cuda.py."""
     bad = cast_mismatches("cpu")
     assert not bad, "\n".join(bad[:30])
 

@@ -1,6 +1,6 @@
 """The device-side FP8 and INT8 coders (engine_adapters/torch_adapter.py `DEVICE_CODECS`), run here
 on the CPU: the CUDA prefill sends their bytes as lossy pages and a CUDA decoder imports what they
-decode, so both must be the host codecs', byte for byte (tests/test_cuda.py checks the same on a
+decode, so both must be the host codecs', byte for byte (tests/system/test_cuda.py checks the same on a
 GPU, through the prefill)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the router).
 
 The fakes answer what an agent answers to the panel's calls (info, status, config, its
 checkpoints) and record every call; the identity proof is taken as passed. The real exchange
-with real agents is tests/test_panel_ui.py's.
+with real agents is tests/system/test_panel_ui.py's.
 """
 
 from __future__ import annotations

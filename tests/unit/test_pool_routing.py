@@ -1,6 +1,6 @@
 """A pool's routing: which decoder and prefiller the planner picks, and what happens when one
 fails before the first token. Fake agents behind an httpx transport (one per host); the real
-three-node pool is tests/test_pools.py's."""
+three-node pool is tests/system/test_pools.py's."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ import pytest
 
 from tandem_protocol.discovery import ANNOUNCED_KEYS, Announcer
 
-from .agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, side_by_side, wait_for
-from .netns import needs_netns, sh
+from ..agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, side_by_side, wait_for
+from ..netns import needs_netns, sh
 
 
 @pytest.fixture(scope="module")

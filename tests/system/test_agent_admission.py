@@ -10,8 +10,8 @@ import pytest
 
 from tandem_protocol.client import AgentClient, AgentHTTPError
 
-from .agents import TEST_KEY, AgentProcess, generate_request, pd_request, tokens_of, wait_for
-from .conftest import prompt, run
+from ..agents import TEST_KEY, AgentProcess, generate_request, pd_request, tokens_of, wait_for
+from ..conftest import prompt, run
 
 TOKEN_BYTES = 23_040  # SmolLM2's canonical KV a token
 KV_BYTES = 8 << 20  # 364 tokens of prompt plus max_tokens

@@ -10,11 +10,11 @@ from tandem_protocol.errors import RequestError
 from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.sampling import SamplingParams
 
-from .conftest import collect, prompt, run
+from ..conftest import collect, prompt, run
 
 LENGTHS = [1, 63, 64, 65, 66, 127, 128, 129, 130, 193]
 # 16 steps, each attending over every imported page: a wrong page shows in the first of them
-# (tests/test_decoders_consume_pages.py measures how far); 32 took a minute longer on two cores.
+# (tests/system/test_decoders_consume_pages.py measures how far); 32 took a minute longer on two cores.
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
 

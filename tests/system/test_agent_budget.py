@@ -14,8 +14,8 @@ from tandem_protocol.client import AgentClient, AgentHTTPError
 from tandem_protocol.pages import PageGeometry
 from tandem_protocol.wire import PeerError
 
-from .agents import TEST_KEY, AgentProcess, generate_request, pd_request, side_by_side, tokens_of
-from .conftest import prompt, run
+from ..agents import TEST_KEY, AgentProcess, generate_request, pd_request, side_by_side, tokens_of
+from ..conftest import prompt, run
 
 PAGE = 1_474_560
 GEOMETRY = PageGeometry(30, 3, 64)
@@ -234,7 +234,7 @@ def test_cli_status_bench_link_and_doctor(small):
     import os
     import subprocess
 
-    from .agents import TANDEM
+    from ..agents import TANDEM
 
     env = {**os.environ, "TANDEM_CLUSTER_KEY": TEST_KEY, "COLUMNS": "200"}
 

@@ -19,7 +19,7 @@ from tandem_protocol.errors import Cancelled
 from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.sampling import SamplingParams
 
-from .conftest import collect, run
+from ..conftest import collect, run
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -5,7 +5,7 @@ history, runs there alone; both routes are logged with the TTFT the planner pred
 
 from __future__ import annotations
 
-from .agents import AgentProcess, PanelProcess, log_rows, settle, side_by_side
+from ..agents import AgentProcess, PanelProcess, log_rows, settle, side_by_side
 from .test_pools import system_prompt
 
 # predicted ÷ actual TTFT of each planned request must lie within this range: twice as wide as

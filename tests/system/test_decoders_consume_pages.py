@@ -41,11 +41,11 @@ from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.pages import KVPage
 from tandem_protocol.sampling import SamplingParams
 
-from .agents import TEST_KEY, AgentProcess, wait_for
-from .conftest import collect, own_greedy, run, write_report
-from .engine_probes import sglang_decode_step_logprobs, vllm_first_step_logprobs
-from .integration.rules import LOGIT_TOLERANCE, logits_after_import
-from .server_engines import counter, server_metrics
+from ..agents import TEST_KEY, AgentProcess, wait_for
+from ..conftest import collect, own_greedy, run, write_report
+from ..engine_probes import sglang_decode_step_logprobs, vllm_first_step_logprobs
+from ..integration.rules import LOGIT_TOLERANCE, logits_after_import
+from ..server_engines import counter, server_metrics
 
 RL, CF = FirstTokenMode.RECOMPUTE_LAST, FirstTokenMode.COMMIT_FIRST
 PERTURB = {"TANDEM_FAILPOINTS": "perturb_k@1,perturb_k@2"}  # the prefiller's first two handoffs

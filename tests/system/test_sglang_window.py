@@ -20,8 +20,8 @@ from tandem_protocol.errors import Cancelled, TandemError
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
 from tandem_protocol.sampling import SamplingParams
 
-from .conftest import SGLANG_CPU_PYTHON
-from .prerequisites import requires
+from ..conftest import SGLANG_CPU_PYTHON
+from ..prerequisites import requires
 
 pytestmark = requires(SGLANG_CPU_PYTHON.exists(), "SGLang's CPU test environment (make sglang-cpu-test)")
 

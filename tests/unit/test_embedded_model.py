@@ -11,7 +11,7 @@ from engine_adapters.embedded_model import _unpermute, fetch, is_fetched
 from tandem_protocol.sampling import SamplingParams
 from tandem_protocol.settings import data_dir
 
-from .conftest import collect, run
+from ..conftest import collect, run
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:

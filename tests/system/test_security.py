@@ -39,8 +39,8 @@ from control_panel.ui import sessions
 from control_panel.ui.sessions import IDLE_SECONDS, SESSION_COOKIE
 from tandem_protocol.discovery import Peer
 
-from .agents import AgentProcess, PanelProcess
-from .unit.test_agent_auth import http_routes
+from ..agents import AgentProcess, PanelProcess
+from ..unit.test_agent_auth import http_routes
 
 CLUSTER_KEY = "tdm_security-review-cluster-key-4e8a1f"
 LOCAL = "http://127.0.0.1"  # a Host the panel answers to (TestClient's default, testserver, is not)

@@ -10,8 +10,8 @@ from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.pages import ENCODINGS
 from tandem_protocol.sampling import SamplingParams
 
-from .agents import AgentProcess, pd_request, side_by_side, tokens_of
-from .conftest import collect, prompt, run
+from ..agents import AgentProcess, pd_request, side_by_side, tokens_of
+from ..conftest import collect, prompt, run
 
 LENGTHS = [1, 64, 65, 193]
 SAMPLING = {"max_tokens": 16, "ignore_eos": True}

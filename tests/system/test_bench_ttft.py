@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from .agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, side_by_side
-from .netns import needs_netns
+from ..agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, side_by_side
+from ..netns import needs_netns
 
 
 def run_bench(tmp_path, *args: str, env: dict | None = None) -> dict:

@@ -34,8 +34,8 @@ from tandem_protocol.handoff import PrefillDone
 from tandem_protocol.pages import KVPage
 from tandem_protocol.sampling import SamplingParams
 
-from .conftest import LONG_TEXT, collect, run
-from .server_engines import counter, server_metrics
+from ..conftest import LONG_TEXT, collect, run
+from ..server_engines import counter, server_metrics
 
 CONTEXT = 4096
 PROMPT_TOKENS = 16 * 64 + 5

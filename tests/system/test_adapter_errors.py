@@ -14,7 +14,7 @@ from tandem_protocol.handoff import FirstTokenMode, PrefillDone
 from tandem_protocol.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
 from tandem_protocol.sampling import SamplingParams
 
-from .conftest import collect, make_tiny_checkpoint, prompt, run
+from ..conftest import collect, make_tiny_checkpoint, prompt, run
 
 ENGINES = ["torch", "mlx"]
 

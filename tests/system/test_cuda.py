@@ -1,7 +1,7 @@
 """The torch adapter on CUDA (FP16 compute): P/D on the GPU, and GPU pages decoded on the CPU.
 
 Skipped where no CUDA device exists (CI); run on the team's GPU machine with
-`TANDEM_TOKENIZER_DIR=<dir with tokenizer.json> pytest tests/test_cuda.py`.
+`TANDEM_TOKENIZER_DIR=<dir with tokenizer.json> pytest tests/system/test_cuda.py`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from node_agent.inprocess import run_pair
 from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.sampling import SamplingParams
 
-from .conftest import collect, make_tiny_checkpoint, max_abs_diff, run
-from .integration.rules import first_step_logits
+from ..conftest import collect, make_tiny_checkpoint, max_abs_diff, run
+from ..integration.rules import first_step_logits
 
 # a skip even in CI, which never has a GPU: these tests are run by hand on a lent GPU (README)
 pytestmark = pytest.mark.skipif(
@@ -172,7 +172,7 @@ def test_lossy_pages_decoded_on_the_gpu_answer_as_the_hosts_codec(gpu_and_cpu, n
 def test_cudas_float8_cast_is_the_codec_for_every_fp16_value_and_block_exponent():
     """What tests/unit/test_fp8.py checks of torch's CPU cast, on the device: the CUDA prefill's
     FP8 bytes are the codec's only if the device's cast rounds as the codec's table does."""
-    from .unit.test_fp8 import cast_mismatches
+    from ..unit.test_fp8 import cast_mismatches
 
     bad = cast_mismatches("cuda")
     assert not bad, "\n".join(bad[:30])
@@ -186,7 +186,7 @@ def test_the_device_encoder_makes_the_codecs_bytes_on_the_gpu(encoding):
     from engine_adapters.torch_adapter import DEVICE_CODECS
     from tandem_protocol.pages import ENCODINGS, LOSSY
 
-    from .unit.test_lossy_device import GEOMETRY, SHAPE, pages_like_kv
+    from ..unit.test_lossy_device import GEOMETRY, SHAPE, pages_like_kv
 
     code = ENCODINGS[encoding]
     (encode, _, decode), codec = DEVICE_CODECS[code], LOSSY[code]

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from .agents import AgentProcess, PanelProcess, log_rows, settle, side_by_side
+from ..agents import AgentProcess, PanelProcess, log_rows, settle, side_by_side
 
 CONVERSATIONS = 16
 THRESHOLD = 256

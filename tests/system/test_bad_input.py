@@ -25,9 +25,9 @@ import pytest
 
 from node_agent.app import OPEN_PATHS
 
-from .agents import AgentProcess, PanelProcess, settle
-from .conftest import write_report
-from .fuzzing import (
+from ..agents import AgentProcess, PanelProcess, settle
+from ..conftest import write_report
+from ..fuzzing import (
     CALL_TIMEOUT,
     VOCAB,
     fuzz,

@@ -24,9 +24,9 @@ from tandem_protocol.client import AgentClient, AgentHTTPError
 from tandem_protocol.tls import certificate_fingerprint, client_context, ensure_certificate, server_context, spaced
 from tests.agents import TEST_KEY, AgentProcess, PanelProcess, TamperProxy, log_rows, pd_request, tokens_of, wait_for
 from tests.netns import host_namespace, needs_netns
-from tests.test_security import csrf_of, log_in
+from tests.system.test_security import csrf_of, log_in
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Name three rivers that cross the city of Wrocław."
 
 

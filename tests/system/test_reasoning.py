@@ -15,7 +15,7 @@ import shutil
 import openai
 import pytest
 
-from .agents import AgentProcess, PanelProcess, side_by_side
+from ..agents import AgentProcess, PanelProcess, side_by_side
 
 THINKING_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"

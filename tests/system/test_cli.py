@@ -11,7 +11,7 @@ from pathlib import Path
 from engine_adapters.settings import EngineSettings
 from tandem_protocol.settings import TandemSettings, env_table
 
-from .conftest import make_tiny_checkpoint
+from ..conftest import make_tiny_checkpoint
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
@@ -56,7 +56,7 @@ def test_model_import_refuses_unsupported(tmp_path, smol_dir):
     assert "sliding-window attention is not supported" in result.stdout
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_variable_is_documented_and_printed_by_the_doctor(tmp_path):

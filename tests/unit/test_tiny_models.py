@@ -12,8 +12,8 @@ from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.pages import KVPage
 from tandem_protocol.sampling import SamplingParams
 
-from .conftest import collect, make_tiny_checkpoint, max_abs_diff, run
-from .integration.rules import first_step_logits
+from ..conftest import collect, make_tiny_checkpoint, max_abs_diff, run
+from ..integration.rules import first_step_logits
 
 SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from .agents import AgentProcess, PanelProcess, side_by_side
-from .conftest import prompt
+from ..agents import AgentProcess, PanelProcess, side_by_side
+from ..conftest import prompt
 
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]
 

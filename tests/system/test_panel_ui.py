@@ -16,10 +16,10 @@ import pytest
 
 from tandem_protocol.tls import spaced
 
-from .agents import TEST_KEY, AgentProcess, PanelProcess, side_by_side
-from .conftest import make_tiny_checkpoint
-from .netns import host_namespace, netns_available
-from .prerequisites import missing
+from ..agents import TEST_KEY, AgentProcess, PanelProcess, side_by_side
+from ..conftest import make_tiny_checkpoint
+from ..netns import host_namespace, netns_available
+from ..prerequisites import missing
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -439,9 +439,7 @@ def test_requests_page_shows_the_last_ttft_benchmark(local_panel, tmp_path):
     from control_panel.bench_results import LATEST_TTFT
 
     assert "tandem bench ttft" in local_panel.get("/requests").text  # how to get one
-    result = json.loads(
-        (Path(__file__).parent.parent / "bench/results/ttft-shaped-zstd-20261130-082556.json").read_text()
-    )
+    result = json.loads((Path(__file__).parents[2] / "bench/results/ttft-shaped-zstd-20261130-082556.json").read_text())
     (tmp_path / LATEST_TTFT).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / LATEST_TTFT).write_text(json.dumps(result))
     page = local_panel.get("/requests").text

@@ -1,6 +1,6 @@
 """Many at once through the panel on the batching engines (issue 19): 64 concurrent streams on
 torch->torch, MLX->MLX, torch->MLX and MLX->torch pairs, each prompt's answer checked against
-its decoder alone (torch and MLX batch exactly: tests/test_batching.py).
+its decoder alone (torch and MLX batch exactly: tests/system/test_batching.py).
 
 - At the default budgets every stream completes with its own answer and none gets 429.
 - With a decode KV budget that fits a few requests, the excess waits its turn and then completes
@@ -14,8 +14,8 @@ import asyncio
 import httpx
 import pytest
 
-from .agents import AgentProcess, PanelProcess, log_rows, settle
-from .load import CONCURRENT, alone, one, panel_client, prompts
+from ..agents import AgentProcess, PanelProcess, log_rows, settle
+from ..load import CONCURRENT, alone, one, panel_client, prompts
 
 PAIRS = {"torch-to-torch": ("torch", "torch2"), "mlx-to-mlx": ("mlx", "mlx2"), "torch-to-mlx": ("torch", "mlx2")}
 PAIRS["mlx-to-torch"] = ("mlx", "torch2")

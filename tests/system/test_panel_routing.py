@@ -13,8 +13,8 @@ from sqlmodel import Session, select
 from control_panel.db import open_db
 from control_panel.models import Pool, RequestLog
 
-from .agents import AgentProcess, PanelProcess, log_rows, settle, side_by_side
-from .panel_db import insert_old_pair
+from ..agents import AgentProcess, PanelProcess, log_rows, settle, side_by_side
+from ..panel_db import insert_old_pair
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from tandem_protocol.pages import FrameExpectation, PageGeometry, encode_frame, 
 from tandem_protocol.tls import certificate_fingerprint, client_context, ensure_certificate
 from tandem_protocol.wire import HEARTBEAT_FRAME
 
-from .unit.test_page_receiver import CONTRACT, HANDOFF_ID, TOKENS
+from ..unit.test_page_receiver import CONTRACT, HANDOFF_ID, TOKENS
 
 STALL = 0.5
 GEOMETRY = PageGeometry(layers=4, kv_heads=4, head_dim=64)  # 256 KiB pages: several sends each

@@ -13,7 +13,7 @@ from control_panel.models import Node
 from control_panel.services import PanelError, add_node, model_names, note_discovered, verify_identity
 from tandem_protocol.discovery import Peer
 
-from .agents import TEST_KEY, AgentProcess
+from ..agents import TEST_KEY, AgentProcess
 
 
 @pytest.fixture(scope="module")

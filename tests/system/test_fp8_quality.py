@@ -13,7 +13,7 @@ from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.pages import FP8_E4M3, INT8
 from tandem_protocol.sampling import SamplingParams
 
-from .conftest import collect, prompt, run
+from ..conftest import collect, prompt, run
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from tandem_protocol.handoff import kv_tokens
 from tandem_protocol.pages import KVPage
 from tandem_protocol.sampling import SamplingParams
 
-from .agents import wait_for
-from .conftest import collect, run, write_report
+from ..agents import wait_for
+from ..conftest import collect, run, write_report
 
 SYSTEM = " ".join(
     f"Rule {i}: answer briefly and say the number {i * 7} only when asked about rule {i}." for i in range(30)
@@ -212,7 +212,7 @@ def test_through_the_panel_a_second_turn_moves_only_the_delta(smol_dir, tmp_path
     only the pages D lacks, and a budget of 0 set by /v1/config empties the cache."""
     import openai
 
-    from .agents import AgentProcess, PanelProcess, settle
+    from ..agents import AgentProcess, PanelProcess, settle
 
     with (
         AgentProcess("torch", smol_dir, tmp_path / "p", prefix_cache="default") as p,
@@ -361,7 +361,7 @@ def test_through_the_panel_a_vllm_decoder_asks_only_for_what_vllm_lacks(smol_dir
     decode is let go of and the panel answers from vLLM alone, leaving nothing running."""
     import openai
 
-    from .agents import AgentProcess, PanelProcess, settle
+    from ..agents import AgentProcess, PanelProcess, settle
 
     with (
         AgentProcess("torch", smol_dir, tmp_path / "p") as p,
