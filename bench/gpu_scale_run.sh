@@ -12,7 +12,7 @@
 # BENCH=sender instead measures P's prefill inside P/D ÷ P alone for the loop's page sender and the
 # sender thread, plain and TLS, over loopback (bench/bench_sender.py; issue 23, deliverable 2):
 #   BENCH=sender TOKENS=8192 ROUNDS=3 bash bench/gpu_scale_run.sh
-# Before the benchmark, in the same call: CUDA_TESTS=1 runs tests/test_cuda.py (CUDA_K: pytest's -k); PROBE=8192 runs
+# Before the benchmark, in the same call: CUDA_TESTS=1 runs tests/system/test_cuda.py (CUDA_K: pytest's -k); PROBE=8192 runs
 # bench/gpu_prefill_export.py on the 8B checkpoint (CHUNKS=512,2048 compares chunk sizes).
 # TRACE=1 traces one more P/D request per cell (where its time goes; bench ttft --trace).
 # EXTRA=--int8 adds a column of P/D with INT8 pages (coded on both GPUs, as FP8's are).
@@ -28,7 +28,7 @@ if [ ! -f /tmp/llama8b/config.json ]; then
   python3 bench/gpu_build_llama8b.py /tmp/llama8b .devcarry/tok | tee "$OUT/build.txt"
 fi
 if [ -n "${CUDA_TESTS:-}" ]; then
-  TANDEM_TOKENIZER_DIR=.devcarry/tok timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+  TANDEM_TOKENIZER_DIR=.devcarry/tok timeout 240 python3 -m pytest -q -p no:cacheprovider tests/system/test_cuda.py \
     -k "${CUDA_K:-}" 2>&1 | grep -v "^[0-9.]*s \(call\|setup\|teardown\)" | tail -40 | tee "$OUT/test_cuda.txt" || true
 fi
 if [ -n "${PROBE:-}" ]; then

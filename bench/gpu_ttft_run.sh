@@ -15,7 +15,7 @@
 # SmolLM2-135M's exact config: timing is what is measured, not text. Agent A: torch on CUDA
 # (FP16); agent B: torch on the CPU (GPUs hidden); each pinned to one core.
 # Results of the last run: bench/results/gpu-h200-*. Extra bench options: EXTRA="--cores-per-agent 4".
-# PROBE=744,2844,8160 first runs bench/gpu_prefill_export.py (CHUNKS=256,2048 to compare chunk sizes, PROBE_REPS=5); CUDA_TESTS=1 runs tests/test_cuda.py;
+# PROBE=744,2844,8160 first runs bench/gpu_prefill_export.py (CHUNKS=256,2048 to compare chunk sizes, PROBE_REPS=5); CUDA_TESTS=1 runs tests/system/test_cuda.py;
 # RUN=script.py runs that script (argument: the model directory) instead of the benchmark;
 # FOREGROUND=SECONDS runs the benchmark in the call (at most that long) instead of leaving it running.
 set -e
@@ -44,7 +44,7 @@ fi
 python3 -c "import tandem_cli.main, node_agent.app, control_panel.ui; print('imports ok')"
 [ -n "$PROBE" ] && python3 bench/gpu_prefill_export.py --model /tmp/smolrand --lengths "$PROBE" ${CHUNKS:+--chunks $CHUNKS} --reps ${PROBE_REPS:-5} | tee "$OUT/export.txt"
 [ -n "$RUN" ] && { python3 "$RUN" /tmp/smolrand | tee "$OUT/run-script.txt"; exit 0; }  # a scratch script instead of the bench
-[ -n "$CUDA_TESTS" ] && TANDEM_TOKENIZER_DIR=.devcarry/tok python3 -m pytest -q tests/test_cuda.py 2>&1 | tail -3 | tee "$OUT/test_cuda.txt"
+[ -n "$CUDA_TESTS" ] && TANDEM_TOKENIZER_DIR=.devcarry/tok python3 -m pytest -q tests/system/test_cuda.py 2>&1 | tail -3 | tee "$OUT/test_cuda.txt"
 bench() {
   TANDEM_HOME=/tmp/th "$@" "$(dirname "$PY")/tandem" bench ttft --model /tmp/smolrand --prefill torch --decode torch \
     --b-cpu-only --direction a2b --link "${LINK:-loopback}" ${RATE:+--rate $RATE} --lengths "${LENGTHS:-51,184,744,2844,8160}" --samples "${SAMPLES:-3}" --warmup 1 \

@@ -21,8 +21,8 @@ OTHER_VARIABLES = {
     SGLANG_BRIDGE_ENV: "set by the agent for its SGLang server: the bridge socket Tandem's backend talks to",
     "TANDEM_FAILPOINTS": "fault drills and tests: name@N makes the N-th such engine step fail (failpoints.py)",
     "TANDEM_API_KEY": "`tandem bench ttft --panel`: the panel's API key (the --api-key option)",
-    "TANDEM_TOKENIZER_DIR": "tests/test_cuda.py: a tokenizer.json for the GPU test model",
-    "TANDEM_UI_SCREENSHOTS": "tests/test_panel_ui.py: also save screenshots of the other pages",
+    "TANDEM_TOKENIZER_DIR": "tests/system/test_cuda.py: a tokenizer.json for the GPU test model",
+    "TANDEM_UI_SCREENSHOTS": "tests/system/test_panel_ui.py: also save screenshots of the other pages",
 }
 SECRET = {"TANDEM_CLUSTER_KEY", "TANDEM_API_KEY"}
 

@@ -27,7 +27,7 @@ server's, and against raw TCP.
 
 uvicorn is pinned in pyproject.toml (the protocol relies on its cycle's `chunked_encoding`,
 `response_started` and `disconnected` and on the protocol's `flow`); tests/unit/test_page_receiver.py,
-tests/test_http_server.py and tests/test_page_sender.py check the chunks on the wire, the stall
+tests/unit/test_http_server.py and tests/system/test_page_sender.py check the chunks on the wire, the stall
 timeout and the release of a stream whose reader hung up, for both senders.
 """
 

@@ -13,7 +13,7 @@ the same few dimensions of a head for every token, so a scale per channel keeps 
 resolution; V has no such channels, and its error reaches the output weighted per token, so a
 scale per token. The step is then a 254th of what one channel (or token) spans, where E4M3 keeps 3
 mantissa bits of every value: on the embedded model INT8 pages answer as FP16 pages on 20 of 20
-prompts against FP8's 15 (tests/test_fp8_quality.py; bench/bench_fp8_quality.py). The scales cost 3.1 %
+prompts against FP8's 15 (tests/system/test_fp8_quality.py; bench/bench_fp8_quality.py). The scales cost 3.1 %
 of the codes' bytes at the embedded model's geometry, 2.3 % at an 8B model's (the payload is
 0.516 and 0.512 of FP16's). A scale is the block's max |x| / 127 rounded *up* to FP16, so no code
 passes 127, and every value comes back within half a step of itself (before the final FP16 rounding).
