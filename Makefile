@@ -54,11 +54,16 @@ run: setup
 # The three environments install side by side, their downloads and unpacking overlapping (a
 # clean clone's setup here: 211 s one after another, 189 s side by side); apt stays serial
 # (test-deps first, then system-deps alone inside the parallel step).
-test: test-deps
+# pytest runs through tests/suite.py: two lanes (the engine servers' and the rest), then the tests
+# that time the machine alone, then seconds per file and the whole wall clock, set-up included
+# (reports/: JUnit XML, started).
+test:
+	@mkdir -p reports && date +%s > reports/started
+	$(MAKE) --no-print-directory test-deps
 	$(MAKE) --no-print-directory -j3 --output-sync=target setup vllm $(SGLANG_TEST)
 	$(MAKE) --no-print-directory lint
 	$(BIN)/tandem model fetch
-	$(BIN)/python -m pytest
+	$(BIN)/python -m tests.suite
 
 # The fast tier (tests/unit: in-process; no agent, panel or engine server is started), < 3 min.
 test-unit: setup lint

@@ -40,8 +40,54 @@ LONG_TEXT = (
 )
 
 
+# The lane that holds vLLM and SGLang servers: the integration tier (its one cluster), then the
+# system files that start servers of their own. One xdist worker runs a group, in collection
+# order, so these files start only after the cluster is torn down: 24 GiB holds one set of
+# engine servers, never two (`make test`, tests/suite.py).
+ENGINE_SERVER_LANE = "engine-servers"
+SERVER_FILES = {
+    "tests/system/test_decoders_consume_pages.py",
+    "tests/system/test_prefix_cache.py",
+    "tests/system/test_sglang_window.py",
+    "tests/system/test_vllm_window.py",
+}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "prerequisite(available, reason): tests/prerequisites.py requires()")
+    config.addinivalue_line(
+        "markers", "quiet: times the machine itself; runs in the serial pass after the lanes (tests/suite.py)"
+    )
+    if not hasattr(config, "workerinput"):  # the controller: xdist's workers inherit the run's one seed
+        os.environ["FUZZ_SEED"] = str(run_seed())
+
+
+@pytest.hookimpl(trylast=True)  # after --durations' table, so it sits just above the short summary
+def pytest_terminal_summary(terminalreporter):
+    """A failed test's account of the processes it used (tests/integration/conftest.py adds the
+    cluster's), again at the end: CI shows only the head and the tail of pytest's output, and a
+    failure's own report sits in between. Read from the reports, which xdist's workers send to
+    the controller with their sections."""
+    for report in terminalreporter.stats.get("failed", []):
+        for title, text in report.sections:
+            if title.endswith("when it failed"):
+                terminalreporter.write_sep("-", f"{title.removesuffix(' when it failed')} when {report.nodeid} failed")
+                terminalreporter.write_line(text)
+
+
+def lane_of(path: str) -> str:
+    """The xdist group of a test file: the engine-server lane, or the file itself (its module
+    fixtures start once, on one worker)."""
+    if path.startswith("tests/integration/") or path in SERVER_FILES:
+        return ENGINE_SERVER_LANE
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
+def pytest_collection_modifyitems(config, items):
+    root = Path(config.rootpath)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(lane_of(Path(item.path).relative_to(root).as_posix())))
 
 
 def pytest_report_header(config):

@@ -12,9 +12,8 @@ from engine_adapters.vllm_adapter import vllm_python
 
 from .cluster import Cluster
 
-# (test id, the cluster's diagnosis) of each failed test, repeated at the end of the run: CI shows
-# only the head and the tail of pytest's output, and a failure's own report sits in between
-DIAGNOSES: list[tuple[str, str]] = []
+# a failed test's report carries this section; tests/conftest.py repeats it at the end of the run
+SECTION = "the cluster when it failed"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -26,16 +25,8 @@ def pytest_runtest_makereport(item, call):
             text = cluster.diagnosis()
         except Exception as e:  # the diagnosis must not hide the failure it describes
             text = f"no diagnosis: {type(e).__name__}: {e}"
-        report.sections.append(("the cluster when it failed", text))
-        DIAGNOSES.append((item.nodeid, text))
+        report.sections.append((SECTION, text))
     return report
-
-
-@pytest.hookimpl(trylast=True)  # after --durations' table, so it sits just above the short summary
-def pytest_terminal_summary(terminalreporter):
-    for nodeid, text in DIAGNOSES:
-        terminalreporter.write_sep("-", f"the cluster when {nodeid} failed")
-        terminalreporter.write_line(text)
 
 
 @pytest.fixture(scope="package")

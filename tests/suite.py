@@ -1,0 +1,97 @@
+"""`make test`'s pytest: the lanes, then the serial pass, then where the time went.
+
+1. The lanes: `pytest -n 2 --dist loadgroup -m "not quiet"`. tests/conftest.py puts the integration
+   tier and the system files with engine servers of their own in one group (one worker, in order:
+   the cluster, then those files); every other file is a group of its own, run by whichever
+   worker is free. Two lanes, not more: memory holds one set of engine servers, and the machine
+   has two cores.
+2. The serial pass: `pytest -m quiet`, the tests that time the machine itself, alone.
+3. A summary from both passes' JUnit XML (reports/): seconds per file and per tier, the slowest
+   files, and the wall clock since `make test` began (reports/started, written by the Makefile).
+
+Both passes run whatever the first gave; the exit status is non-zero if either failed. Arguments
+go to both pytest runs (e.g. `python -m tests.suite tests/system/test_cli.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+from .seed import run_seed
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORTS = ROOT / "reports"
+LANES = os.environ.get("TANDEM_TEST_LANES", "2")
+NO_TESTS = 5  # pytest's exit status when nothing was selected
+
+
+def pytest(*args: str) -> int:
+    command = [sys.executable, "-m", "pytest", *args]
+    print("+", " ".join(command[1:]), flush=True)
+    return subprocess.call(command, cwd=ROOT)
+
+
+def file_of(classname: str) -> str:
+    """tests.integration.test_faults[.Class] -> tests/integration/test_faults.py"""
+    parts = classname.split(".")
+    for n in range(len(parts), 0, -1):
+        path = Path(*parts[:n]).with_suffix(".py")
+        if (ROOT / path).is_file():
+            return path.as_posix()
+    return classname
+
+
+def per_file(reports: list[Path]) -> dict[str, list[float]]:
+    """{file: [seconds, tests, failed]} over the JUnit reports (a test's time counts its set-up,
+    so a file's first test carries the fixtures it starts)."""
+    files: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0])
+    for report in reports:
+        for case in ET.parse(report).iter("testcase"):
+            row = files[file_of(case.get("classname", ""))]
+            row[0] += float(case.get("time") or 0)
+            row[1] += 1
+            row[2] += any(child.tag in ("failure", "error") for child in case)
+    return files
+
+
+def summary(reports: list[Path], started: float) -> str:
+    files = per_file([r for r in reports if r.is_file()])
+    tiers: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, (seconds, tests, _) in files.items():
+        tier = "/".join(name.split("/")[:2])
+        tiers[tier][0] += seconds
+        tiers[tier][1] += tests
+    lines = ["", "Seconds per file (set-up included; the lanes run side by side, so files overlap):"]
+    for name, (seconds, tests, failed) in sorted(files.items(), key=lambda kv: -kv[1][0]):
+        mark = f"  {int(failed)} FAILED" if failed else ""
+        lines.append(f"  {seconds:8.1f} s  {int(tests):4d} tests  {name}{mark}")
+    lines.append(
+        "Seconds per tier: " + ", ".join(f"{t} {s:.0f} s ({int(n)} tests)" for t, (s, n) in sorted(tiers.items()))
+    )
+    wall = time.time() - started
+    lines.append(f"make test: {wall / 60:.1f} minutes wall clock ({wall:.0f} s), set-up included")
+    return "\n".join(lines)
+
+
+def main(args: list[str]) -> int:
+    REPORTS.mkdir(exist_ok=True)
+    stamp = REPORTS / "started"
+    started = float(stamp.read_text()) if stamp.is_file() else time.time()
+    os.environ.setdefault("FUZZ_SEED", str(run_seed()))  # one seed for both passes
+    lanes, quiet = REPORTS / "lanes.xml", REPORTS / "quiet.xml"
+    for stale in (lanes, quiet):
+        stale.unlink(missing_ok=True)
+    first = pytest("-n", LANES, "--dist", "loadgroup", "-m", "not quiet", f"--junitxml={lanes}", *args)
+    second = pytest("-n", "0", "-m", "quiet", f"--junitxml={quiet}", *args)
+    print(summary([lanes, quiet], started), flush=True)
+    return int(any(rc not in (0, NO_TESTS) for rc in (first, second)) or first == second == NO_TESTS)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
