@@ -306,8 +306,13 @@ class TamperProxy:
         self.upstream_host, self.host, self.port = upstream_host, host, port
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
+        self._failed: BaseException | None = None  # why the listening socket could not be opened
         threading.Thread(target=self._run, daemon=True).start()
-        self._ready.wait(10)
+        # a port picked earlier (port=...) may have been taken since: say so here, not as an
+        # unrelated fault later
+        assert self._ready.wait(30), f"TamperProxy on {host}:{port} did not start listening in 30 s"
+        if self._failed is not None:
+            raise RuntimeError(f"TamperProxy could not listen on {host}:{port}: {self._failed}") from self._failed
 
     @property
     def url(self) -> str:
@@ -315,7 +320,13 @@ class TamperProxy:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, self.host, self.port))
+        try:
+            self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, self.host, self.port))
+        except BaseException as e:  # e.g. EADDRINUSE
+            self._failed = e
+            self._ready.set()
+            self.loop.close()
+            return
         self.port = self.server.sockets[0].getsockname()[1]
         self._ready.set()
         self.loop.run_forever()

@@ -1,4 +1,8 @@
-"""Failure paths of the adapters: each ends with its own clear error and releases the request."""
+"""Failure paths of the adapters: each ends with its own clear error and releases the request.
+
+What is checked is plumbing (chunks and pages, cancels, damaged streams, validation), so both
+engines run a tiny random-weight Llama with SmolLM2's page shape per layer; the embedded model
+is the other side of the contract-mismatch test."""
 
 from __future__ import annotations
 
@@ -17,6 +21,30 @@ from tandem_protocol.sampling import SamplingParams
 from ..conftest import collect, make_tiny_checkpoint, prompt, run
 
 ENGINES = ["torch", "mlx"]
+# SmolLM2-135M per layer (head_dim 64, 3 query heads per KV head), 4 layers instead of 30; room
+# for the 600-token prompts
+TINY = dict(
+    hidden_size=192,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=64,
+    max_position_embeddings=2048,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(smol_dir, tmp_path_factory):
+    from engine_adapters import load_adapter
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("adapter-errors") / "tiny", "llama", smol_dir, seed=7, **TINY)
+    loaded = {name: load_adapter(name, path, context_length=1024) for name in ENGINES}
+    for adapter in loaded.values():
+        adapter.set_prefix_cache_bytes(0)  # every run computes what it claims to
+    yield loaded
+    for adapter in loaded.values():
+        adapter.close()
 
 
 def long_prompt(long_ids, n):
@@ -24,8 +52,8 @@ def long_prompt(long_ids, n):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_pages_leave_before_prefill_finishes(engines, long_ids, engine, monkeypatch):
-    adapter = engines[engine]
+def test_pages_leave_before_prefill_finishes(tiny, long_ids, engine, monkeypatch):
+    adapter = tiny[engine]
     events = log_chunks(adapter, monkeypatch)
     ids = long_prompt(long_ids, 600)  # chunks of 256, 256, then 64, and the last page (24) on its own
     pages = run(prefill_events(adapter, ids, events))
@@ -85,8 +113,8 @@ async def prefill_events(adapter, ids, events) -> list[KVPage]:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_cancel_during_prefill_and_decode(engines, long_ids, engine):
-    adapter = engines[engine]
+def test_cancel_during_prefill_and_decode(tiny, long_ids, engine):
+    adapter = tiny[engine]
 
     async def cancel_prefill():
         req = EngineRequest("cancel-p", long_prompt(long_ids, 600), SamplingParams(max_tokens=1))
@@ -151,8 +179,8 @@ def flip_bit_in_page_1(index, frame):
     ],
 )
 @pytest.mark.parametrize("engine", ENGINES)
-def test_damaged_streams_fail_cleanly(engines, long_ids, engine, damage, error, message):
-    adapter = engines[engine]
+def test_damaged_streams_fail_cleanly(tiny, long_ids, engine, damage, error, message):
+    adapter = tiny[engine]
     ids = prompt(long_ids, 150)
     if damage.get("expect_ids") == "other":
         damage = {"expect_ids": prompt(long_ids, 149) + [7]}
@@ -162,8 +190,8 @@ def test_damaged_streams_fail_cleanly(engines, long_ids, engine, damage, error, 
     assert adapter.active_requests == 0
 
 
-def test_out_of_order_pages_are_refused(engines, long_ids):
-    adapter = engines["torch"]
+def test_out_of_order_pages_are_refused(tiny, long_ids):
+    adapter = tiny["torch"]
     ids = prompt(long_ids, 150)
 
     async def swapped():
@@ -176,20 +204,14 @@ def test_out_of_order_pages_are_refused(engines, long_ids):
     assert adapter.active_requests == 0
 
 
-def test_pair_refuses_a_different_model(engines, smol_dir, tmp_path):
-    from engine_adapters import load_adapter
-
-    tiny = load_adapter("torch", make_tiny_checkpoint(tmp_path / "tiny", "llama", smol_dir), context_length=512)
-    try:
-        with pytest.raises(ContractMismatch) as e:
-            run(collect(run_pair(tiny, engines["mlx"], [1, 2, 3], SamplingParams(max_tokens=2))))
-        assert {"weights", "config", "context_length"} <= set(e.value.fields)
-    finally:
-        tiny.close()
+def test_pair_refuses_a_different_model(engines, tiny):
+    with pytest.raises(ContractMismatch) as e:
+        run(collect(run_pair(tiny["torch"], engines["mlx"], [1, 2, 3], SamplingParams(max_tokens=2))))
+    assert {"weights", "config", "context_length"} <= set(e.value.fields)
 
 
-def test_bad_requests(engines):
-    adapter = engines["torch"]
+def test_bad_requests(tiny):
+    adapter = tiny["torch"]
     cases = [
         ([], SamplingParams(), "empty"),
         ([1, 2, 10**9], SamplingParams(), "token ids must be integers"),
@@ -202,8 +224,8 @@ def test_bad_requests(engines):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_seeded_sampling_pd_equals_local(engines, long_ids, engine):
-    adapter = engines[engine]
+def test_seeded_sampling_pd_equals_local(tiny, long_ids, engine):
+    adapter = tiny[engine]
     ids = prompt(long_ids, 100)
     sampling = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     local = run(collect(adapter.generate(EngineRequest("seeded", ids, sampling))))
@@ -213,8 +235,8 @@ def test_seeded_sampling_pd_equals_local(engines, long_ids, engine):
     assert run(collect(adapter.generate(EngineRequest("seeded", ids, other_seed)))) != local
 
 
-def test_pair_stats_and_early_stop(engines, long_ids):
-    p, d = engines["torch"], engines["mlx"]
+def test_pair_stats_and_early_stop(tiny, long_ids):
+    p, d = tiny["torch"], tiny["mlx"]
     stats = PairStats()
     out = run(
         collect(
@@ -233,12 +255,12 @@ def test_pair_stats_and_early_stop(engines, long_ids):
 
 
 @pytest.mark.parametrize("name", ["torch", "mlx"])
-def test_sampling_an_engine_cannot_honour_is_refused(engines, name):
+def test_sampling_an_engine_cannot_honour_is_refused(tiny, name):
     """torch and MLX sample with Tandem's own sampler, which has no min_p and no penalties: as
     commit-first prefillers (they sample the first token) they refuse min_p and the repetition
     penalty, which change a first token, but not the output-only penalties; generating, they
     refuse all four. Everything is refused before any work, naming the engine and parameter."""
-    engine = engines[name]
+    engine = tiny[name]
     hot = SamplingParams(temperature=0.7, top_k=5, max_tokens=4)
     for params in (SamplingParams(min_p=0.1), SamplingParams(repetition_penalty=1.2, temperature=0.5)):
         field = "min_p" if params.min_p else "repetition_penalty"
@@ -258,14 +280,14 @@ def test_sampling_an_engine_cannot_honour_is_refused(engines, name):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_commit_first_token_leaves_before_the_last_imports(engines, long_ids, engine, monkeypatch):
+def test_commit_first_token_leaves_before_the_last_imports(tiny, long_ids, engine, monkeypatch):
     """Commit-first: P's token is streamed once the whole page stream has arrived and been
     checked, while D's engine thread is still importing; the second token waits for every import.
     Recompute-last computes its first token, so it waits for the imports too. (P is the other
     engine: one adapter in both roles would queue P's release behind D's imports.)"""
     import time
 
-    d, p = engines[engine], engines["mlx" if engine == "torch" else "torch"]
+    d, p = tiny[engine], tiny["mlx" if engine == "torch" else "torch"]
     real_import = d.import_kv
     imported = []
 
