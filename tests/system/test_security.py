@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import sqlite3
+import statistics
 import threading
 import time
 from http.cookies import SimpleCookie
@@ -662,30 +663,51 @@ def test_files_are_private_to_their_owner(cluster, traffic):
 
 def test_a_flood_of_announcements_is_bounded(tmp_path):
     """Issue 22: 1,000 nodes announced by mDNS (anyone on the LAN can announce): the panel keeps
-    at most MAX_FOUND unpaired ones, the newest, and its pages stay quick."""
+    at most MAX_FOUND unpaired ones, the newest, and its pages stay quick. Costs are CPU seconds
+    of this process (the panel runs in it), which other work on the machine does not inflate:
+    neither an announcement nor the pages cost more late in the flood than early, and all of it
+    stays within 3x of what it costs on a loaded machine."""
     app = create_panel_app(tmp_path, CLUSTER_KEY)
     password = ensure_admin_password(app.state.db)
+    costs: list[float] = []
 
-    async def flood():
-        for i in range(1000):
+    async def flood(numbers):
+        for i in numbers:
             peer = Peer(f"n{i}._tandem._tcp.local.", [f"10.{i // 250}.{i % 250}.1"], 8000, {"node_id": f"{i:032x}"})
+            t = time.process_time()
             await note_discovered(app.state.db, peer, True, CLUSTER_KEY)
+            costs.append(time.process_time() - t)
 
-    t0 = time.monotonic()
-    asyncio.run(flood())
-    took = time.monotonic() - t0
+    def page_cost(c: TestClient) -> float:
+        """/nodes and its found-nodes part, the cheapest of three (the first renders cold)."""
+        spent = []
+        for _ in range(3):
+            t = time.process_time()
+            assert c.get("/nodes").status_code == 200 and c.get("/nodes/discovered").status_code == 200
+            spent.append(time.process_time() - t)
+        return min(spent)
+
+    with TestClient(app, base_url=LOCAL, follow_redirects=False) as c:
+        assert log_in(c, password).status_code == 303
+        asyncio.run(flood(range(200)))  # the list is full from the 64th on
+        full = page_cost(c)
+        asyncio.run(flood(range(200, 1000)))
+        flooded = page_cost(c)
     with Session(app.state.db) as s:
         found = s.exec(select(Node).where(Node.source == "mdns")).all()
     assert len(found) == MAX_FOUND and {n.node_id for n in found} == {
         f"{i:032x}" for i in range(1000 - MAX_FOUND, 1000)
     }
-    with TestClient(app, base_url=LOCAL, follow_redirects=False) as c:
-        assert log_in(c, password).status_code == 303
-        t1 = time.monotonic()
-        assert c.get("/nodes").status_code == 200 and c.get("/nodes/discovered").status_code == 200
-        page_s = time.monotonic() - t1
-    print(f"\n1,000 announcements in {took:.2f} s; /nodes and its found-nodes part in {page_s * 1000:.0f} ms")
-    assert took < 10 and page_s < 0.3, (took, page_s)  # measured 4.5 s and 130 ms beside a test run
+    early, late = statistics.median(costs[100:200]), statistics.median(costs[900:])
+    print(
+        f"\n1,000 announcements: {sum(costs):.2f} CPU s, {early * 1000:.1f} ms each at 100-200, "
+        f"{late * 1000:.1f} ms at 900-1000; /nodes and its found-nodes part: {full * 1000:.0f} ms "
+        f"at 200 announced, {flooded * 1000:.0f} ms at 1,000"
+    )
+    assert late < 2 * early and flooded < 2 * full, (early, late, full, flooded)
+    # measured at load average 6 on two cores: 3.5-4.2 CPU s, pages 24-32 ms (the wall-clock
+    # bounds they replace, 10 s and 0.3 s, failed there at 25 s and 550 ms)
+    assert sum(costs) < 15 and flooded < 0.1, (sum(costs), flooded)
 
 
 def test_an_ignored_agent_stays_out_of_sight(tmp_path):
