@@ -86,7 +86,8 @@ def test_concurrent_requests_complete_in_fifo_order(small, long_ids):
             tasks.append(asyncio.create_task(one(i)))
             # let request i reach the agent (and queue) before request i+1 is sent
             deadline = time.monotonic() + 30
-            while arrived() < base + i + 1 and time.monotonic() < deadline:
+            while arrived() < base + i + 1:
+                assert time.monotonic() < deadline, f"request {i} did not reach the agent in 30 s"
                 await asyncio.sleep(0.05)
         await asyncio.gather(*tasks)
 
@@ -163,7 +164,7 @@ def test_decoder_disconnect_releases_everything(small, long_ids):
         await d.aclose()
 
     run(main())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # it ends at its next step: seconds on a loaded machine
     while small.status()["active_requests"] and time.monotonic() < deadline:
         time.sleep(0.1)
     idle(small)
@@ -186,6 +187,7 @@ def test_a_prefill_longer_than_the_lease_is_read_to_the_end(small, smol_dir, tmp
         ids = (list(long_ids) * 7)[:1500]
         lines = run(pd_request(agent.url, small.url, ids, {"max_tokens": 2}))
         assert lines[-1].get("done"), lines[-1]
+        print(f"\n1,500-token prefill against a 0.5 s lease: {lines[-1]['prefill_seconds']:.2f} s")
         assert lines[-1]["prefill_seconds"] > 0.5, lines[-1]  # it did outlast the lease
         assert tokens_of(lines) == tokens_of(run(generate_request(agent.url, ids, {"max_tokens": 2})))
         idle(agent)
