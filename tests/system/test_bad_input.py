@@ -334,7 +334,8 @@ def test_oversized_bodies_are_refused_without_being_read(cluster):
         )
     ) as s:
         answer = read_all(s)
-    assert time.monotonic() - t0 < 5
+    took = time.monotonic() - t0
+    assert took < 5, took  # 4 ms measured at load average 7.5 on two cores
     status, _, body = answer.partition(b"\r\n\r\n")
     assert status.startswith(b"HTTP/1.1 413"), answer[:300]
     assert b'"error"' in body and b"larger than the limit" in body, body
