@@ -84,6 +84,7 @@ def test_bench_ttft_on_loopback(tmp_path):
     result = run_bench(tmp_path, "--lengths", "51,70", "--prefill", "torch", "--decode", "mlx")
     check_cells(result, [51, 70], {"node/a-torch", "node/b-mlx", "a-torch->b-mlx", "b-mlx->a-torch"})
     assert result["pinned"] and [a["cpus"] for a in result["agents"]] == ["0", "1"]
+    # 818 and 912 MB/s measured at load average 8 on two cores
     assert all(v["bytes_per_second"] > 1e8 for v in result["link_measured"].values())
     for c in result["cells"]:  # the traced request's stages on the decoder
         if "->" in c["column"]:
@@ -120,10 +121,13 @@ def test_bench_ttft_on_a_shaped_link(tmp_path):
         "torch",
     )
     check_cells(result, [51], {"node/a-torch", "node/b-torch", "a-torch->b-torch"})
+    # The shaping caps both figures (44 = 40 and the bucket's burst); CPU load only lowers them
+    # (38.3 MB/s at load average 8 on two cores), so the floor sits at a third of that: still
+    # far above 40 Mbit/s (5 MB/s), a unit mistake.
     link = result["link_measured"]["a-torch->b-torch"]
-    assert 20e6 < link["bytes_per_second"] < 44e6, link
+    assert 12e6 < link["bytes_per_second"] < 44e6, link
     # the product's page stream over the same shaped link, checked frames and all
-    assert 20e6 < link["page_stream"]["bytes_per_second"] < 44e6, link
+    assert 12e6 < link["page_stream"]["bytes_per_second"] < 44e6, link
     assert link["page_stream_over_raw_tcp"] == pytest.approx(
         link["page_stream"]["bytes_per_second"] / link["bytes_per_second"]
     )
@@ -160,5 +164,6 @@ def test_bench_ttft_against_a_running_panel(tmp_path, smol_dir):
     check_alone_rows(tmp_path, result)
     assert result["link"] == "panel" and not result["pinned"]
     [(link_name, link)] = result["link_measured"].items()
-    assert link["method"] == "page stream" and link["bytes_per_second"] > 1e8 and link["rtt_seconds"] > 0, link
+    # loopback: 273 MB/s measured at load average 7 on two cores (the floor was 100 MB/s)
+    assert link["method"] == "page stream" and link["bytes_per_second"] > 8e7 and link["rtt_seconds"] > 0, link
     assert link["bytes"] >= 64e6
