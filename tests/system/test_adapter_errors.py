@@ -1,7 +1,7 @@
 """Failure paths of the adapters: each ends with its own clear error and releases the request.
 
 What is checked is plumbing (chunks and pages, cancels, damaged streams, validation), so both
-engines run a tiny random-weight Llama with SmolLM2's page shape per layer; the embedded model
+engines run a tiny random-weight Llama with SmolLM2's head_dim; the embedded model
 is the other side of the contract-mismatch test."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tandem_protocol.sampling import SamplingParams
 from ..conftest import collect, make_tiny_checkpoint, prompt, run
 
 ENGINES = ["torch", "mlx"]
-# SmolLM2-135M per layer (head_dim 64, 3 query heads per KV head), 4 layers instead of 30; room
+# SmolLM2-135M's head_dim (64) and 3 query heads per KV head; 4 layers of one KV head, not 30 of 3; room
 # for the 600-token prompts
 TINY = dict(
     hidden_size=192,

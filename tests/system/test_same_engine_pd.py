@@ -2,7 +2,7 @@
 
 Bitwise equality of one engine with itself depends on the page plumbing (which tokens a page
 holds, where it lands, the first-token hand-over), not on the weights: the grid of lengths runs
-on a tiny random-weight Llama with SmolLM2's page shape per layer (head_dim 64, GQA 3:1), and
+on a tiny random-weight Llama with SmolLM2's head_dim (64) and 3 query heads per KV head, and
 one length runs on the embedded model itself (30 layers, 3 KV heads)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ LENGTHS = [1, 63, 64, 65, 66, 127, 128, 129, 130, 193]
 # 16 steps, each attending over every imported page: a wrong page shows in the first of them
 # (tests/system/test_decoders_consume_pages.py measures how far); 32 took a minute longer on two cores.
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
-# SmolLM2-135M per layer (head_dim 64, 3 query heads per KV head), 4 layers instead of 30
+# SmolLM2-135M's head_dim (64) and 3 query heads per KV head; 4 layers of one KV head, not 30 of 3
 TINY = dict(
     hidden_size=192,
     intermediate_size=512,
