@@ -23,10 +23,7 @@ Figures go to reports/consume_pages_*.json.
 
 from __future__ import annotations
 
-import os
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -34,8 +31,6 @@ import pytest
 
 from engine_adapters.base import EngineRequest
 from engine_adapters.failpoints import PERTURBED_LAYER
-from engine_adapters.settings import EngineSettings
-from engine_adapters.sglang_adapter import SGLangProcess
 from tandem_protocol.client import AgentClient
 from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.pages import KVPage
@@ -56,9 +51,10 @@ TOP = 20
 # |Δ log p| over the tokens in both top-20 lists against the reference — perturbed pages: torch
 # 1.05, MLX 1.05, vLLM 1.04, SGLang 3.08; true pages: torch 0.0025, MLX 0.0019 (0.0041, every
 # run, on an AMD EPYC without AVX512-FP16: OpenBLAS runs other kernels there), vLLM 0.0084 in the
-# whole suite and 0.0212 with this module alone (vLLM CPU is not batch-invariant), SGLang 0.039
-# (tolerance 0.1). Perturbed pages must move it by at least half of that (and by at least 5x the
-# tolerance), true pages by at most twice the largest.
+# whole suite and 0.0212 with this module alone (vLLM CPU is not batch-invariant; 0.0084 again on
+# the shared server of tests/system/conftest.py, prefill chunks of 128, with this module after
+# test_prefix_cache in one process), SGLang 0.039 (tolerance 0.1). Perturbed pages must move it by
+# at least half of that (and by at least 5x the tolerance), true pages by at most twice the largest.
 PERTURBED_AT_LEAST = {"torch": 0.52, "mlx": 0.52, "vllm": 0.52, "sglang": 1.5}
 TRUE_AT_MOST = {"torch": 0.005, "mlx": 0.0083, "vllm": 0.043, "sglang": 0.077}
 
@@ -146,8 +142,8 @@ def check(decoder: str, figures: dict) -> None:
     """The assertions every decoder answers to, on `figures` (written to the report first)."""
     write_report(f"consume_pages_{decoder}", {**figures, "tolerance": LOGIT_TOLERANCE})
     perturbed, true = figures["perturbed"], figures["true"]
-    assert PERTURBED_AT_LEAST[decoder] >= 5 * LOGIT_TOLERANCE  # "well past" the tolerance
-    assert perturbed["logprobs"]["max_abs_diff"] >= PERTURBED_AT_LEAST[decoder], figures
+    # half the measured figure, and "well past" the cross-engine tolerance (5x), whichever is more
+    assert perturbed["logprobs"]["max_abs_diff"] >= max(PERTURBED_AT_LEAST[decoder], 5 * LOGIT_TOLERANCE), figures
     assert not perturbed["greedy_equal"], figures
     assert true["logprobs"]["max_abs_diff"] <= min(TRUE_AT_MOST[decoder], LOGIT_TOLERANCE), figures
     assert true["greedy_equal"], figures
@@ -185,58 +181,12 @@ def test_in_process_decoders_consume_the_pages(engines, handoffs, prompt_ids, de
 
 
 # ---- vLLM and SGLang -------------------------------------------------------------------------
-CONTEXT = 4096
-
-
-class PlainSGLangServer(SGLangProcess):
-    """SGLang as a user runs it alone: Tandem's command line for the same model and CPU recipe,
-    less everything of PD disaggregation."""
-
-    WITH_VALUE = {
-        "--disaggregation-mode",
-        "--disaggregation-transfer-backend",
-        "--disaggregation-bootstrap-port",
-        "--disaggregation-decode-retraction-backup",
-    }
-
-    def __init__(self, model_dir: Path, log_path: Path, settings: EngineSettings):
-        super().__init__(model_dir, CONTEXT, log_path.with_suffix(".sock"), log_path, lambda: "null", settings)
-
-    def command(self) -> list[str]:
-        cmd, plain = iter(super().command()), []
-        for arg in cmd:
-            if arg in self.WITH_VALUE:
-                next(cmd)
-            elif arg != "--enable-pd-role-switch":
-                plain.append(arg)
-        return plain
-
-
 @pytest.fixture(scope="module")
-def servers(smol_dir, tmp_path_factory):
-    """A vLLM adapter, an SGLang adapter in its decode role and a plain SGLang server, started
-    side by side (each takes the better part of a minute)."""
-    from engine_adapters import load_adapter
-
-    os.environ.setdefault("TANDEM_VLLM_THREADS", "1")
-    os.environ.setdefault("TANDEM_SGLANG_THREADS", "1")
-    settings = EngineSettings(prefix_caching=False)  # every page computed and sent, every run
-    plain = PlainSGLangServer(smol_dir, tmp_path_factory.mktemp("plain-sglang") / "sglang.log", settings)
-    decode_role = settings.model_copy(update={"sglang_role": "decode"})
-    pool = ThreadPoolExecutor(3)
-    jobs = {
-        "vllm": pool.submit(load_adapter, "vllm", smol_dir, CONTEXT, settings),
-        "sglang": pool.submit(load_adapter, "sglang", smol_dir, CONTEXT, decode_role),
-        "plain": pool.submit(plain.start),
-    }
-    try:
-        yield {"vllm": jobs["vllm"].result(), "sglang": jobs["sglang"].result(), "plain": plain}
-    finally:
-        pool.shutdown(wait=True)  # every start has ended, one way or the other
-        plain.stop()
-        for name in ("vllm", "sglang"):
-            if jobs[name].exception() is None:
-                jobs[name].result().close()
+def servers(vllm_server, sglang_server, plain_sglang_server):
+    """A vLLM adapter, an SGLang adapter in its decode role and a plain SGLang server, prefix
+    caches off (every page computed and sent, every run), one thread each: the session's shared
+    servers (tests/system/conftest.py), started side by side."""
+    return {"vllm": vllm_server, "sglang": sglang_server, "plain": plain_sglang_server}
 
 
 def grown(read, before: str, name: str, label: str, values: tuple[str, ...], total: int) -> dict:
@@ -294,7 +244,7 @@ def test_vllm_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
     assert figures["true"]["logprobs"]["max_abs_diff"] > 0, figures  # torch's pages, not vLLM's own
 
 
-def plain_generate(plain: PlainSGLangServer, ids: list[int], max_tokens: int, top: int = 0) -> dict:
+def plain_generate(plain, ids: list[int], max_tokens: int, top: int = 0) -> dict:
     """One greedy request on the plain SGLang server (its /generate), with top log-probabilities when `top`."""
     body = {
         "input_ids": ids,

@@ -355,17 +355,19 @@ def test_a_later_turn_on_a_server_decoder_imports_only_the_pages_it_lacks(reques
     assert counted == [0, (len(ids) - 1) // page * page, (len(ids) - 1) // page * page]
 
 
-def test_through_the_panel_a_vllm_decoder_asks_only_for_what_vllm_lacks(smol_dir, tmp_path):
+def test_through_the_panel_a_vllm_decoder_asks_only_for_what_vllm_lacks(smol_dir, tmp_path, vllm_agent_server):
     """torch P (no cache), vLLM D with its prefix cache (the agent's default): turn 2 moves only
     the pages vLLM lacks and reports the rest as cached in `usage`; with P gone, turn 3's held
-    decode is let go of and the panel answers from vLLM alone, leaving nothing running."""
+    decode is let go of and the panel answers from vLLM alone, leaving nothing running. (D is
+    started beside the session's other servers, tests/system/conftest.py, and used by this test
+    alone.)"""
     import openai
 
     from ..agents import AgentProcess, PanelProcess, settle
 
+    d = vllm_agent_server
     with (
         AgentProcess("torch", smol_dir, tmp_path / "p") as p,
-        AgentProcess("vllm", smol_dir, tmp_path / "d", prefix_cache="default") as d,
         PanelProcess(tmp_path / "panel", "--pair", f"pd={p.url},{d.url},threshold=1") as panel,
     ):
         client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)
