@@ -39,9 +39,12 @@ def capped(smol_dir, tmp_path_factory):
     lets others wait 120 s, `impatient` (a tiny random-weight model) 1 s. Started side by side."""
     home = tmp_path_factory.mktemp("admission")
     tiny = make_tiny_checkpoint(home / "tiny", "llama", smol_dir)
+    # one compute thread each, as tests/system/test_bad_input.py found: OpenMP threads that
+    # spin-wait on a busy core make every forward pass several times slower
+    env = {"OMP_NUM_THREADS": "1"}
     with side_by_side(
-        lambda: AgentProcess("torch", smol_dir, home / "narrow", *CAPPED, "--admission-wait", str(WAIT)),
-        lambda: AgentProcess("torch", tiny, home / "impatient", *CAPPED, "--admission-wait", str(SHORT_WAIT)),
+        lambda: AgentProcess("torch", smol_dir, home / "narrow", *CAPPED, "--admission-wait", str(WAIT), env=env),
+        lambda: AgentProcess("torch", tiny, home / "impatient", *CAPPED, "--admission-wait", str(SHORT_WAIT), env=env),
     ) as agents:
         yield agents
 

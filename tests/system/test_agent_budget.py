@@ -20,13 +20,20 @@ from ..conftest import prompt, run
 PAGE = 1_474_560
 GEOMETRY = PageGeometry(30, 3, 64)
 TTL = 4.0
+# one compute thread each, as tests/system/test_bad_input.py found: OpenMP threads that spin-wait
+# on a busy core make every forward pass several times slower (the suite runs beside other work)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
 def small(smol_dir, tmp_path_factory):
     """A torch agent whose budget holds exactly one 130-token (3-page) prompt."""
     with AgentProcess(
-        "torch", smol_dir, tmp_path_factory.mktemp("small"), "--staging-bytes", str(3 * PAGE), "--handoff-ttl", str(TTL)
+        "torch",
+        smol_dir,
+        tmp_path_factory.mktemp("small"),
+        *("--staging-bytes", str(3 * PAGE), "--handoff-ttl", str(TTL)),
+        env=ONE_THREAD,
     ) as agent:
         yield agent
 
@@ -183,7 +190,7 @@ def test_a_prefill_longer_than_the_lease_is_read_to_the_end(small, smol_dir, tmp
     """The lease expires pages nobody reads; once the decoder reads, a prefill that outlasts it
     (here 1,500 tokens against a 0.5 s lease) still streams to the end. The decoder is another
     agent: one agent as both would hold its one engine with the prefill before it could read."""
-    with AgentProcess("torch", smol_dir, tmp_path, "--handoff-ttl", "0.5") as agent:
+    with AgentProcess("torch", smol_dir, tmp_path, "--handoff-ttl", "0.5", env=ONE_THREAD) as agent:
         ids = (list(long_ids) * 7)[:1500]
         lines = run(pd_request(agent.url, small.url, ids, {"max_tokens": 2}))
         assert lines[-1].get("done"), lines[-1]
@@ -199,8 +206,10 @@ def test_a_prefill_chunk_longer_than_the_stall_timeout_is_no_stall(smol_dir, tmp
     (here its first chunk takes 8 s more, the decoder gives up after 3 s of silence) sends
     heartbeats: the request completes P/D. A silent link still stalls (tests/integration/test_faults)."""
     with side_by_side(
-        lambda: AgentProcess("torch", smol_dir, tmp_path / "p", env={"TANDEM_FAILPOINTS": "slow_prefill_chunk@1"}),
-        lambda: AgentProcess("torch", smol_dir, tmp_path / "d", "--stall-timeout", "3"),
+        lambda: AgentProcess(
+            "torch", smol_dir, tmp_path / "p", env={"TANDEM_FAILPOINTS": "slow_prefill_chunk@1", **ONE_THREAD}
+        ),
+        lambda: AgentProcess("torch", smol_dir, tmp_path / "d", "--stall-timeout", "3", env=ONE_THREAD),
     ) as (p, d):
         ids = prompt(long_ids, 130)
         lines = run(pd_request(p.url, d.url, ids, {"max_tokens": 4}))

@@ -209,10 +209,22 @@ def test_a_reader_that_hangs_up_releases_the_stream(transport, tls, senders):
     assert len(senders) == 1 and senders[0].ended.done()
 
 
+@pytest.fixture(scope="module")
+def wide_tiny(smol_dir, tmp_path_factory):
+    """A random-weight Llama with SmolLM2's page (30 layers x 3 KV heads x head_dim 64: 1.47 MB)
+    and a fraction of its compute: the stream is as long in bytes, the prefills quicker."""
+    from ..conftest import make_tiny_checkpoint
+
+    shape = dict(hidden_size=192, intermediate_size=256, num_attention_heads=3, num_key_value_heads=3, head_dim=64)
+    path = tmp_path_factory.mktemp("wide-tiny") / "m"
+    return make_tiny_checkpoint(path, "llama", smol_dir, num_hidden_layers=30, max_position_embeddings=2048, **shape)
+
+
 @pytest.mark.parametrize("tls_on", [False, True], ids=["plain", "tls"])
-def test_an_agent_releases_a_handoff_whose_reader_hangs_up_mid_stream(smol_dir, tmp_path, tls_on):
+def test_an_agent_releases_a_handoff_whose_reader_hangs_up_mid_stream(wide_tiny, tmp_path, tls_on):
     """The agent's own sender (the thread, its default) and TLS layer: a decoder that reads part of
-    a page stream and hangs up leaves no handoff, and the engine serves the next one."""
+    a page stream (1 MiB of 35 MB: more than the kernel's buffers hold) and hangs up leaves no
+    handoff, and the engine serves the next one."""
     from tests.agents import TEST_KEY, AgentProcess
 
     ids = [100 + (i * 7919) % 40000 for i in range(1500)]
@@ -250,7 +262,10 @@ def test_an_agent_releases_a_handoff_whose_reader_hangs_up_mid_stream(smol_dir, 
         finally:
             await client.aclose()
 
-    with AgentProcess("torch", smol_dir, tmp_path / "p", tls=tls_on) as agent:
+    # one compute thread: OpenMP threads spin-waiting on a busy core slow every forward pass
+    with AgentProcess("torch", wide_tiny, tmp_path / "p", tls=tls_on, env={"OMP_NUM_THREADS": "1"}) as agent:
+        contract = agent.info()["contract"]
+        assert (contract["layers"], contract["kv_heads"], contract["head_dim"]) == (30, 3, 64), contract
         asyncio.run(main(agent))
 
 
