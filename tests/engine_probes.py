@@ -74,3 +74,44 @@ async def sglang_decode_step_logprobs(
         return {int(token): float(logprob) for logprob, token, *_ in steps[1]}
     finally:
         engine.bridge.close_room(room)
+
+
+def broken_page_streams_release_sglangs_slots(sglang_engine: SGLangAdapter, torch_engine, ids: list[int]) -> None:
+    """The adapter's own checks on a stream handed to SGLang's decode role: a missing page, pages
+    out of order and a page of the wrong shape; each fails and SGLang frees the slots it held.
+    `sglang_engine`: an SGLang adapter of this process (an agent's frame reader stops such streams
+    before its adapter sees them); `torch_engine`: an in-process torch engine that makes the pages;
+    `ids`: a prompt of at least four pages. (It ran in tests/integration/test_agreement.py on that
+    file's own SGLang server, which no longer starts beside the cluster.)"""
+    import time
+
+    import pytest
+
+    from engine_adapters.base import EngineRequest
+    from tandem_protocol.errors import FrameError
+    from tandem_protocol.pages import PageGeometry, make_page
+    from tandem_protocol.sampling import SamplingParams
+
+    from .conftest import collect, run
+
+    items = run(collect(torch_engine.prefill(EngineRequest("src", ids, SamplingParams(max_tokens=1)))))
+    pages, done = [x for x in items if isinstance(x, KVPage)], items[-1]
+    g = torch_engine.geometry
+    wrong = make_page(PageGeometry(g.layers, 2, g.head_dim), 1, pages[1].kv[:, :, :, :2])  # 2 KV heads, not 3
+    for name, stream, expect in (
+        ("missing", pages[:2] + pages[3:], "arrived where page 2 was expected"),
+        ("out_of_order", [pages[1], pages[0]] + pages[2:], "out of order"),
+        ("wrong_shape", [pages[0], wrong] + pages[2:], "shape"),
+    ):
+
+        async def feed(seq=stream + [done]):
+            for x in seq:
+                yield x
+
+        with pytest.raises(FrameError, match=expect):
+            run(collect(sglang_engine.decode(EngineRequest(name, ids, SamplingParams(max_tokens=4)), feed())))
+        deadline = time.monotonic() + 20
+        while run(sglang_engine.engine_stats())["kv_tokens_used"]:
+            assert time.monotonic() < deadline, run(sglang_engine.engine_stats())
+            time.sleep(0.1)
+        assert sglang_engine.active_requests == 0
