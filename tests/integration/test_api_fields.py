@@ -40,20 +40,24 @@ def node(name: str) -> str:
     return f"node/{engine}-{name}"
 
 
-def ask(client, model: str, stream: bool) -> tuple[str, list, int]:
-    """The answer's text, its logprob entries and its completion token count."""
+def ask(client, model: str, stream: bool) -> tuple[str, list, int, str]:
+    """The answer's text, its logprob entries, its completion token count and its finish reason."""
     args = dict(model=model, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=TOP)
     if not stream:
         r = client.chat.completions.create(**args)
-        return r.choices[0].message.content, r.choices[0].logprobs.content, r.usage.completion_tokens
+        choice = r.choices[0]
+        return choice.message.content, choice.logprobs.content, r.usage.completion_tokens, choice.finish_reason
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
-    return text, entries, chunks[-1].usage.completion_tokens
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1, finish
+    return text, entries, chunks[-1].usage.completion_tokens, finish[0]
 
 
-def check(text: str, entries: list, tokens: int) -> None:
+def check(text: str, entries: list, tokens: int, finish: str) -> None:
     assert len(entries) == tokens > 0, (len(entries), tokens)
+    assert finish == ("stop" if entries[-1].token in ENDS else "length"), (finish, entries[-1].token)
     for e in entries:
         top = [t.logprob for t in e.top_logprobs]
         assert len(top) == TOP and top == sorted(top, reverse=True) and top[0] <= 0, e
@@ -70,22 +74,29 @@ def alone(cluster):
 
 @pytest.mark.parametrize("name", ALONE)
 def test_each_engine_alone_reports_logprobs_streaming_or_not(cluster, alone, name):
-    text, entries, tokens = alone(name)
-    check(text, entries, tokens)
-    s_text, s_entries, s_tokens = ask(cluster.client, node(name), True)
-    check(s_text, s_entries, s_tokens)
-    assert s_text == text and [e.token for e in s_entries] == [e.token for e in entries]
+    text, entries, tokens, finish = alone(name)
+    check(text, entries, tokens, finish)
+    s_text, s_entries, s_tokens, s_finish = ask(cluster.client, node(name), True)
+    check(s_text, s_entries, s_tokens, s_finish)
+    assert (s_text, s_tokens, s_finish) == (text, tokens, finish)
+    assert [e.token for e in s_entries] == [e.token for e in entries]
     assert [e.logprob for e in s_entries] == pytest.approx([e.logprob for e in entries], abs=OWN_FIRST)
 
 
 @pytest.mark.parametrize("p, d", DIRECTIONS, ids=[pair_name(*x) for x in DIRECTIONS])
-def test_every_direction_reports_logprobs_from_the_engine_that_sampled(cluster, alone, p, d):
+def test_every_direction_answers_paris_and_reports_logprobs_from_the_engine_that_sampled(cluster, alone, p, d):
+    """The same question, streaming and not: the same answer, finish reason and usage, naming
+    Paris (torch<->MLX: word for word, ended by the model); the log-probabilities' rules below."""
     model = pair_name(p, d)
-    text, entries, tokens = ask(cluster.client, model, False)
-    check(text, entries, tokens)
-    s_text, s_entries, s_tokens = ask(cluster.client, model, True)
-    check(s_text, s_entries, s_tokens)
-    assert s_text == text and [e.token for e in s_entries] == [e.token for e in entries]
+    text, entries, tokens, finish = ask(cluster.client, model, False)
+    check(text, entries, tokens, finish)
+    s_text, s_entries, s_tokens, s_finish = ask(cluster.client, model, True)
+    check(s_text, s_entries, s_tokens, s_finish)
+    assert (s_text, s_tokens, s_finish) == (text, tokens, finish)
+    assert [e.token for e in s_entries] == [e.token for e in entries]
+    assert "Paris" in text, text
+    if {p, d} == {"torch", "mlx"}:
+        assert (text.strip(), finish) == ("The capital of France is Paris.", "stop"), (text, finish)
     sampled_first = d if d.startswith("vllm") else p  # vLLM decodes recompute-last: it samples the first token
     first = alone(sampled_first)[1][0]
     later = alone(d)[1]
@@ -93,15 +104,71 @@ def test_every_direction_reports_logprobs_from_the_engine_that_sampled(cluster, 
     same = next(
         (i for i, (a, b) in enumerate(zip(entries, later)) if a.token != b.token), min(len(entries), len(later))
     )
-    diffs["later"] = max((abs(a.logprob - b.logprob) for a, b in zip(entries[1:same], later[1:same])), default=0.0)
+    # the later steps compared: those before the answers part (at least one, or this checks nothing)
+    assert same > 1, ([e.token for e in entries], [e.token for e in later])
+    diffs["later"] = max(abs(a.logprob - b.logprob) for a, b in zip(entries[1:same], later[1:same]))
     print(
-        f"\n{model}: {tokens} tokens, |first - {sampled_first} alone| {diffs['first']:.2e}, later max {diffs['later']:.3f}"
+        f"\n{model}: {tokens} tokens, |first - {sampled_first} alone| {diffs['first']:.2e}, "
+        f"later max {diffs['later']:.3f} over {same - 1} steps"
     )
     # a commit-first prefiller's own entry, as it sampled it; a recompute-last decoder's first step
     # already reads the other engine's KV, as every later step does
     first_max = 2 * CROSS_FIRST_MAX if sampled_first == d else OWN_FIRST
     assert entries[0].token == first.token and diffs["first"] <= first_max, diffs
     assert diffs["later"] <= 2 * LATER_MAX, diffs
+    cluster.idle(p, d)
+
+
+def test_errors_have_openai_shape(cluster):
+    """An unknown model, fields Tandem cannot honour, a wrong key: the SDK's own error types."""
+    client = cluster.client
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found"
+    for extra in (
+        {"n": 17},
+        {"n": 0},
+        {"modalities": ["audio"]},
+        {"functions": [{"name": "f"}]},
+        {"tools": [{"type": "x"}]},
+    ):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(
+                model=pair_name("torch", "mlx"), messages=[{"role": "user", "content": "hi"}], **extra
+            )
+    bad = openai.OpenAI(base_url=cluster.panel.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+N_PAIRS = [("torch", "mlx"), ("mlx", "torch")]
+
+
+@pytest.mark.parametrize("p, d", N_PAIRS, ids=[pair_name(*x) for x in N_PAIRS])
+def test_n_choices_are_sampled_apart_streaming_or_not(cluster, p, d):
+    """n choices of one request: indices 0..n-1, choice i seeded seed + i (its first token is the
+    one a request seeded so samples alone: later ones read logits of a batch of n rows, which
+    round apart from one row's and can tip a draw at temperature 1), usage summed over the
+    choices, streamed chunks interleaved by index; greedy choices are alike."""
+    client, pair = cluster.client, pair_name(p, d)
+    messages = [{"role": "user", "content": "Write a word."}]
+    args = dict(model=pair, messages=messages, max_tokens=8, temperature=1.0, logprobs=True)
+    whole = client.chat.completions.create(n=3, seed=7, **args)
+    choices = sorted(whole.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1, 2] and len({c.message.content for c in choices}) > 1, choices
+    alone = [client.chat.completions.create(seed=7 + i, **args).choices[0] for i in range(3)]
+    assert [c.logprobs.content[0].token for c in choices] == [a.logprobs.content[0].token for a in alone]
+    assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in choices)
+    chunks = list(
+        client.chat.completions.create(n=3, seed=7, stream=True, stream_options={"include_usage": True}, **args)
+    )
+    by_index = [[c.choices[0] for c in chunks if c.choices and c.choices[0].index == i] for i in range(3)]
+    for streamed in by_index:
+        assert "".join(c.delta.content or "" for c in streamed) and [c.finish_reason for c in streamed][-1]
+    entries = sum(len(c.logprobs.content) for choice in by_index for c in choice if c.logprobs)
+    assert chunks[-1].usage.completion_tokens == entries
+    greedy = client.completions.create(model=pair, prompt="The capital of France is", n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in greedy.choices] == [0, 1] and greedy.choices[0].text == greedy.choices[1].text
     cluster.idle(p, d)
 
 
@@ -188,10 +255,19 @@ def test_parse_returns_a_typed_object_for_ten_prompts(cluster, route):
     print(f"\n{route_model(route)}: {[p.city for p in parsed]}")
 
 
-@pytest.mark.parametrize("route", [*DIRECTIONS, *ALONE], ids=[route_model(r) for r in [*DIRECTIONS, *ALONE]])
-def test_json_outputs_on_every_route_streaming_or_not(cluster, route):
-    """json_object and a json_schema on every direction and engine alone: the first token (a
-    commit-first prefiller's own pick) already follows the grammar, and the decoder continues it."""
+# A covering set of routes for structured outputs: the grammar is the first token's engine's (a
+# commit-first prefiller's own pick: every prefiller engine once in that mode) and the decoder's
+# (every decoder engine once, vLLM's recompute-last included); the server engines alone too (their
+# own prefill-then-decode path: SGLang's decode-role node flips its role for it). Each route asks
+# json_object whole and json_schema streamed. (It ran on all 18 routes.)
+JSON_ROUTES = [("torch", "sglang2"), ("mlx", "torch"), ("vllm", "mlx"), ("sglang", "torch"), ("mlx", "vllm")]
+JSON_ROUTES += ["vllm", "sglang2"]
+
+
+@pytest.mark.parametrize("route", JSON_ROUTES, ids=[route_model(r) for r in JSON_ROUTES])
+def test_json_outputs_on_covering_routes_streaming_or_not(cluster, route):
+    """json_object and a json_schema: the first token (a commit-first prefiller's own pick)
+    already follows the grammar, and the decoder continues it."""
     schema = City.model_json_schema()
     formats = [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}]
     for fmt, stream in zip(formats, (False, True), strict=True):

@@ -1,4 +1,4 @@
-"""POST /v1/responses through the official SDK on P/D routes and a node alone: a Responses answer
+"""POST /v1/responses through the official SDK on two P/D routes: a Responses answer
 is the chat completion of the same conversation (greedy, so token for token), continued by
 `previous_response_id` from SQLite exactly as if the history were resent; streamed events are
 well formed and spell the whole answer; function tools round-trip, by id or resent; typed outputs
@@ -18,7 +18,9 @@ from pydantic import BaseModel, Field
 
 from .cluster import pair_name
 
-ROUTES = [pair_name("torch", "mlx"), pair_name("vllm", "mlx"), pair_name("mlx", "sglang2"), "node/mlx-mlx"]
+# The Responses <-> chat translation is the panel's, whatever the engines: one route with an
+# in-process decoder, one with a server engine's (it ran on 4: also vLLM->MLX and MLX alone).
+ROUTES = [pair_name("torch", "mlx"), pair_name("mlx", "sglang2")]
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 20}},
