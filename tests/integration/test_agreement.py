@@ -29,6 +29,9 @@ DECODER_AGENT = {"sglang": "sglang2"}  # SGLang decodes on its decode-role agent
 # Decoders that decode a batch exactly as they decode one request (tests/system/test_batching.py):
 # their 20 requests go at once. vLLM and SGLang on CPU are not batch-invariant: one at a time.
 EXACT = ("torch", "mlx")
+# Decoders whose near-ties may flip (see `follow`). An SGLang decoder never had the exemption (its
+# own top two were not read): it stays held to every prompt equal.
+TIES_ALLOWED = ("torch", "mlx", "vllm")
 
 
 def sampling(max_tokens: int = MAX_TOKENS) -> dict:
@@ -147,7 +150,8 @@ def test_cross_engine_rules(cluster, engines, p, d):
         rows.append({"prompt": text, "mode": modes[i % len(modes)], "first_step_max_abs_diff": diffs[-1]})
         rows[-1]["greedy_equal"] = equal
         if not equal:
-            rows[-1]["ties"], rows[-1]["divergence"] = follow(d_agent, ids, pd, own, limit)
+            tie_limit = limit if d in TIES_ALLOWED else float("-inf")
+            rows[-1]["ties"], rows[-1]["divergence"] = follow(d_agent, ids, pd, own, tie_limit)
     agree = sum(r["greedy_equal"] for r in rows)
     ties = [(r["prompt"], t) for r in rows for t in r.get("ties", [])]
     broken = [r for r in rows if r.get("divergence")]
@@ -177,6 +181,6 @@ def test_cross_engine_rules(cluster, engines, p, d):
     assert max(diffs) <= limit, figures
     # Every prompt equal, but for divergences at near-ties of the decoder's own (its top two within
     # the tolerance, P/D taking the second), each followed by the decoder alone's own continuation:
-    # no engine pair can promise those.
+    # no engine pair can promise those (an SGLang decoder: every prompt equal).
     assert not broken, figures
     cluster.idle(p_agent, d_agent)
