@@ -14,7 +14,7 @@ from tandem_protocol.client import AgentClient, AgentHTTPError
 from tandem_protocol.pages import PageGeometry
 from tandem_protocol.wire import PeerError
 
-from ..agents import TEST_KEY, AgentProcess, generate_request, pd_request, side_by_side, tokens_of
+from ..agents import TEST_KEY, AgentProcess, generate_request, pd_request, side_by_side, tokens_of, wait_for
 from ..conftest import prompt, run
 
 PAGE = 1_474_560
@@ -180,7 +180,8 @@ def test_decoder_disconnect_releases_everything(small, long_ids):
 def test_unread_handoff_expires(small, long_ids):
     run(create(small, prompt(long_ids, 70)))
     assert small.status()["open_handoffs"] == 1
-    time.sleep(TTL + 1.5)
+    # gone after its TTL: waited for, not slept (TTL + 1.5 s was too short at load average 8)
+    wait_for(lambda: small.status()["open_handoffs"] == 0, TTL + 60)
     idle(small)
     with small.client() as c:
         assert 'tandem_handoffs_finished_total{outcome="expired"}' in c.get("/metrics").text
