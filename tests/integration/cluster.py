@@ -137,12 +137,13 @@ class Cluster:
     def log(self) -> list:
         return log_rows(self.panel_home)
 
-    def last_row(self):
-        """The newest request's row once it is final (a streaming client may see [DONE] a moment
-        before the panel has written how the request ended)."""
+    def last_row(self, model: str | None = None):
+        """The newest request's row (of `model`'s requests, if given: other pairs may be busy at
+        the same time) once it is final (a streaming client may see [DONE] a moment before the
+        panel has written how the request ended)."""
 
         def final():
-            rows = self.log()
+            rows = [r for r in self.log() if model is None or r.model == model]
             return rows[-1] if rows and rows[-1].outcome != "running" else None
 
         return wait_for(final, 10)
@@ -192,12 +193,13 @@ def ask_in_thread(client, model: str, ids: list[int], result: dict, max_tokens: 
 def kill_engine_server(agent: AgentProcess, timeout: float = 300) -> dict:
     """SIGKILL the agent's engine server; wait until the agent has started it again and it
     answers. Returns the engine stats then."""
-    os.kill(agent.status()["engine_stats"]["pid"], 9)
-    ready = READY_STAT[agent.engine]
+    stats = agent.status()["engine_stats"]
+    os.kill(stats["pid"], 9)
+    ready, restarts = READY_STAT[agent.engine], stats["restarts"]
 
     def restarted():
         stats = agent.status()["engine_stats"]
-        return stats if stats["restarts"] == 1 and stats[ready] is not None and stats["pid"] else None
+        return stats if stats["restarts"] == restarts + 1 and stats[ready] is not None and stats["pid"] else None
 
     return wait_for(restarted, timeout, step=0.5)
 

@@ -40,7 +40,14 @@ from .cluster import FAULT_PAIRS, ask_in_thread, kill_engine_server, pair_name, 
 VOCAB = 49152
 FAULT_IDS = [f"{p}-to-{d}" for p, d in FAULT_PAIRS]
 PAGE_BYTES = 1_474_560
-LONG = 1500  # prompt tokens: several prefill chunks, time to act mid-stream
+# Prompt tokens of the peer-kill scenarios: 10 pages, two chunks of a server engine's prefill (512
+# each) and three of torch's (256): pages still to send when the test acts (was 1,500; on vLLM
+# and SGLang, which prefill ~90 tokens/s here, most of those tests' time).
+LONG = 640
+# The cancel scenario's: its pages must outlast what the socket buffers between P and the shaped
+# link take at once (~10 MB). At 640 tokens (15 MB, 5 MB/s) vLLM's whole export fitted in them:
+# the handoff had ended before the cancel came.
+CANCEL_TOKENS = 1500
 
 # Into each decoder, from a prefiller of another engine (agents alone, no panel).
 DECODERS = {"torch": "mlx", "mlx": "torch", "vllm": "torch", "sglang2": "torch"}
@@ -106,23 +113,45 @@ def test_a_stalled_stream_through_the_panel_falls_back(cluster, long_ids):
     cluster.idle(*{name for pair in FAULT_PAIRS for name in pair})
 
 
+def process_tree(pid: int) -> list[psutil.Process]:
+    """An agent's process and its children: a server engine's processes (vLLM's API server and
+    engine core, SGLang's scheduler and the rest) hold its KV, not the agent."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def tree_rss(procs: list[psutil.Process]) -> int:
+    return sum(proc.memory_info().rss for proc in procs)
+
+
+# The most each side's processes (agent and engine server) may grow while a 16-page stream backs
+# up behind a 4 MB/s link, in units of the prompt's KV: what was measured plus less than one
+# prompt's KV, so a side that buffered the backed-up stream again (no back-pressure: +1x) fails.
+# Measured (reports/slow_link_*.json, 2 cores, beside other suites): prefillers 0.09 (MLX), 0.14
+# (SGLang), 0.002 (vLLM); decoders 0.001 (vLLM, SGLang) and 0.92 (torch, which takes the prompt's
+# KV into memory of its own for the request). Was P < 4 and D < 3, on the agent processes only.
+MAX_GROWTH = 0.9
+MAX_DECODER_GROWTH = {"torch": 1.6}
+
+
 @pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
 def test_a_slow_link_holds_memory_flat(cluster, p, d, rate=4e6):
-    """16 pages through a link held to 4 MB/s: the request completes P->D and neither agent's
-    memory grows with the backed-up stream (the prefiller holds what it reserved, the decoder a few
-    pages). A first request of the same length, at full speed, warms both up."""
+    """16 pages through a link held to 4 MB/s: the request completes P->D and neither side's
+    memory (the agent and its engine server's processes) grows with the backed-up stream (the
+    prefiller holds what it reserved, the decoder a few pages). A first request of the same
+    length, at full speed, warms both up."""
     ids, pair, proxy = prompt_ids(1000, 5, VOCAB), pair_name(p, d), cluster.proxies[(p, d)]
     complete(cluster.client, pair, ids[::-1], False)
-    procs = {name: psutil.Process(cluster[name].proc.pid) for name in (p, d)}
-    base = {name: proc.memory_info().rss for name, proc in procs.items()}
+    procs = {name: process_tree(cluster[name].proc.pid) for name in (p, d)}
+    base = {name: tree_rss(tree) for name, tree in procs.items()}
     peak, result = dict(base), {}
     proxy.set_faults(rate=rate)
     try:
         t0 = time.monotonic()
         thread = ask_in_thread(cluster.client, pair, ids, result)
         while thread.is_alive():
-            for name, proc in procs.items():
-                peak[name] = max(peak[name], proc.memory_info().rss)
+            for name, tree in procs.items():
+                peak[name] = max(peak[name], tree_rss(tree))
             time.sleep(0.02)
         took = time.monotonic() - t0
     finally:
@@ -131,13 +160,15 @@ def test_a_slow_link_holds_memory_flat(cluster, p, d, rate=4e6):
     row = cluster.last_row()
     assert row.route == "pd" and row.bytes_moved >= 15 * PAGE_BYTES, row
     assert took >= 0.9 * row.bytes_moved / rate, (took, row.bytes_moved)  # the pages did cross the slow link
-    grew = {name: (peak[name] - base[name]) / (len(ids) * 23_040) for name in procs}
-    print(f"\n{p}->{d} RSS growth over a 16-page stream at 4 MB/s: {grew} (x the prompt's KV)")
-    write_report(f"slow_link_{p}_to_{d}", {"rss_growth_x_kv": grew})
-    # P stages every page it reserved (1x KV) on top of its engine's own working memory for the
-    # prompt; D holds the prompt's KV plus a few pages in flight. Without back-pressure the wire
-    # would buffer the whole stream again on either side.
-    assert grew[p] < 4 and grew[d] < 3, grew
+    kv = len(ids) * 23_040
+    grew = {name: (peak[name] - base[name]) / kv for name in procs}
+    processes = {name: len(tree) for name, tree in procs.items()}
+    print(f"\n{p}->{d} RSS growth over a 16-page stream at 4 MB/s: {grew} (x the prompt's KV; processes {processes})")
+    write_report(f"slow_link_{p}_to_{d}", {"rss_growth_x_kv": grew, "processes": processes})
+    # P stages the pages it reserved in memory the warm-up left it; D imports the prompt's KV (a
+    # server engine into its preallocated pool). Without back-pressure the wire would buffer the
+    # whole stream again on either side (+1x).
+    assert grew[p] < MAX_GROWTH and grew[d] < MAX_DECODER_GROWTH.get(cluster[d].engine, MAX_GROWTH), grew
     cluster.idle(p, d)
 
 
@@ -163,7 +194,10 @@ def test_panel_killed_or_stopped_while_a_request_streams(cluster, p, d):
     wait_for(lambda: result["chunks"] >= 3 or not thread.is_alive(), 120)
     t0 = time.monotonic()
     cluster.panel.stop()
-    assert time.monotonic() - t0 < 15
+    stopped = time.monotonic() - t0
+    print(f"\n{pair}: the panel stopped {stopped:.2f} s after SIGTERM with a stream open")
+    # its grace (SHUTDOWN_GRACE_SECONDS, 5 s) and uvicorn's (5 s) bound it; measured 1-2 s here
+    assert stopped < 15, stopped
     thread.join(60)
     assert result.get("error") is not None or result["chunks"] < 400, result
     cluster.idle(p, d)
@@ -173,44 +207,59 @@ def test_panel_killed_or_stopped_while_a_request_streams(cluster, p, d):
     cluster.idle(p, d)
 
 
-@pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
+IN_PROCESS_FAULT_PAIRS = [(p, d) for p, d in FAULT_PAIRS if p in ("torch", "mlx")]
+SERVER_FAULT_PAIRS = [(p, d) for p, d in FAULT_PAIRS if p not in ("torch", "mlx")]
+
+
+@pytest.mark.parametrize("p, d", IN_PROCESS_FAULT_PAIRS, ids=[pair_name(*x) for x in IN_PROCESS_FAULT_PAIRS])
 def test_an_engine_crash_while_prefilling_falls_back_and_the_engine_recovers(
     cluster, smol_dir, tmp_path, long_ids, p, d
 ):
     """The prefiller's engine fails while it prefills a request through the panel: the client gets
     the decoder-alone answer (the router's fallback), the log says why, and the same prefiller
-    serves the next request itself. In-process engines fail by failpoint (a fresh agent armed to
-    raise in its 2nd prefill chunk); a server engine's process is SIGKILLed and its agent starts
-    it again."""
-    ids = prompt(long_ids, 193) * 3  # several prefill chunks
+    serves the next request itself. An in-process engine fails by failpoint (a fresh agent armed
+    to raise in its 2nd prefill chunk); the server engines: the next test."""
+    ids = prompt(long_ids, 193) * 3
     expected = cluster.alone(d, ids)
     engine = cluster[p].engine
-    if engine in ("torch", "mlx"):
-        with (
-            AgentProcess(engine, smol_dir, tmp_path / "armed", env={"TANDEM_FAILPOINTS": "prefill_chunk@2"}) as armed,
-            PanelProcess(
-                tmp_path / "crash-panel", "--pair", f"crash={armed.url},{cluster[d].url},threshold=1"
-            ) as panel,
-        ):
-            client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
-            assert complete(client, "crash", ids, False) == expected
-            row = log_rows(tmp_path / "crash-panel")[-1]
-            assert row.route == "decode_alone" and "engine failure injected" in row.reason, row
-            assert complete(client, "crash", ids, False) == expected
-            assert log_rows(tmp_path / "crash-panel")[-1].route == "pd"
-            cluster.idle(armed, cluster[d])
-        return
+    with (
+        AgentProcess(engine, smol_dir, tmp_path / "armed", env={"TANDEM_FAILPOINTS": "prefill_chunk@2"}) as armed,
+        PanelProcess(tmp_path / "crash-panel", "--pair", f"crash={armed.url},{cluster[d].url},threshold=1") as panel,
+    ):
+        client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=300)
+        assert complete(client, "crash", ids, False) == expected
+        row = log_rows(tmp_path / "crash-panel")[-1]
+        assert row.route == "decode_alone" and "engine failure injected" in row.reason, row
+        assert complete(client, "crash", ids, False) == expected
+        assert log_rows(tmp_path / "crash-panel")[-1].route == "pd"
+        cluster.idle(armed, cluster[d])
+
+
+def crash_server_prefiller(cluster, ids: list[int], p: str, d: str) -> None:
+    """One server pair's crash scenario (see the test below)."""
+    pair = pair_name(p, d)
+    expected = cluster.alone(d, ids)
     result: dict = {}
-    thread = ask_in_thread(cluster.client, pair_name(p, d), ids, result)
+    thread = ask_in_thread(cluster.client, pair, ids, result)
     wait_for(lambda: cluster[p].status()["handoffs"] or not thread.is_alive(), 120)  # prefill has started
     kill_engine_server(cluster[p])
     thread.join(300)
-    assert result.get("text") == expected, result
-    row = cluster.last_row()
+    assert result.get("text") == expected, (pair, result)
+    row = cluster.last_row(pair)
     assert row.route == "decode_alone" and "transfer failed before the first token" in row.reason, row
-    assert complete(cluster.client, pair_name(p, d), ids, False) == expected
-    assert cluster.last_row().route == "pd"
+    assert complete(cluster.client, pair, ids, False) == expected, pair
+    assert cluster.last_row(pair).route == "pd", pair
     cluster.idle(p, d)
+
+
+def test_a_server_engine_crash_while_prefilling_falls_back_and_the_engine_recovers(cluster, long_ids):
+    """As the test above, on each server pair: the prefiller's engine server is SIGKILLed while it
+    prefills and its agent starts it again. The vLLM and SGLang pairs share no agent, so both
+    crash and restart at once (a restart is a minute of one core's imports)."""
+    ids = prompt(long_ids, 193) * 3
+    with ThreadPoolExecutor(len(SERVER_FAULT_PAIRS)) as pool:
+        for done in [pool.submit(crash_server_prefiller, cluster, ids, p, d) for p, d in SERVER_FAULT_PAIRS]:
+            done.result()
 
 
 # (decoder, prefiller): the agents that survive a torch peer killed on the other side
@@ -282,7 +331,7 @@ def test_a_handoff_cancelled_mid_transfer(cluster, long_ids, p, d):
     "cancelled", and both sides let go. The pages cross a link held to 20 MB/s (~2 s for the
     prompt's 35 MB), so there is a transfer under way to cancel even where an engine prefills
     the whole prompt before its first page."""
-    ids = (list(long_ids) * 8)[:LONG]
+    ids = (list(long_ids) * 8)[:CANCEL_TOKENS]
     proxy = TamperProxy(cluster[p].port)
     proxy.set_faults(rate=20e6)
 
@@ -309,18 +358,23 @@ def error_of(lines: list[dict]) -> dict:
     return lines[-1]["error"]
 
 
-@pytest.mark.parametrize("decoder", list(DECODERS))
-@pytest.mark.parametrize(
-    "damage, message",
-    [
-        (dict(flip_at=300_000), "checksum mismatch on page 0"),
-        (dict(flip_at=1_800_000), "checksum mismatch on page 1"),  # after page 0 is in the decoder's cache
-        (dict(cut_at=700_000), "broke off"),
-        (dict(cut_at=1_474_800), "broke off"),  # just after page 0's frame: pages missing
-    ],
-    ids=["flip-page-0", "flip-page-1", "cut-in-page-0", "cut-after-page-0"],
-)
-def test_damaged_stream_between_agents_decodes_nothing(cluster, long_ids, decoder, damage, message):
+# A damaged stream as each decoder's engine can meet it: broken off before any page reached it
+# (the frame reader fails on page 0) or after page 0 was imported into its cache. Which kind of
+# damage (a flipped bit, a cut) is the frame reader's, the same code on every decoder: the other
+# two cases run on one decoder. (Was every damage on every decoder: 16 cases, now 10.)
+DAMAGES = {
+    "flip-page-0": (dict(flip_at=300_000), "checksum mismatch on page 0"),
+    "flip-page-1": (dict(flip_at=1_800_000), "checksum mismatch on page 1"),  # after page 0 is in the decoder's cache
+    "cut-in-page-0": (dict(cut_at=700_000), "broke off"),
+    "cut-after-page-0": (dict(cut_at=1_474_800), "broke off"),  # just after page 0's frame: pages missing
+}
+DAMAGE_CASES = [(decoder, damage) for decoder in DECODERS for damage in ("cut-in-page-0", "flip-page-1")]
+DAMAGE_CASES += [("torch", "flip-page-0"), ("torch", "cut-after-page-0")]
+
+
+@pytest.mark.parametrize("decoder, damage_name", DAMAGE_CASES, ids=[f"{n}-{d}" for d, n in DAMAGE_CASES])
+def test_damaged_stream_between_agents_decodes_nothing(cluster, long_ids, decoder, damage_name):
+    damage, message = DAMAGES[damage_name]
     p, d = cluster[DECODERS[decoder]], cluster[decoder]
     proxy = TamperProxy(p.port, **damage)
     try:
