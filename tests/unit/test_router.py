@@ -2,7 +2,7 @@
 
 The router is the subject here, so the agents are fakes: they answer what a real decoder answers
 (its NDJSON stream, its 4xx/429/502 before a stream) and record every call the panel makes. The
-real exchange between real agents is tests/system/test_panel_routing.py's and tests/system/test_agent_pd.py's.
+real exchange between real agents is tests/system/test_panel_routing.py's and tests/integration/test_agent_http_pd.py's.
 """
 
 from __future__ import annotations
