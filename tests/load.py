@@ -21,7 +21,10 @@ from .integration.rules import PROMPTS
 CONCURRENT = 64
 PAGE_BYTES = 1_474_560
 BUDGET_PAGES = 6  # the prompts below take 1 to 5 pages each
-LOADED_SHARE = 0.1  # of the one-at-a-time count that must complete under load (measured here: see the print)
+# Of the one-at-a-time count, the share that must complete under load: half the least measured
+# (0.74 in 30a4d96; 1.34-1.88 for torch -> MLX, MLX -> torch and vLLM -> vLLM on a loaded 2-core
+# machine, reports/load_*.json). Was 0.1.
+LOADED_SHARE = 0.35
 
 
 def prompts(d: AgentProcess) -> list[list[int]]:
@@ -59,19 +62,47 @@ async def one(client: httpx.AsyncClient, model: str, ids: list[int]) -> dict:
         return {"status": 200, "text": text, "finish": finish}
 
 
+_ANSWERS: dict = {}
+
+
+def prompts_and_answers(d: AgentProcess) -> tuple[list[list[int]], list[tuple[str, str]]]:
+    """The load's prompts and the decoder's own answer to each, asked once per decoder agent and
+    shared by every load on it (a decoder alone answers the same way every time)."""
+    if d.url not in _ANSWERS:
+        ids = prompts(d)
+        _ANSWERS[d.url] = ids, [alone(d, x) for x in ids]
+    return _ANSWERS[d.url]
+
+
 def check_load(
-    p: AgentProcess, d: AgentProcess, panel_url: str, api_key: str, model: str, panel_home, batch_invariant: bool = True
+    p: AgentProcess,
+    d: AgentProcess,
+    panel_url: str,
+    api_key: str,
+    model: str,
+    panel_home,
+    batch_invariant: bool = True,
+    barrier=None,
+    loaded_share: float = LOADED_SHARE,
 ) -> dict:
     """See the module docstring; P's budget must be BUDGET_PAGES pages. Returns the figures.
 
     `batch_invariant=False` for engines that batch concurrent requests with kernels whose float
     results depend on the batch (vLLM's and SGLang's CPU builds): under load a greedy near-tie
     can flip, so an answer may leave the decoder-alone text after a common start. It must still
-    share at least half of it and be no other prompt's answer (a mixed-up stream is not)."""
-    ids = prompts(d)
+    share at least half of it and be no other prompt's answer (a mixed-up stream is not).
+
+    `barrier` (a threading.Barrier shared with loads on other pairs at the same time): the pairs
+    measure their one-at-a-time times together, then start their bursts together, so each figure
+    is taken beside the same kind of work on the others.
+    `loaded_share`: the least share of the one-at-a-time count that must complete under load."""
+    ids, expected = prompts_and_answers(d)
     assert max(len(x) for x in ids) <= BUDGET_PAGES * 64 - 64 and min(len(x) for x in ids) < 64
-    expected = [alone(d, x) for x in ids]
+    if barrier is not None:
+        barrier.wait()
     serial_s = serial_seconds_per_request(panel_url, api_key, model, ids[::3], expected[::3])  # every size, 1-5 pages
+    if barrier is not None:
+        barrier.wait()
     order = [i % len(ids) for i in range(CONCURRENT)]
 
     async def main():
@@ -104,17 +135,17 @@ def check_load(
     # load fails here.
     serial_in_window = 30.0 / serial_s
     print(
-        f"\n{len(completed)} of {CONCURRENT} completed with the decoder-alone text, {len(refused)} got 429; "
+        f"\n{model}: {len(completed)} of {CONCURRENT} completed with the decoder-alone text, {len(refused)} got 429; "
         f"one at a time the pair serves {serial_in_window:.0f} in 30 s ({serial_s * 1000:.0f} ms each), "
         f"ratio {len(completed) / serial_in_window:.2f}"
         + (f"; {diverged} left the decoder-alone text after a common start (batch-variant kernels)" if diverged else "")
     )
-    assert len(completed) >= max(2, LOADED_SHARE * serial_in_window), (
+    assert len(completed) >= max(2, loaded_share * serial_in_window), (
         f"only {len(completed)} of {CONCURRENT} completed; one at a time {serial_in_window:.0f} fit in 30 s"
     )
     settle(p, d)
     assert p.status()["totals"]["handoffs_created"] - handoffs_before >= len(completed)
-    rows = log_rows(panel_home)[logged_before:]
+    rows = [r for r in log_rows(panel_home)[logged_before:] if r.model == model]  # other pairs may run too
     assert len(rows) == CONCURRENT and not [r for r in rows if r.outcome == "running"]
     assert sum(r.outcome == "ok" and r.route == "pd" for r in rows) == len(completed)
     return {
@@ -128,8 +159,8 @@ def check_load(
 
 
 def serial_seconds_per_request(panel_url: str, api_key: str, model: str, ids: list[list[int]], expected: list) -> float:
-    """Mean wall time of one streamed P/D request through the panel with nothing else running (each
-    of `ids` once, after one warm-up); each answer is checked against the decoder alone."""
+    """Mean wall time of one streamed P/D request through the panel, one at a time (each of `ids`
+    once, after one warm-up); each answer is checked against the decoder alone."""
 
     async def main():
         async with panel_client(panel_url, api_key) as client:
