@@ -27,19 +27,25 @@ from ..agents import TEST_KEY, TamperProxy, wait_for
 from ..conftest import write_report
 
 TOKENS = 1536  # 24 pages (23 and a bit where the decoder recomputes the last token)
-# decoder agent -> a prefiller of another engine (torch's CPU prefill is the quickest here)
-PREFILLERS = {"torch": "vllm", "mlx": "torch", "vllm": "torch", "sglang2": "torch"}
+# decoder agent -> a prefiller of another engine (torch's and MLX's CPU prefills are the quickest
+# here: 3-4x vLLM's and SGLang's). What is measured is the decoder's: the staged pages are released
+# at once whoever computed them, and the trickle only needs to last (was vLLM for the torch decoder).
+PREFILLERS = {"torch": "mlx", "mlx": "torch", "vllm": "torch", "sglang2": "torch"}
+# Decoders whose first decode from imported pages is slower than the rest (a cold start this test
+# does not measure): a fresh vLLM took 3-9 of its steps longer. They decode another prompt first.
+COLD_FIRST = {"vllm", "sglang2"}
 # The most decode steps the last page's arrival may precede the first computed token by: twice
 # the most measured (3.6: torch -> vLLM and torch -> SGLang, torch -> MLX 3.5, vLLM -> torch 3.1;
 # the medians 1.7-2.6). Pages released through the proxy at 0.7-1.2 GB/s.
 MAX_STEPS = 7.2
 # The least rate (bytes/s) at which each decoder may take in the staged pages, from the first
-# page's arrival to the engine's "every page imported": half the least measured (torch 0.61-1.05
-# GB/s, vLLM 0.39-0.66, SGLang 0.27-0.63; MLX 0.70-0.81 since it imports into its own buffers,
-# 0.09-0.16 before, when it copied the whole cache after the last page). Below the 1 GB/s goal of
-# issue 18 for every engine but torch: a CPU engine widens each FP16 page to float32 as it
-# imports it, about 1 GB/s on one core here.
-MIN_IMPORT_RATE = {"torch": 0.30e9, "vllm": 0.19e9, "sglang": 0.13e9, "mlx": 0.35e9}
+# page's arrival to the engine's "every page imported": a third of the least measured on a loaded
+# machine (torch 0.61-1.05 GB/s, vLLM 0.355-0.66, SGLang 0.27-0.63; MLX 0.60-0.81 since it imports
+# into its own buffers, 0.09-0.16 before, when it copied the whole cache after the last page). Was
+# half (0.30, 0.19, 0.13, 0.35 GB/s): vLLM measured 0.355 beside other suites, 1.9x its floor.
+# Below the 1 GB/s goal of issue 18 for every engine but torch: a CPU engine widens each FP16 page
+# to float32 as it imports it, about 1 GB/s on one core here.
+MIN_IMPORT_RATE = {"torch": 0.20e9, "vllm": 0.12e9, "sglang": 0.09e9, "mlx": 0.20e9}
 # The most CPU (cores) the decoder's processes may use while its pages trickle in: twice the most
 # measured (vLLM 0.16, MLX 0.09, SGLang 0.07, torch 0.00; before the fix vLLM used 1.23, SGLang 0.57).
 MAX_WAITING_CORES = 0.32
@@ -58,10 +64,9 @@ async def timed_decode(d_url: str, body: dict) -> list[tuple[float, dict]]:
 def test_staged_pages_are_imported_within_a_few_decode_steps(cluster, long_ids, decoder):
     p, d = cluster[PREFILLERS[decoder]], cluster[decoder]
     ids = (list(long_ids) * 8)[:TOKENS]
-    # A P/D decode of another prompt first, of the same length: the first one a fresh vLLM decodes
-    # from imported pages took 3-9 of its steps longer (a cold start this test does not measure).
-    warm = {"token_ids": (list(long_ids) * 8)[7 : TOKENS + 7], "sampling": {"max_tokens": 2}, "prefill_url": p.url}
-    assert asyncio.run(timed_decode(d.url, warm))[-1][1].get("done")
+    if decoder in COLD_FIRST:  # a P/D decode of another prompt of the same length first
+        warm = {"token_ids": (list(long_ids) * 8)[7 : TOKENS + 7], "sampling": {"max_tokens": 2}, "prefill_url": p.url}
+        assert asyncio.run(timed_decode(d.url, warm))[-1][1].get("done")
     proxy = TamperProxy(p.port)
     proxy.hold_pages()
     sent = p.status()["totals"]["pages_sent"]

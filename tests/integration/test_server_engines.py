@@ -21,9 +21,9 @@ from ..agents import pd_request
 from ..conftest import prompt, write_report
 from ..fuzzing import fuzz_engine_routes
 from ..server_engines import check_pages_against_transformers
-from .test_directions import QUESTION
 
 SERVERS = ["vllm", "sglang"]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.mark.parametrize("engine", SERVERS)
@@ -49,9 +49,10 @@ def test_a_server_decoder_refuses_the_mode_it_cannot_decode(cluster, long_ids, d
 
 @pytest.mark.parametrize("engine", SERVERS)
 def test_pages_leave_while_the_server_still_prefills(cluster, long_ids, engine):
-    """The servers prefill in chunks of 512 tokens: a 1,500-token prompt's first pages reach the
-    decoder before the server has finished the prompt (in one step they would leave together)."""
-    ids = (list(long_ids) * 8)[:1500]
+    """The servers prefill in chunks of 512 tokens: a 640-token prompt's (two chunks) first pages
+    reach the decoder before the server has finished the prompt (in one step they would leave
+    together). (Was 1,500 tokens: three chunks, for a property two show.)"""
+    ids = (list(long_ids) * 8)[:640]
     done = asyncio.run(pd_request(cluster[engine].url, cluster["torch"].url, ids, {"max_tokens": 2}))[-1]
     assert done.get("done"), done
     assert done["first_page_at"] < done["prefill_finished_at"] - 0.05, done
