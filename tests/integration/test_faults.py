@@ -196,7 +196,7 @@ def test_panel_killed_or_stopped_while_a_request_streams(cluster, p, d):
     cluster.panel.stop()
     stopped = time.monotonic() - t0
     print(f"\n{pair}: the panel stopped {stopped:.2f} s after SIGTERM with a stream open")
-    # its grace (SHUTDOWN_GRACE_SECONDS, 5 s) and uvicorn's (5 s) bound it; measured 1-2 s here
+    # its grace (SHUTDOWN_GRACE_SECONDS, 5 s) and uvicorn's (5 s) bound it; measured 5.2 s on each pair
     assert stopped < 15, stopped
     thread.join(60)
     assert result.get("error") is not None or result["chunks"] < 400, result
