@@ -11,20 +11,20 @@ The servers, and why each is its own:
 
 - `vllm_server`: vLLM, prefix cache off (every prefill computes and exports its pages), chunks
   of 128 tokens (a 1,029-token prefill takes many steps, so a cancel lands while vLLM still
-  computes it: test_vllm_window), one thread. Shared by test_decoders_consume_pages and
-  test_vllm_window.
+  computes it: test_vllm_window), one thread. Shared by test_decoders_consume_pages,
+  test_vllm_window and test_prefix_cache (its conversation with no cache).
 - `sglang_server`: SGLang in its decode role, radix cache off, prefill chunks of 1,024 tokens
   (test_sglang_window's held prompt is one chunk), one thread. test_sglang_window prefills on
   it (the adapter switches the server to its prefill role, in milliseconds, and back for a
-  decode). Shared by test_decoders_consume_pages and test_sglang_window.
+  decode). Shared by test_decoders_consume_pages, test_sglang_window and test_prefix_cache.
 - `plain_sglang_server`: SGLang as a user runs it alone (no disaggregation), the reference of
   test_decoders_consume_pages.
+- `vllm_cached_server`, `sglang_cached_server`: the same two with their prefix caches on, for
+  test_prefix_cache's conversation with a cache (a cache is a start-up option: turning it on
+  restarts a server, which costs as much as starting this one, and would leave the shared one
+  on for the files after it).
 - `vllm_agent_server`: a vLLM agent with its prefix cache at the agent's default, for
   test_prefix_cache's test through the panel (counted as one server: it runs its own vLLM).
-
-test_prefix_cache's adapter-level server test still starts its own vLLM and SGLang: they pair
-with the in-process torch engine, whose contract has the model's context (8192, these have
-4096), and it restarts them to turn their caches on.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pytest
 from engine_adapters.settings import EngineSettings
 from engine_adapters.sglang_adapter import SGLangProcess
 
-CONTEXT = 4096
+CONTEXT = 8192  # the model's, as the in-process engines load it: a pair's contracts must agree
 MAX_ALIVE = 5  # servers alive at once (24 GiB, with the pytest process's own engines and agents)
 
 # every server runs on one thread: several share two cores
@@ -109,6 +109,8 @@ SERVERS = {
     "vllm_server": _adapter("vllm", VLLM),
     "sglang_server": _adapter("sglang", SGLANG),
     "plain_sglang_server": _plain,
+    "vllm_cached_server": _adapter("vllm", VLLM.model_copy(update={"prefix_caching": True})),
+    "sglang_cached_server": _adapter("sglang", SGLANG.model_copy(update={"prefix_caching": True})),
 }
 
 

@@ -32,8 +32,9 @@ import pytest
 from engine_adapters.base import EngineRequest
 from engine_adapters.failpoints import PERTURBED_LAYER
 from tandem_protocol.client import AgentClient
+from tandem_protocol.errors import FrameError
 from tandem_protocol.handoff import FirstTokenMode
-from tandem_protocol.pages import KVPage
+from tandem_protocol.pages import KVPage, PageGeometry, make_page
 from tandem_protocol.sampling import SamplingParams
 
 from ..agents import TEST_KEY, AgentProcess, wait_for
@@ -304,3 +305,28 @@ def test_sglang_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
             "decode": MAX_TOKENS - 1,
         }, figures
     assert figures["true"]["logprobs"]["max_abs_diff"] > 0, figures  # torch's pages, not SGLang's own
+
+
+def test_broken_page_streams_inside_the_adapter_release_sglangs_slots(sglang_server, engines, long_ids):
+    """The adapter's own checks on a stream handed to SGLang's decode role: a missing page, pages
+    out of order and a page of the wrong shape; each fails and SGLang frees the slots it held. On
+    the adapter itself: an agent's frame reader stops such streams before its adapter sees them."""
+    ids = list(long_ids[:200])
+    items = run(collect(engines["torch"].prefill(EngineRequest("src", ids, SamplingParams(max_tokens=1)))))
+    pages, done = [x for x in items if isinstance(x, KVPage)], items[-1]
+    g = engines["torch"].geometry
+    wrong = make_page(PageGeometry(g.layers, 2, g.head_dim), 1, pages[1].kv[:, :, :, :2])  # 2 KV heads, not 3
+    for name, stream, expect in (
+        ("missing", pages[:2] + pages[3:], "arrived where page 2 was expected"),
+        ("out_of_order", [pages[1], pages[0]] + pages[2:], "out of order"),
+        ("wrong_shape", [pages[0], wrong] + pages[2:], "shape"),
+    ):
+
+        async def feed(seq=stream + [done]):
+            for x in seq:
+                yield x
+
+        with pytest.raises(FrameError, match=expect):
+            run(collect(sglang_server.decode(EngineRequest(name, ids, SamplingParams(max_tokens=4)), feed())))
+        wait_for(lambda: not run(sglang_server.engine_stats())["kv_tokens_used"], 20, step=0.1)
+        assert sglang_server.active_requests == 0

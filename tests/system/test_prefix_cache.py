@@ -250,30 +250,6 @@ def test_through_the_panel_a_second_turn_moves_only_the_delta(smol_dir, tmp_path
             assert agent.status()["prefix_cache"]["bytes"] == 0
 
 
-@pytest.fixture(scope="module")
-def vllm_engine(smol_dir):
-    """vLLM on the embedded model, started with its prefix cache off (as the agent starts it with
-    a budget of 0)."""
-    from engine_adapters import load_adapter
-    from engine_adapters.settings import EngineSettings
-
-    adapter = load_adapter("vllm", smol_dir, 8192, EngineSettings(prefix_caching=False))
-    yield adapter
-    adapter.close()
-
-
-@pytest.fixture(scope="module")
-def sglang_engine(smol_dir):
-    """SGLang on the embedded model in its decode role, started with its radix cache off."""
-    from engine_adapters import load_adapter
-    from engine_adapters.settings import EngineSettings
-
-    settings = EngineSettings(prefix_caching=False, sglang_role="decode", sglang_threads=1)
-    adapter = load_adapter("sglang", smol_dir, 8192, settings)
-    yield adapter
-    adapter.close()
-
-
 # How many leading tokens of each turn's answer must equal the answer with no cache. SGLang: all
 # (3 of 3 turns token for token, every run). vLLM: not every token — the KV of its own earlier
 # answer, which its cache serves, was computed by its decode steps and differs in rounding from
@@ -283,20 +259,25 @@ AGREE_AT_LEAST = {"sglang": ANSWER.max_tokens, "vllm": 21}
 
 
 @pytest.mark.parametrize("server", ["vllm", "sglang"])
-def test_a_later_turn_on_a_server_decoder_imports_only_the_pages_it_lacks(request, engines, cache_bytes, server):
+def test_a_later_turn_on_a_server_decoder_imports_only_the_pages_it_lacks(
+    engines, cache_bytes, vllm_server, sglang_server, vllm_cached_server, sglang_cached_server, server
+):
     """torch P, vLLM or SGLang D: with the engine's own prefix cache on (vLLM's, SGLang's decode
     radix cache), each turn's decode is told by the engine's plugin how much of the prompt it
     holds, P sends only the pages after it, and every answer is the one of the same conversation
-    with no cache."""
-    P, D = engines["torch"], request.getfixturevalue(f"{server}_engine")
+    with no cache (on the same engine with its cache off: the session's shared server, where D is
+    its twin started with the cache on, tests/system/conftest.py)."""
+    P = engines["torch"]
+    uncached_D, D = {"vllm": (vllm_server, vllm_cached_server), "sglang": (sglang_server, sglang_cached_server)}[server]
+    assert not uncached_D.prefix_caching and D.prefix_caching
+    assert uncached_D.settings == D.settings.model_copy(update={"prefix_caching": False})
     page, mode = D.geometry.page_tokens, D.decoder_modes[0]
     cache_bytes(P, 0)
-    prompts, uncached, full = pair_conversation(P, D, f"pd-off-{server}")
+    prompts, uncached, full = pair_conversation(P, uncached_D, f"pd-off-{server}")
     needs = [ids[: kv_tokens(len(ids), mode)] for ids in prompts]  # the KV a decode needs
     assert [s.have_pages for s in full] == [0] * len(TURNS)
     assert [s.pages for s in full] == [D.geometry.pages_for(len(n)) for n in needs]  # all
 
-    D.set_prefix_cache_bytes(GiB)  # the engine restarts with its prefix cache on
     before = D.prefix_cache_status()
     # the same prompts again (an answer that came out otherwise must not change the next turn)
     again, answers, delta = pair_conversation(P, D, f"pd-on-{server}", replay=prompts)
@@ -341,18 +322,19 @@ def test_a_later_turn_on_a_server_decoder_imports_only_the_pages_it_lacks(reques
     wait_for(lambda: run(D.engine_stats())["running"] == 0, timeout=30, step=0.1)
 
     # As a prefiller and alone, the engine's own cache serves a prompt it has seen, and its
-    # answers say so (PrefillDone.cached_tokens, the request's cached_tokens): whole pages.
-    ids = [5, 6] + prompts[0]  # not a prefix of anything the engine holds yet
-    counted = []
+    # answers say so (PrefillDone.cached_tokens, the request's cached_tokens): whole pages. Three
+    # pages and a token: not a prefix of anything the engine holds yet.
+    ids = [5, 6] + prompts[0][: 3 * page - 1]
+    counted, one = [], SamplingParams(max_tokens=1)
     for tag in ("prefill-once", "prefill-again"):
-        items = run(collect(D.prefill(EngineRequest(tag, ids, ANSWER))))
+        items = run(collect(D.prefill(EngineRequest(tag, ids, one))))
         counted.append(items[-1].cached_tokens)
     for tag in ("alone-again",):
-        alone = EngineRequest(tag, ids, ANSWER)
+        alone = EngineRequest(tag, ids, one)
         run(collect(D.generate(alone)))
         counted.append(alone.cached_tokens)
     write_report(f"prefix_cache_{server}_counted", {"prompt_tokens": len(ids), "cached_tokens": counted})
-    assert counted == [0, (len(ids) - 1) // page * page, (len(ids) - 1) // page * page]
+    assert len(ids) == 3 * page + 1 and counted == [0, 3 * page, 3 * page]
 
 
 def test_through_the_panel_a_vllm_decoder_asks_only_for_what_vllm_lacks(smol_dir, tmp_path, vllm_agent_server):
