@@ -12,6 +12,9 @@ import pytest
 from ..agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, side_by_side
 from ..netns import needs_netns
 
+# Link and page-stream rates and TTFT over its bound are measured here: alone, after the lanes.
+pytestmark = pytest.mark.quiet
+
 
 def run_bench(tmp_path, *args: str, env: dict | None = None) -> dict:
     out = subprocess.run(
