@@ -47,7 +47,7 @@ LONG_TEXT = (
 
 
 # The lane that holds vLLM and SGLang servers: the integration tier (its one cluster), then the
-# system files that start servers of their own. One xdist worker runs a group, in collection
+# system files that start servers of their own. One xdist worker runs a lane, in collection
 # order, so these files start only after the cluster is torn down: 24 GiB holds one set of
 # engine servers, never two (`make test`, tests/suite.py).
 ENGINE_SERVER_LANE = "engine-servers"
@@ -82,18 +82,25 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def lane_of(path: str) -> str:
-    """The xdist group of a test file: the engine-server lane, or the file itself (its module
-    fixtures start once, on one worker)."""
+    """The unit of work one xdist worker takes whole: the engine-server lane, or the file itself
+    (its module fixtures start once, on one worker)."""
     if path.startswith("tests/integration/") or path in SERVER_FILES:
         return ENGINE_SERVER_LANE
     return path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
-def pytest_collection_modifyitems(config, items):
-    root = Path(config.rootpath)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(lane_of(Path(item.path).relative_to(root).as_posix())))
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope scheduling with lane_of as the scope. (Not `--dist loadgroup` with
+    xdist_group marks: xdist 3.8 groups by rewriting an item's `_nodeid`, which pytest 9 no
+    longer reads, so every test went to whichever worker was free, the integration tier's with
+    it: two clusters, out of memory.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid.split("::", 1)[0])
+
+    return Lanes(config, log)
 
 
 def pytest_report_header(config):

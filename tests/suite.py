@@ -1,8 +1,8 @@
 """`make test`'s pytest: the lanes, then the serial pass, then where the time went.
 
-1. The lanes: `pytest -n 2 --dist loadgroup -m "not quiet"`. tests/conftest.py puts the integration
-   tier and the system files with engine servers of their own in one group (one worker, in order:
-   the cluster, then those files); every other file is a group of its own, run by whichever
+1. The lanes: `pytest -n 2 --dist loadscope -m "not quiet"`. tests/conftest.py's scheduler puts the
+   integration tier and the system files with engine servers of their own in one unit (one worker, in order:
+   the cluster, then those files); every other file is a unit of its own, run by whichever
    worker is free. Two lanes, not more: memory holds one set of engine servers, and the machine
    has two cores.
 2. The serial pass: `pytest -m quiet`, the tests that time the machine itself, alone.
@@ -87,7 +87,7 @@ def main(args: list[str]) -> int:
     lanes, quiet = REPORTS / "lanes.xml", REPORTS / "quiet.xml"
     for stale in (lanes, quiet):
         stale.unlink(missing_ok=True)
-    first = pytest("-n", LANES, "--dist", "loadgroup", "-m", "not quiet", f"--junitxml={lanes}", *args)
+    first = pytest("-n", LANES, "--dist", "loadscope", "-m", "not quiet", f"--junitxml={lanes}", *args)
     second = pytest("-n", "0", "-m", "quiet", f"--junitxml={quiet}", *args)
     print(summary([lanes, quiet], started), flush=True)
     return int(any(rc not in (0, NO_TESTS) for rc in (first, second)) or first == second == NO_TESTS)
