@@ -173,6 +173,18 @@ def write_report(name: str, data: dict) -> Path:
     return path
 
 
+# A tiny Llama with SmolLM2-135M's head_dim (64) and 3 query heads per KV head: 4 layers of one KV
+# head, not 30 of 3. For tests that compare an engine with itself bit for bit.
+TINY_LLAMA = dict(
+    hidden_size=192,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=64,
+)
+
+
 def make_tiny_checkpoint(path: Path, model_type: str, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
     """A small random-weight checkpoint that transformers and mlx-lm both load (FP16 safetensors)."""
     import torch

@@ -18,20 +18,11 @@ from tandem_protocol.handoff import FirstTokenMode, PrefillDone
 from tandem_protocol.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
 from tandem_protocol.sampling import SamplingParams
 
-from ..conftest import collect, make_tiny_checkpoint, prompt, run
+from ..conftest import TINY_LLAMA, collect, make_tiny_checkpoint, prompt, run
 
 ENGINES = ["torch", "mlx"]
-# SmolLM2-135M's head_dim (64) and 3 query heads per KV head; 4 layers of one KV head, not 30 of 3; room
-# for the 600-token prompts
-TINY = dict(
-    hidden_size=192,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=3,
-    num_key_value_heads=1,
-    head_dim=64,
-    max_position_embeddings=2048,
-)
+# the tiny Llama of tests/conftest.py, with room for the 600-token prompts
+TINY = {**TINY_LLAMA, "max_position_embeddings": 2048}
 
 
 @pytest.fixture(scope="module")
