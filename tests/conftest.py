@@ -53,7 +53,7 @@ LONG_TEXT = (
 ENGINE_SERVER_LANE = "engine-servers"
 SERVER_FILES = {
     "tests/system/test_decoders_consume_pages.py",
-    "tests/system/test_prefix_cache.py",
+    "tests/system/test_prefix_cache_servers.py",
     "tests/system/test_sglang_window.py",
     "tests/system/test_vllm_window.py",
 }

@@ -70,7 +70,7 @@ def prompts_and_answers(d: AgentProcess) -> tuple[list[list[int]], list[tuple[st
     shared by every load on it (a decoder alone answers the same way every time)."""
     if d.url not in _ANSWERS:
         ids = prompts(d)
-        _ANSWERS[d.url] = ids, [alone(d, x) for x in ids]
+        _ANSWERS[d.url] = ids, answers_alone(d, ids)
     return _ANSWERS[d.url]
 
 
@@ -174,8 +174,19 @@ def serial_seconds_per_request(panel_url: str, api_key: str, model: str, ids: li
     return asyncio.run(main())
 
 
-def alone(d: AgentProcess, ids: list[int]) -> tuple[str, str]:
-    """The decoder's own answer to a prompt, alone: (text, finish reason)."""
-    lines = asyncio.run(generate_request(d.url, ids, {"max_tokens": 8}))
-    tokens_of(lines)
-    return "".join(line["text"] for line in lines if "token" in line), lines[-1]["finish_reason"]
+def answers_alone(d: AgentProcess, prompts: list[list[int]]) -> list[tuple[str, str]]:
+    """The decoder's own answer to each prompt, alone: (text, finish reason). A torch or MLX decoder
+    is asked all at once (it decodes a batch exactly as one request: tests/system/test_batching.py);
+    vLLM and SGLang one at a time (their CPU kernels depend on the batch)."""
+
+    async def ask_all() -> list[list[dict]]:
+        calls = [generate_request(d.url, ids, {"max_tokens": 8}) for ids in prompts]
+        if d.engine in ("torch", "mlx"):
+            return list(await asyncio.gather(*calls))
+        return [await call for call in calls]
+
+    answers = []
+    for lines in asyncio.run(ask_all()):
+        tokens_of(lines)
+        answers.append(("".join(line["text"] for line in lines if "token" in line), lines[-1]["finish_reason"]))
+    return answers

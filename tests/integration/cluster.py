@@ -8,6 +8,7 @@ import os
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -229,3 +230,17 @@ def wait_while_alive(thread: threading.Thread, what, timeout: float = 120) -> No
     while not what():
         assert time.monotonic() < deadline and thread.is_alive(), "the request ended before the moment to act"
         time.sleep(0.02)
+
+
+# Decoders that decode a batch exactly as they decode one request (tests/system/test_batching.py).
+# vLLM's and SGLang's CPU kernels depend on the batch: a greedy near-tie may flip under load.
+EXACT = ("torch", "mlx")
+
+
+def for_each(decoder: str, fn, items: list) -> list:
+    """`fn(item)` for every item: all at once into an exact decoder, else one at a time. (The
+    panel's SDK client is safe to share between threads.)"""
+    if decoder not in EXACT:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))

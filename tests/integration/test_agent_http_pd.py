@@ -5,6 +5,8 @@ tests/system/test_agent_pd.py, which started its own torch and MLX agents.)"""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine_adapters.base import EngineRequest
@@ -21,44 +23,61 @@ from ..conftest import collect, prompt, run
 # tests/integration/test_directions.py for these same agents. (It ran at 1, 64, 65, 193.)
 LENGTHS = [1, 193]
 SAMPLING = {"max_tokens": 16, "ignore_eos": True}
-DIRECTIONS = [("torch", "mlx"), ("mlx", "torch"), ("torch", "torch"), ("mlx", "mlx")]
+PAIRS = [("torch", "mlx"), ("mlx", "torch")]
+DIRECTIONS = PAIRS + [("torch", "torch"), ("mlx", "mlx")]
 
 
-@pytest.mark.parametrize("direction", DIRECTIONS, ids=lambda d: "->".join(d))
+def at_once(cluster, requests: list[tuple[str, str, list[int], str, str]]) -> list[list[dict]]:
+    """P/D requests (p, d, ids, mode, page encoding) over HTTP, all at once: torch and MLX decoders
+    decode a batch exactly as one request."""
+
+    async def main():
+        calls = [
+            pd_request(cluster[p].url, cluster[d].url, ids, SAMPLING, mode, page_encoding=enc)
+            for p, d, ids, mode, enc in requests
+        ]
+        return list(await asyncio.gather(*calls))
+
+    return run(main())
+
+
 @pytest.mark.parametrize("mode", list(FirstTokenMode), ids=lambda m: m.value)
-def test_http_pd_equals_in_process_pd(cluster, engines, long_ids, direction, mode):
+def test_http_pd_equals_in_process_pd(cluster, engines, long_ids, mode):
     """Over HTTP the tokens are exactly those of the same pair in one process (which the core
-    tests hold equal to local runs for same-engine pairs and within agreement rules across)."""
-    p, d = cluster[direction[0]], cluster[direction[1]]
-    for n in LENGTHS:
-        if mode is FirstTokenMode.RECOMPUTE_LAST and n == 1:
-            continue
-        ids = prompt(long_ids, n)
-        lines = run(pd_request(p.url, d.url, ids, SAMPLING, mode.value))
-        expected = run(
-            collect(run_pair(engines[direction[0]], engines[direction[1]], ids, SamplingParams(**SAMPLING), mode))
-        )
-        assert tokens_of(lines) == expected, (direction, mode, n)
+    tests hold equal to local runs for same-engine pairs and within agreement rules across).
+    Every direction and length at once, over HTTP and in process: torch and MLX decode a batch
+    exactly as one request (tests/system/test_batching.py)."""
+    cases = [(p, d, n) for p, d in DIRECTIONS for n in LENGTHS if n > 1 or mode is FirstTokenMode.COMMIT_FIRST]
+
+    async def in_process() -> list[list[int]]:
+        params = SamplingParams(**SAMPLING)
+        runs = [collect(run_pair(engines[p], engines[d], prompt(long_ids, n), params, mode)) for p, d, n in cases]
+        return list(await asyncio.gather(*runs))
+
+    answers = at_once(cluster, [(p, d, prompt(long_ids, n), mode.value, "raw") for p, d, n in cases])
+    expected = run(in_process())
+    for (p, d, n), lines, want in zip(cases, answers, expected, strict=True):
+        assert tokens_of(lines) == want, (p, d, mode, n)
         done = lines[-1]
         moved = n - 1 if mode is FirstTokenMode.RECOMPUTE_LAST else n
         assert done["done"] and done["completion_tokens"] == 16 and done["kv_tokens"] == moved
         assert done["pages"] == -(-moved // 64)
-    for agent in (p, d):
-        s = agent.status()
+    for name in ("torch", "mlx"):
+        s = cluster[name].status()
         assert s["budget"]["reserved"] == 0 and s["open_handoffs"] == 0 and s["active_requests"] == 0
 
 
 def test_compressed_pages_give_the_same_tokens_in_fewer_bytes(cluster, long_ids):
     """A pair that asks for compressed pages (byte planes + zstd) decodes exactly what raw FP16
     pages give, both directions and modes, with fewer bytes on the wire."""
-    for p, d in (("torch", "mlx"), ("mlx", "torch")):
-        for mode in FirstTokenMode:
-            ids = prompt(long_ids, 193)
-            raw = run(pd_request(cluster[p].url, cluster[d].url, ids, SAMPLING, mode.value))
-            packed = run(pd_request(cluster[p].url, cluster[d].url, ids, SAMPLING, mode.value, page_encoding="zstd"))
-            assert tokens_of(packed) == tokens_of(raw), (p, d, mode)
-            assert packed[-1]["pages"] == raw[-1]["pages"] == (3 if mode is FirstTokenMode.RECOMPUTE_LAST else 4)
-            assert packed[-1]["wire_bytes"] < 0.95 * raw[-1]["wire_bytes"], (packed[-1], raw[-1])
+    ids = prompt(long_ids, 193)
+    cases = [(p, d, mode) for p, d in PAIRS for mode in FirstTokenMode]
+    answers = at_once(cluster, [(p, d, ids, mode.value, enc) for p, d, mode in cases for enc in ("raw", "zstd")])
+    for k, (p, d, mode) in enumerate(cases):
+        raw, packed = answers[2 * k], answers[2 * k + 1]
+        assert tokens_of(packed) == tokens_of(raw), (p, d, mode)
+        assert packed[-1]["pages"] == raw[-1]["pages"] == (3 if mode is FirstTokenMode.RECOMPUTE_LAST else 4)
+        assert packed[-1]["wire_bytes"] < 0.95 * raw[-1]["wire_bytes"], (packed[-1], raw[-1])
     with cluster["torch"].client() as c:
         assert "zstd" in c.get("/v1/info").json()["page_encodings"]
 
@@ -70,16 +89,17 @@ def test_lossy_pages_travel_in_about_half_the_bytes_and_decode_as_the_codec_says
     """A pair that asks for FP8 or INT8 pages: over HTTP, D decodes exactly what the same pair gives
     in one process with such frames (tandem_protocol/fp8.py, int8.py both ways), in about half the
     bytes of FP16."""
-    for p, d in (("torch", "mlx"), ("mlx", "torch")):
-        ids = prompt(long_ids, 193)
-        raw = run(pd_request(cluster[p].url, cluster[d].url, ids, SAMPLING, "commit-first"))
-        lossy = run(pd_request(cluster[p].url, cluster[d].url, ids, SAMPLING, "commit-first", page_encoding=encoding))
-        params = SamplingParams(**SAMPLING)
-        expected = run(
-            collect(
-                run_pair(engines[p], engines[d], ids, params, FirstTokenMode.COMMIT_FIRST, encoding=ENCODINGS[encoding])
-            )
+    ids, mode, params = prompt(long_ids, 193), FirstTokenMode.COMMIT_FIRST, SamplingParams(**SAMPLING)
+    answers = at_once(cluster, [(p, d, ids, mode.value, enc) for p, d in PAIRS for enc in ("raw", encoding)])
+
+    async def in_process():
+        codec = ENCODINGS[encoding]
+        return await asyncio.gather(
+            *(collect(run_pair(engines[p], engines[d], ids, params, mode, encoding=codec)) for p, d in PAIRS)
         )
+
+    for k, ((p, d), expected) in enumerate(zip(PAIRS, run(in_process()), strict=True)):
+        raw, lossy = answers[2 * k], answers[2 * k + 1]
         assert tokens_of(lossy) == expected, (p, d)
         assert lossy[-1]["pages"] == raw[-1]["pages"] == 4
         assert lossy[-1]["wire_bytes"] < ratio * raw[-1]["wire_bytes"], (lossy[-1], raw[-1])

@@ -20,15 +20,13 @@ import pytest
 
 from ..agents import generate_request, pd_request, prefill_of, tokens_of
 from ..conftest import max_abs_diff, run, write_report
+from .cluster import EXACT
 from .rules import MEASURED_MAX, PROMPTS, logits_after_import, tolerance
 
 # 16 tokens, as the direction tests: the suite's time goes to SmolLM2's CPU decode (~65 ms a token)
 MAX_TOKENS = 16
 TOP = 20  # the API's bound; the first-step comparison reads the tokens both top-20 lists hold
 DECODER_AGENT = {"sglang": "sglang2"}  # SGLang decodes on its decode-role agent
-# Decoders that decode a batch exactly as they decode one request (tests/system/test_batching.py):
-# their 20 requests go at once. vLLM and SGLang on CPU are not batch-invariant: one at a time.
-EXACT = ("torch", "mlx")
 # Decoders whose near-ties may flip (see `follow`). An SGLang decoder never had the exemption (its
 # own top two were not read): it stays held to every prompt equal.
 TIES_ALLOWED = ("torch", "mlx", "vllm")

@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from .cluster import DIRECTIONS, pair_name
+from .cluster import DIRECTIONS, for_each, pair_name
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOP = 5
@@ -236,21 +236,27 @@ def route_model(route) -> str:
     return node(route) if isinstance(route, str) else pair_name(*route)
 
 
+def decoder_of(route) -> str:
+    return route if isinstance(route, str) else route[1]
+
+
 @pytest.mark.parametrize("route", PARSE_ROUTES, ids=[route_model(r) for r in PARSE_ROUTES])
 def test_parse_returns_a_typed_object_for_ten_prompts(cluster, route):
     """`client.chat.completions.parse(response_format=<pydantic model>)`: the SDK sends a strict
     json_schema; every answer parses into the model (the SDK validates it), 10 of 10."""
-    parsed = []
-    for city in CITIES:
-        r = cluster.client.chat.completions.parse(
+
+    def describe(city: str):
+        return cluster.client.chat.completions.parse(
             model=route_model(route),
             messages=[{"role": "user", "content": f"Describe the city of {city}."}],
             response_format=City,
             max_tokens=60,
             temperature=0,
-        )
-        assert r.choices[0].finish_reason == "stop", r.choices[0]
-        parsed.append(r.choices[0].message.parsed)
+        ).choices[0]
+
+    choices = for_each(decoder_of(route), describe, CITIES)
+    assert [c.finish_reason for c in choices] == ["stop"] * len(CITIES), choices
+    parsed = [c.message.parsed for c in choices]
     assert sum(isinstance(p, City) for p in parsed) == len(CITIES), parsed
     print(f"\n{route_model(route)}: {[p.city for p in parsed]}")
 
@@ -330,19 +336,27 @@ def test_a_required_tool_call_always_matches_its_schema_and_the_loop_completes(c
     streaming and not, as the SDK reassembles them; then the call's result as a `tool` message and
     a final answer in text."""
     model, schema = route_model(route), WEATHER["function"]["parameters"]
-    for ask_text in ASKS:
-        messages = [{"role": "user", "content": ask_text}]
+
+    def call_for(ask_text: str):
         args = dict(
-            model=model, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0
+            model=model,
+            messages=[{"role": "user", "content": ask_text}],
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=60,
+            temperature=0,
         )
         whole = cluster.client.chat.completions.create(**args).choices[0]
+        with cluster.client.chat.completions.stream(**args) as s:
+            return whole, s.get_final_completion().choices[0]
+
+    for whole, final in for_each(decoder_of(route), call_for, ASKS):
         assert whole.finish_reason == "tool_calls" and whole.message.content is None, whole
         (call,) = whole.message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), schema)
-        with cluster.client.chat.completions.stream(**args) as s:
-            final = s.get_final_completion().choices[0]
         (streamed,) = final.message.tool_calls
         assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    messages = [{"role": "user", "content": ASKS[-1]}]
     # the loop: the call, its result, the answer
     messages.append(whole.message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": "12 degrees celsius, light rain"})

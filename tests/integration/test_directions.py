@@ -13,7 +13,7 @@ import pytest
 
 from ..agents import complete
 from ..conftest import prompt, write_report
-from .cluster import AGENTS, DIRECTIONS, pair_name
+from .cluster import AGENTS, DIRECTIONS, for_each, pair_name
 
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]
 STREAMED = (64, 193)  # lengths also asked for streaming
@@ -34,15 +34,24 @@ def test_every_pair_and_node_is_listed(cluster):
 
 @pytest.mark.parametrize("p, d", DIRECTIONS, ids=[pair_name(*x) for x in DIRECTIONS])
 def test_pd_equals_the_decoder_alone_at_every_length(cluster, long_ids, alone, p, d):
-    client, pair, rows = cluster.client, pair_name(p, d), {}
-    for n in LENGTHS:
+    """Into a torch or MLX decoder every length goes at once (they decode a batch exactly as one
+    request: tests/system/test_batching.py); into vLLM and SGLang one at a time."""
+    client, pair = cluster.client, pair_name(p, d)
+
+    def row(n: int) -> dict:
         ids = prompt(long_ids, n)
         answer = client.completions.create(model=pair, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
         whole, usage = answer.choices[0].text, answer.usage
-        rows[n] = {"pd": whole, "alone_equal": whole == alone(d, n)}
-        rows[n]["usage"] = (usage.prompt_tokens, usage.completion_tokens)
+        out = {
+            "pd": whole,
+            "alone_equal": whole == alone(d, n),
+            "usage": (usage.prompt_tokens, usage.completion_tokens),
+        }
         if n in STREAMED:
-            rows[n]["streamed_equal"] = complete(client, pair, ids, True, MAX_TOKENS) == whole
+            out["streamed_equal"] = complete(client, pair, ids, True, MAX_TOKENS) == whole
+        return out
+
+    rows = dict(zip(LENGTHS, for_each(d, row, LENGTHS), strict=True))
     write_report(f"direction_{pair}", rows)
     agree = sum(r["alone_equal"] for r in rows.values())
     print(f"\n{p}->{d}: greedy agreement with {d} alone {agree}/{len(LENGTHS)}")

@@ -1,5 +1,5 @@
 """The vLLM and SGLang servers of the system files that drive those engines themselves
-(test_decoders_consume_pages, test_prefix_cache, test_sglang_window, test_vllm_window): each
+(test_decoders_consume_pages, test_prefix_cache_servers, test_sglang_window, test_vllm_window): each
 started once per session, side by side, and shared by every file whose settings agree.
 
 A server starts at its first user, together with every other server the session's remaining
@@ -12,19 +12,19 @@ The servers, and why each is its own:
 - `vllm_server`: vLLM, prefix cache off (every prefill computes and exports its pages), chunks
   of 128 tokens (a 1,029-token prefill takes many steps, so a cancel lands while vLLM still
   computes it: test_vllm_window), one thread. Shared by test_decoders_consume_pages,
-  test_vllm_window and test_prefix_cache (its conversation with no cache).
+  test_vllm_window and test_prefix_cache_servers (its conversation with no cache).
 - `sglang_server`: SGLang in its decode role, radix cache off, prefill chunks of 1,024 tokens
   (test_sglang_window's held prompt is one chunk), one thread. test_sglang_window prefills on
   it (the adapter switches the server to its prefill role, in milliseconds, and back for a
-  decode). Shared by test_decoders_consume_pages, test_sglang_window and test_prefix_cache.
+  decode). Shared by test_decoders_consume_pages, test_sglang_window and test_prefix_cache_servers.
 - `plain_sglang_server`: SGLang as a user runs it alone (no disaggregation), the reference of
   test_decoders_consume_pages.
 - `vllm_cached_server`, `sglang_cached_server`: the same two with their prefix caches on, for
-  test_prefix_cache's conversation with a cache (a cache is a start-up option: turning it on
+  test_prefix_cache_servers's conversation with a cache (a cache is a start-up option: turning it on
   restarts a server, which costs as much as starting this one, and would leave the shared one
   on for the files after it).
 - `vllm_agent_server`: a vLLM agent with its prefix cache at the agent's default, for
-  test_prefix_cache's test through the panel (counted as one server: it runs its own vLLM).
+  test_prefix_cache_servers's test through the panel (counted as one server: it runs its own vLLM).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _plain(model_dir: Path, run_dir: Path) -> PlainSGLangServer:
 
 def _vllm_agent(model_dir: Path, run_dir: Path):
     """A vLLM agent (`tandem agent serve`, its own vLLM server) with its prefix cache at the
-    agent's default (on): test_prefix_cache's through-the-panel test."""
+    agent's default (on): test_prefix_cache_servers's through-the-panel test."""
     from ..agents import AgentProcess
 
     agent = AgentProcess("vllm", model_dir, run_dir / "home", prefix_cache="default", env={"TANDEM_VLLM_THREADS": "1"})
@@ -222,3 +222,12 @@ def pytest_runtest_teardown(item, nextitem):
     pool = item.config.stash.get(POOL, None)
     if pool is not None:
         pool.release_unwanted(_position(item) + 1)
+
+
+@pytest.fixture
+def cache_bytes(engines):
+    """Set an engine's prefix cache budget for one test; the budget it had comes back after."""
+    before = {name: adapter.prefix_cache.capacity for name, adapter in engines.items()}
+    yield lambda adapter, capacity: adapter.set_prefix_cache_bytes(capacity)
+    for name, adapter in engines.items():
+        adapter.set_prefix_cache_bytes(before[name])
