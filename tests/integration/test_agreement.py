@@ -47,25 +47,6 @@ def top_of(line: dict) -> dict[tuple[int, ...], float]:
     return {tuple(e["bytes"]): e["logprob"] for e in line["logprobs"]["top_logprobs"]}
 
 
-async def gather(calls: list, together: bool) -> list:
-    if together:
-        return list(await asyncio.gather(*calls))
-    return [await call for call in calls]
-
-
-_ALONE: dict = {}
-
-
-def alone_lines(agent, prompts: list[list[int]], together: bool) -> list[list[dict]]:
-    """The decoder agent's own greedy answers with their log-probabilities, asked once per agent
-    and prompt (the directions into one decoder share them)."""
-    missing = [ids for ids in prompts if (agent.url, tuple(ids)) not in _ALONE]
-    answers = run(gather([generate_request(agent.url, ids, sampling()) for ids in missing], together))
-    for ids, lines in zip(missing, answers, strict=True):
-        _ALONE[agent.url, tuple(ids)] = answer_lines(lines)
-    return [_ALONE[agent.url, tuple(ids)] for ids in prompts]
-
-
 def top_diff(imported: dict, local: dict, text: str) -> float:
     """Largest difference over the top log-probabilities both runs list; the argmax must agree."""
     assert max(imported, key=imported.get) == max(local, key=local.get), text
@@ -129,23 +110,66 @@ def follow(d_agent, ids: list[int], pd: list[dict], alone: list[dict], limit: fl
 DIRECTIONS = list(MEASURED_MAX)
 
 
-@pytest.mark.parametrize("p, d", DIRECTIONS, ids=[f"{p}->{d}" for p, d in DIRECTIONS])
-def test_cross_engine_rules(cluster, engines, p, d):
-    p_agent, d_agent = cluster[p], cluster[DECODER_AGENT.get(d, d)]
-    modes = d_agent.status().get("decoder_modes") or [None]
+@pytest.fixture(scope="module")
+def answers(cluster, engines) -> dict:
+    """Per direction: the prompts, each P/D answer, the decoder alone's answers and the decoder
+    modes used, every direction asked at once. Into a torch or MLX decoder all requests go
+    together (they decode a batch exactly as one request: tests/system/test_batching.py); into a
+    vLLM or SGLang decoder one at a time (their CPU kernels depend on the batch), so those two
+    run side by side, one request in each at a time. Each decoder's own answers are asked first."""
     prompts = [engines["torch"].chat_token_ids([{"role": "user", "content": text}]) for text in PROMPTS]
+    decoders = sorted({DECODER_AGENT.get(d, d) for _, d in DIRECTIONS})
+    modes = {name: cluster[name].status().get("decoder_modes") or [None] for name in decoders}
+
+    async def in_turn(calls: list, together: bool) -> list:
+        if together:
+            return list(await asyncio.gather(*calls))
+        return [await call for call in calls]
+
+    def directions_into(name: str) -> list[tuple[str, str]]:
+        return [(p, d) for p, d in DIRECTIONS if DECODER_AGENT.get(d, d) == name]
+
+    async def into(name: str) -> dict:
+        together, url, mode = cluster[name].engine in EXACT, cluster[name].url, modes[name]
+        alone = await in_turn([generate_request(url, ids, sampling()) for ids in prompts], together)
+        calls = [
+            pd_request(cluster[p].url, url, ids, sampling(), mode=mode[i % len(mode)])
+            for p, _ in directions_into(name)
+            for i, ids in enumerate(prompts)
+        ]
+        pds = await in_turn(calls, together)
+        n = len(prompts)
+        return {
+            direction: {
+                "prompts": prompts,
+                "modes": [mode[i % len(mode)] for i in range(n)],
+                "alone": [answer_lines(lines) for lines in alone],
+                "pd": [answer_lines(lines) for lines in pds[k * n : (k + 1) * n]],
+            }
+            for k, direction in enumerate(directions_into(name))
+        }
+
+    async def main() -> dict:
+        return {
+            key: value
+            for part in await asyncio.gather(*(into(name) for name in decoders))
+            for key, value in part.items()
+        }
+
+    return run(main())
+
+
+@pytest.mark.parametrize("p, d", DIRECTIONS, ids=[f"{p}->{d}" for p, d in DIRECTIONS])
+def test_cross_engine_rules(cluster, engines, answers, p, d):
+    p_agent, d_agent = cluster[p], cluster[DECODER_AGENT.get(d, d)]
+    asked = answers[p, d]
+    prompts, modes, alone, pds = asked["prompts"], asked["modes"], asked["alone"], asked["pd"]
     together = d in EXACT
-    alone = alone_lines(d_agent, prompts, together)
-    calls = [
-        pd_request(p_agent.url, d_agent.url, ids, sampling(), mode=modes[i % len(modes)])
-        for i, ids in enumerate(prompts)
-    ]
-    pds = [answer_lines(lines) for lines in run(gather(calls, together))]
     limit, diffs, rows = tolerance(p, d), [], []
     for i, (text, ids, pd, own) in enumerate(zip(PROMPTS, prompts, pds, alone, strict=True)):
         diffs.append(first_step_diff(p_agent, d, d_agent, ids, pd, own, engines))
         equal = [line["token"] for line in pd] == [line["token"] for line in own]
-        rows.append({"prompt": text, "mode": modes[i % len(modes)], "first_step_max_abs_diff": diffs[-1]})
+        rows.append({"prompt": text, "mode": modes[i], "first_step_max_abs_diff": diffs[-1]})
         rows[-1]["greedy_equal"] = equal
         if not equal:
             tie_limit = limit if d in TIES_ALLOWED else float("-inf")
