@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 # Before torch loads (here, and in every agent and engine server the tests start, which inherit
@@ -57,6 +59,34 @@ SERVER_FILES = {
     "tests/system/test_sglang_window.py",
     "tests/system/test_vllm_window.py",
 }
+
+
+# Files that start three or more agents of the embedded model (or a browser beside two): beside
+# the cluster's agents and engine servers they would pass 24 GiB. They come last in their lane
+# and start only once no cluster is up (CLUSTER_LOCK: the cluster holds it exclusively, these
+# share it), so they run beside the engine-server lane's later files instead.
+APART_FILES = {
+    "tests/system/test_agent_budget.py",
+    "tests/system/test_discovery.py",
+    "tests/system/test_panel_ui.py",
+    "tests/system/test_pools.py",
+    "tests/system/test_up_restart.py",
+}
+CLUSTER_LOCK = Path(tempfile.gettempdir()) / f"tandem-test-cluster-{os.getuid()}.lock"
+_apart_lock = None  # this process's shared hold on CLUSTER_LOCK, once it runs an apart file
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in APART_FILES)  # stable: otherwise as collected
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outside pytest-timeout's wrapper: the wait is not the test's
+def pytest_runtest_protocol(item, nextitem):
+    global _apart_lock
+    if _apart_lock is None and item.nodeid.split("::", 1)[0] in APART_FILES:
+        _apart_lock = CLUSTER_LOCK.open("a")
+        fcntl.flock(_apart_lock, fcntl.LOCK_SH)  # blocks while a cluster is up; held until this process ends
+    return (yield)
 
 
 def pytest_configure(config):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 from contextlib import ExitStack
 
 import pytest
@@ -10,6 +11,7 @@ from engine_adapters.settings import EngineSettings
 from engine_adapters.sglang_adapter import sglang_environment
 from engine_adapters.vllm_adapter import vllm_python
 
+from ..conftest import CLUSTER_LOCK
 from .cluster import Cluster
 
 # a failed test's report carries this section; tests/conftest.py repeats it at the end of the run
@@ -36,5 +38,6 @@ def cluster(smol_dir, tmp_path_factory):
             check(EngineSettings())
         except Exception as e:
             pytest.fail(f"{name} is part of `make test`: {e}")
-    with ExitStack() as stack:
+    with CLUSTER_LOCK.open("a") as lock, ExitStack() as stack:  # the cluster stops, then the lock goes
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the memory-heavy files wait while the cluster is up
         yield Cluster(smol_dir, tmp_path_factory.mktemp("cluster"), stack)

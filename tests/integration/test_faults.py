@@ -11,6 +11,7 @@ KV pool is empty.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ from ..agents import (
     decode_foreign_pages,
     log_rows,
     pd_request,
+    side_by_side,
     wait_for,
     wait_until_streaming,
 )
@@ -172,39 +174,56 @@ def test_a_slow_link_holds_memory_flat(cluster, p, d, rate=4e6):
     cluster.idle(p, d)
 
 
-@pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
-def test_panel_killed_or_stopped_while_a_request_streams(cluster, p, d):
-    """Killed: the client's stream breaks, the agents and engines let go, the next panel logs the
-    request as interrupted. Stopped (Ctrl-C / SIGTERM): the stream is cancelled within the grace
-    period and logged so. Each time the next panel serves."""
-    pair, ids = pair_name(p, d), prompt_ids(200, 7, VOCAB)
-    result: dict = {}
-    thread = streaming_chunks(cluster.client, pair, ids, result)
-    wait_for(lambda: result["chunks"] >= 3 or not thread.is_alive(), 120)
-    running = wait_for(lambda: [r.id for r in cluster.log() if r.outcome == "running"], 10)
-    cluster.panel.proc.kill()
-    thread.join(60)
-    assert isinstance(result.get("error"), (openai.APIConnectionError, httpx.TransportError)), result
-    cluster.idle(p, d)
-    cluster.start_panel()
-    row = {r.id: r for r in cluster.log()}[running[-1]]
-    assert row.outcome == "interrupted" and "panel stopped" in row.error, row
+def test_panel_killed_or_stopped_while_requests_stream(cluster):
+    """A stream open on every fault pair at once. Killed: each client's stream breaks, the agents
+    and engines let go, the next panel logs each request as interrupted. Stopped (Ctrl-C /
+    SIGTERM): each stream is cancelled within the grace period and logged so. Each time the next
+    panel serves every pair. (The pairs share no agent; one kill and one stop serve them all.)"""
+    ids, agents = prompt_ids(200, 7, VOCAB), {name for pair in FAULT_PAIRS for name in pair}
+    pairs = [pair_name(p, d) for p, d in FAULT_PAIRS]
 
-    thread = streaming_chunks(cluster.client, pair, ids, result)
-    wait_for(lambda: result["chunks"] >= 3 or not thread.is_alive(), 120)
+    def open_streams() -> tuple[dict, dict]:
+        results = {pair: {} for pair in pairs}
+        threads = {pair: streaming_chunks(cluster.client, pair, ids, results[pair]) for pair in pairs}
+        for pair in pairs:
+            wait_for(lambda r=results[pair], t=threads[pair]: r["chunks"] >= 3 or not t.is_alive(), 120)
+        return results, threads
+
+    results, threads = open_streams()
+
+    def all_running() -> dict | None:
+        running = {r.model: r.id for r in cluster.log() if r.outcome == "running"}
+        return running if set(running) == set(pairs) else None
+
+    running = wait_for(all_running, 10)
+    cluster.panel.proc.kill()
+    for pair in pairs:
+        threads[pair].join(60)
+        assert isinstance(results[pair].get("error"), (openai.APIConnectionError, httpx.TransportError)), results
+    cluster.idle(*agents)
+    cluster.start_panel()
+    rows = {r.id: r for r in cluster.log()}
+    for pair in pairs:
+        row = rows[running[pair]]
+        assert row.outcome == "interrupted" and "panel stopped" in row.error, row
+
+    results, threads = open_streams()
     t0 = time.monotonic()
     cluster.panel.stop()
     stopped = time.monotonic() - t0
-    print(f"\n{pair}: the panel stopped {stopped:.2f} s after SIGTERM with a stream open")
+    print(f"\nthe panel stopped {stopped:.2f} s after SIGTERM with {len(pairs)} streams open")
     # its grace (SHUTDOWN_GRACE_SECONDS, 5 s) and uvicorn's (5 s) bound it; measured 5.2 s on each pair
     assert stopped < 15, stopped
-    thread.join(60)
-    assert result.get("error") is not None or result["chunks"] < 400, result
-    cluster.idle(p, d)
+    for pair in pairs:
+        threads[pair].join(60)
+        assert results[pair].get("error") is not None or results[pair]["chunks"] < 400, results
+    cluster.idle(*agents)
     cluster.start_panel()
-    assert cluster.log()[-1].outcome == "cancelled", cluster.log()[-1]
-    assert complete(cluster.client, pair, ids[:64], False) == cluster.alone(d, ids[:64])
-    cluster.idle(p, d)
+    last = {r.model: r for r in cluster.log()}
+    for (_, d), pair in zip(FAULT_PAIRS, pairs, strict=True):
+        assert last[pair].outcome == "cancelled", last[pair]
+        assert complete(cluster.client, pair, ids[:64], False) == cluster.alone(d, ids[:64])
+    cluster.idle(*agents)
 
 
 IN_PROCESS_FAULT_PAIRS = [(p, d) for p, d in FAULT_PAIRS if p in ("torch", "mlx")]
@@ -274,9 +293,9 @@ def test_a_peer_killed_mid_stream(cluster, smol_dir, long_ids, tmp_path, decoder
     time the surviving agent and its engine's pool let go."""
     ids = (list(long_ids) * 8)[:LONG]
     home = tmp_path
+    doomed = [functools.partial(AgentProcess, "torch", smol_dir, home / f"doomed-{x}") for x in "pd"]
     with (
-        AgentProcess("torch", smol_dir, home / "doomed-p") as dp,
-        AgentProcess("torch", smol_dir, home / "doomed-d") as dd,
+        side_by_side(*doomed) as (dp, dd),
         PanelProcess(
             home / "kill-panel",
             "--pair",
