@@ -120,16 +120,20 @@ def lane_of(path: str) -> str:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's loadscope scheduling with lane_of as the scope. (Not `--dist loadgroup` with
-    xdist_group marks: xdist 3.8 groups by rewriting an item's `_nodeid`, which pytest 9 no
-    longer reads, so every test went to whichever worker was free, the integration tier's with
-    it: two clusters, out of memory.)"""
+    """xdist's loadscope scheduling with lane_of as the scope, the units handed out in collection
+    order: the engine-server lane first, APART_FILES last (pytest_collection_modifyitems). xdist
+    otherwise hands out the units with the most tests first, which put test_agent_budget early:
+    its worker then waited out the whole cluster on CLUSTER_LOCK, one lane idle for 34 minutes.
+    (Not `--dist loadgroup` with xdist_group marks: xdist 3.8 groups by rewriting an item's
+    `_nodeid`, which pytest 9 no longer reads, so every test went to whichever worker was free,
+    the integration tier's with it: two clusters, out of memory.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return lane_of(nodeid.split("::", 1)[0])
 
+    config.option.loadscopereorder = False
     return Lanes(config, log)
 
 
