@@ -219,6 +219,30 @@ TINY_LLAMA = dict(
 )
 
 
+@pytest.fixture(scope="session")
+def tiny_engines(smol_dir, tmp_path_factory):
+    """Both in-process engines on one tiny random-weight Llama (TINY_LLAMA, SmolLM2's tokenizer),
+    loaded once per session, prefix caches off: for the tests whose assertion is one engine equal
+    to itself bit for bit (same-engine P/D, prefix caches), which depends on the page plumbing,
+    not on the weights. A SmolLM2 token costs 30 layers of 3 KV heads; this one, 4 of 1."""
+    from engine_adapters import load_adapter
+
+    path = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-engines") / "tiny",
+        "llama",
+        smol_dir,
+        seed=5,
+        max_position_embeddings=2048,
+        **TINY_LLAMA,
+    )
+    loaded = {name: load_adapter(name, path, context_length=2048) for name in ("torch", "mlx")}
+    for adapter in loaded.values():
+        adapter.set_prefix_cache_bytes(0)
+    yield loaded
+    for adapter in loaded.values():
+        adapter.close()
+
+
 def make_tiny_checkpoint(path: Path, model_type: str, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
     """A small random-weight checkpoint that transformers and mlx-lm both load (FP16 safetensors)."""
     import torch

@@ -225,9 +225,14 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.fixture
-def cache_bytes(engines):
+def cache_bytes():
     """Set an engine's prefix cache budget for one test; the budget it had comes back after."""
-    before = {name: adapter.prefix_cache.capacity for name, adapter in engines.items()}
-    yield lambda adapter, capacity: adapter.set_prefix_cache_bytes(capacity)
-    for name, adapter in engines.items():
-        adapter.set_prefix_cache_bytes(before[name])
+    before: dict = {}
+
+    def set_budget(adapter, capacity: int) -> None:
+        before.setdefault(adapter, adapter.prefix_cache.capacity)
+        adapter.set_prefix_cache_bytes(capacity)
+
+    yield set_budget
+    for adapter, capacity in before.items():
+        adapter.set_prefix_cache_bytes(capacity)

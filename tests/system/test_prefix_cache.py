@@ -1,7 +1,13 @@
 """Prefix caches on the in-process engines (engine_adapters/prefix_cache.py): a conversation's
 next turn imports the pages the engine kept of the last one (its prompt and its answer) and
 computes only what is new, and answers token for token as it would with no cache; a prefiller
-sends the same pages from its cache as it computed."""
+sends the same pages from its cache as it computed.
+
+An engine with a cache against the same engine without one is the engine against itself bit for
+bit: the conversations and the eviction run on the tiny random-weight Llama (`tiny_engines`),
+whose answers, like SmolLM2's, differ from turn to turn. The prefiller's pages (a last token
+within a calibrated rounding bound, then P/D against the other engine alone), the empty cache
+and the turn through the panel run on the embedded model."""
 
 from __future__ import annotations
 
@@ -32,11 +38,19 @@ def reused(held: list[list[int]], prompt: list[int], page_tokens: int) -> int:
 
 
 def conversation(adapter, tag: str) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Each turn's prompt, answer and cached prompt tokens; every answer goes back into the chat."""
+    """Each turn's prompt, answer and cached prompt tokens; every answer goes back into the chat as
+    the ids the engine gave, then the template's text up to the next answer: a random model's
+    answer need not survive a trip through text, and the cache reuses ids, not text."""
     messages, prompts, answers, cached = [{"role": "system", "content": SYSTEM}], [], [], []
     for i, turn in enumerate(TURNS):
         messages.append({"role": "user", "content": turn})
-        ids = adapter.chat_token_ids(messages)
+        if answers:
+            said = adapter.chat_prompt(messages[:-2]) + messages[-2]["content"]
+            rest = adapter.chat_prompt(messages)
+            assert rest.startswith(said), (said, rest)
+            ids = prompts[-1] + answers[-1] + adapter.encode(rest[len(said) :])
+        else:
+            ids = adapter.chat_token_ids(messages)
         req = EngineRequest(f"{tag}-{i}", ids, ANSWER)
         answer = run(collect(adapter.generate(req)))
         prompts.append(ids)
@@ -47,13 +61,14 @@ def conversation(adapter, tag: str) -> tuple[list[list[int]], list[list[int]], l
 
 
 @pytest.mark.parametrize("engine", ["torch", "mlx"])
-def test_a_later_turn_computes_only_what_is_new_and_answers_as_without_cache(engines, cache_bytes, engine):
-    adapter = engines[engine]
+def test_a_later_turn_computes_only_what_is_new_and_answers_as_without_cache(tiny_engines, cache_bytes, engine):
+    adapter = tiny_engines[engine]
     P = adapter.geometry.page_tokens
     cache_bytes(adapter, 0)
     prompts, uncached, none = conversation(adapter, f"off-{engine}")
     assert none == [0] * len(TURNS) and adapter.prefix_cache.bytes == 0
     assert len(prompts[0]) > 10 * P, len(prompts[0])
+    assert len({tuple(a) for a in uncached}) == len(TURNS)  # the answers depend on the prompt
 
     cache_bytes(adapter, GiB)
     before = adapter.prefix_cache_status()
@@ -101,10 +116,12 @@ def test_a_prefiller_sends_from_its_cache_the_pages_it_computed(engines, cache_b
 
 
 @pytest.mark.parametrize("decoder", ["torch", "mlx"])
-def test_an_eviction_during_a_handoff_leaves_the_request_whole(engines, cache_bytes, long_ids, monkeypatch, decoder):
+def test_an_eviction_during_a_handoff_leaves_the_request_whole(
+    tiny_engines, cache_bytes, long_ids, monkeypatch, decoder
+):
     """D holds its cached pages, then its whole cache is evicted while P prefills and sends the
     rest: the request still imports what it held (held by reference) and answers as uncached."""
-    P, D = engines["torch"], engines[decoder]
+    P, D = tiny_engines["torch"], tiny_engines[decoder]
     ids = [21, 22, 23, 24] + long_ids  # a prompt no other test has cached
     for adapter in (P, D):
         cache_bytes(adapter, 0)
@@ -137,14 +154,15 @@ def test_a_cache_of_no_bytes_keeps_nothing(engines, cache_bytes, long_ids):
 
 
 @pytest.mark.parametrize("decoder", ["torch", "mlx"])
-def test_a_later_turn_of_a_pair_sends_only_the_pages_the_decoder_lacks(engines, cache_bytes, decoder):
-    P, D = engines["torch"], engines[decoder]
+def test_a_later_turn_of_a_pair_sends_only_the_pages_the_decoder_lacks(tiny_engines, cache_bytes, decoder):
+    P, D = tiny_engines["torch"], tiny_engines[decoder]
     page = D.geometry.page_tokens
     for adapter in (P, D):
         cache_bytes(adapter, 0)
     prompts, uncached, full = pair_conversation(P, D, f"pd-off-{decoder}")
     assert [s.have_pages for s in full] == [0] * len(TURNS)
     assert [s.pages for s in full] == [D.geometry.pages_for(len(ids)) for ids in prompts]  # commit-first: all
+    assert len({tuple(a) for a in uncached}) == len(TURNS)  # the answers depend on the prompt
 
     for adapter in (P, D):
         cache_bytes(adapter, GiB)

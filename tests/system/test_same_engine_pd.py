@@ -9,33 +9,19 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapters import load_adapter
 from engine_adapters.base import EngineRequest
 from node_agent.inprocess import PairStats, run_pair
 from tandem_protocol.errors import RequestError
 from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.sampling import SamplingParams
 
-from ..conftest import TINY_LLAMA, collect, make_tiny_checkpoint, own_greedy, prompt, run
+from ..conftest import collect, own_greedy, prompt, run
 
 ENGINES = ["torch", "mlx"]
 LENGTHS = [1, 63, 64, 65, 66, 127, 128, 129, 130, 193]
 # 16 steps, each attending over every imported page: a wrong page shows in the first of them
 # (tests/system/test_decoders_consume_pages.py measures how far); 32 took a minute longer on two cores.
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_engines(smol_dir, tmp_path_factory):
-    path = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("same-engine") / "tiny", "llama", smol_dir, seed=5, **TINY_LLAMA
-    )
-    loaded = {name: load_adapter(name, path, context_length=512) for name in ENGINES}
-    for adapter in loaded.values():
-        adapter.set_prefix_cache_bytes(0)  # every P/D run computes the pages it sends
-    yield loaded
-    for adapter in loaded.values():
-        adapter.close()
 
 
 @pytest.fixture(scope="module")
