@@ -4,7 +4,7 @@ started once per session, side by side, and shared by every file whose settings 
 
 A server starts at its first user, together with every other server the session's remaining
 tests ask for (a start is the better part of a minute of one core: side by side they overlap),
-and stops after the last test that asks for it, so that no more than five are ever alive
+and stops after the last test that asks for it, so that no more than four are ever alive
 (24 GiB; these files run after the integration cluster is torn down, never beside it).
 
 The servers, and why each is its own:
@@ -39,7 +39,10 @@ from engine_adapters.settings import EngineSettings
 from engine_adapters.sglang_adapter import SGLangProcess
 
 CONTEXT = 8192  # the model's, as the in-process engines load it: a pair's contracts must agree
-MAX_ALIVE = 5  # servers alive at once (24 GiB, with the pytest process's own engines and agents)
+# Servers alive at once. These files run beside the other lane's APART_FILES (tests/conftest.py):
+# with five, the machine reached 22.6 of 23.5 GiB used (test_panel_ui beside
+# test_prefix_cache_servers); four leave one vLLM's worth more.
+MAX_ALIVE = 4
 
 # every server runs on one thread: several share two cores
 VLLM = EngineSettings(prefix_caching=False, vllm_threads=1, vllm_chunk_tokens=128)
