@@ -41,7 +41,7 @@ from engine_adapters.sglang_adapter import SGLangProcess
 CONTEXT = 8192  # the model's, as the in-process engines load it: a pair's contracts must agree
 # Servers alive at once. These files run beside the other lane's APART_FILES (tests/conftest.py):
 # with five, the machine reached 22.6 of 23.5 GiB used (test_panel_ui beside
-# test_prefix_cache_servers); four leave one vLLM's worth more.
+# test_prefix_cache_servers); with four, 19.1 GiB at most, for about 30 s more.
 MAX_ALIVE = 4
 
 # every server runs on one thread: several share two cores
