@@ -160,19 +160,24 @@ def smol_dir() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def engines(smol_dir):
-    """Both in-process engines on the embedded model, loaded once per test session. Their prefix
-    caches are off: tests that compare pages and outputs across runs see every run compute what
-    it claims to (tests/system/test_prefix_cache.py turns them on)."""
+def in_process_engines(model: Path, **load):
+    """Both in-process engines on `model`, prefix caches off (tests that compare pages and outputs
+    across runs see every run compute what it claims to; test_prefix_cache.py turns them on);
+    closed after. For a fixture to `yield from`."""
     from engine_adapters import load_adapter
 
-    loaded = {name: load_adapter(name, smol_dir) for name in ("torch", "mlx")}
+    loaded = {name: load_adapter(name, model, **load) for name in ("torch", "mlx")}
     for adapter in loaded.values():
         adapter.set_prefix_cache_bytes(0)
     yield loaded
     for adapter in loaded.values():
         adapter.close()
+
+
+@pytest.fixture(scope="session")
+def engines(smol_dir):
+    """Both in-process engines on the embedded model, loaded once per test session."""
+    yield from in_process_engines(smol_dir)
 
 
 @pytest.fixture(scope="session")
@@ -222,11 +227,9 @@ TINY_LLAMA = dict(
 @pytest.fixture(scope="session")
 def tiny_engines(smol_dir, tmp_path_factory):
     """Both in-process engines on one tiny random-weight Llama (TINY_LLAMA, SmolLM2's tokenizer),
-    loaded once per session, prefix caches off: for the tests whose assertion is one engine equal
-    to itself bit for bit (same-engine P/D, prefix caches), which depends on the page plumbing,
-    not on the weights. A SmolLM2 token costs 30 layers of 3 KV heads; this one, 4 of 1."""
-    from engine_adapters import load_adapter
-
+    loaded once per session: for the tests whose assertion is one engine equal to itself bit for
+    bit (same-engine P/D, prefix caches), which depends on the page plumbing, not on the weights.
+    A SmolLM2 token costs 30 layers of 3 KV heads; this one, 4 of 1."""
     path = make_tiny_checkpoint(
         tmp_path_factory.mktemp("tiny-engines") / "tiny",
         "llama",
@@ -235,12 +238,7 @@ def tiny_engines(smol_dir, tmp_path_factory):
         max_position_embeddings=2048,
         **TINY_LLAMA,
     )
-    loaded = {name: load_adapter(name, path, context_length=2048) for name in ("torch", "mlx")}
-    for adapter in loaded.values():
-        adapter.set_prefix_cache_bytes(0)
-    yield loaded
-    for adapter in loaded.values():
-        adapter.close()
+    yield from in_process_engines(path, context_length=2048)
 
 
 def make_tiny_checkpoint(path: Path, model_type: str, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:

@@ -18,7 +18,7 @@ from tandem_protocol.handoff import FirstTokenMode, PrefillDone
 from tandem_protocol.pages import FrameExpectation, KVPage, decode_frame, frame_bytes
 from tandem_protocol.sampling import SamplingParams
 
-from ..conftest import TINY_LLAMA, collect, make_tiny_checkpoint, prompt, run
+from ..conftest import TINY_LLAMA, collect, in_process_engines, make_tiny_checkpoint, prompt, run
 
 ENGINES = ["torch", "mlx"]
 # the tiny Llama of tests/conftest.py, with room for the 600-token prompts
@@ -27,15 +27,8 @@ TINY = {**TINY_LLAMA, "max_position_embeddings": 2048}
 
 @pytest.fixture(scope="module")
 def tiny(smol_dir, tmp_path_factory):
-    from engine_adapters import load_adapter
-
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("adapter-errors") / "tiny", "llama", smol_dir, seed=7, **TINY)
-    loaded = {name: load_adapter(name, path, context_length=1024) for name in ENGINES}
-    for adapter in loaded.values():
-        adapter.set_prefix_cache_bytes(0)  # every run computes what it claims to
-    yield loaded
-    for adapter in loaded.values():
-        adapter.close()
+    yield from in_process_engines(path, context_length=1024)
 
 
 def long_prompt(long_ids, n):
