@@ -114,7 +114,7 @@ DIRECTIONS = list(MEASURED_MAX)
 def answers(cluster, engines) -> dict:
     """Per direction: the prompts, each P/D answer, the decoder alone's answers and the decoder
     modes used, every direction asked at once. Into a torch or MLX decoder all requests go
-    together (they decode a batch exactly as one request: tests/system/test_batching.py); into a
+    together (they decode a batch exactly as one request: tests/integration/test_load.py); into a
     vLLM or SGLang decoder one at a time (their CPU kernels depend on the batch), so those two
     run side by side, one request in each at a time. Each decoder's own answers are asked first."""
     prompts = [engines["torch"].chat_token_ids([{"role": "user", "content": text}]) for text in PROMPTS]

@@ -5,7 +5,13 @@ Batch invariance, measured on two CPU cores (16 distinct prompts, 24 and 64 gree
 torch (float32 CPU, MKL) and MLX (float32 CPU, OpenBLAS) a request in a batch of 16 produced the
 same tokens as alone, 16 of 16, so the rule asserted here is exactness, also for a P/D decode
 inside a batch. A row's attention runs over its own cache only, and one row alone computes with
-the engine's single-request forward."""
+the engine's single-request forward.
+
+These tests check the batching mechanism (rows stepped together, P/D decodes joining, cancels
+freeing rows) on the tiny Llama (tests/conftest.py `tiny_engines`): the same code path at a
+fraction of SmolLM2's cost. On the embedded model the same exactness is asserted through the
+cluster: tests/integration/test_load.py's 64 streams on torch and MLX decoders each equal the
+decoder alone."""
 
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from tandem_protocol.errors import Cancelled
 from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.sampling import SamplingParams
 
-from ..conftest import collect, run
+from ..conftest import LONG_TEXT, collect, run
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -48,6 +54,16 @@ def prompts(adapter) -> list[list[int]]:
 
 def request(name: str, ids: list[int], sampling: SamplingParams = GREEDY) -> EngineRequest:
     return EngineRequest(name, ids, sampling)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_engines) -> dict:
+    return tiny_engines
+
+
+@pytest.fixture(scope="module")
+def long_ids(engines) -> list[int]:
+    return engines["torch"].chat_token_ids([{"role": "user", "content": LONG_TEXT}])
 
 
 @pytest.fixture(scope="module")
