@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
@@ -15,6 +16,15 @@ from .db import cached_until_state_changes, get_setting, set_setting
 from .models import ApiKey
 
 _hasher = PasswordHasher()
+# An argon2 hash or verify takes ~64 MiB and ~0.1 s of a core: two at once at most, in threads, so
+# a burst of logins neither stalls the event loop nor takes the memory of many.
+_ARGON2_AT_ONCE = asyncio.Semaphore(2)
+
+
+async def off_loop_argon2(fn, *args):
+    """`fn(*args)` (something that hashes or verifies a password) in a thread, two at most at once."""
+    async with _ARGON2_AT_ONCE:
+        return await asyncio.to_thread(fn, *args)
 
 
 def ensure_admin_password(engine: Engine) -> str | None:

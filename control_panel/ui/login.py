@@ -14,7 +14,7 @@ from fastapi.responses import RedirectResponse
 from ..deps import AdminSession, CsrfForm, Db, Panel, Render, Tr
 from ..i18n import COOKIE as LANG_COOKIE
 from ..i18n import LANGUAGES
-from ..security import check_admin_password
+from ..security import check_admin_password, off_loop_argon2
 from .sessions import SESSION_COOKIE, cookie_args, safe_next
 
 router = APIRouter(include_in_schema=False)
@@ -52,7 +52,7 @@ async def login(
         response.headers["Retry-After"] = str(wait)
         return response
     panel.sessions.check_csrf(request, csrf)
-    if not check_admin_password(db, password):
+    if not await off_loop_argon2(check_admin_password, db, password):
         panel.login_limiter.failed(address)
         return render("login.html", status_code=401, error=_("Wrong password."), next=safe_next(next))
     panel.login_limiter.succeeded(address)

@@ -11,7 +11,7 @@ from sqlmodel import Session, col, select
 
 from ..deps import SIGNED_IN, CsrfForm, Db, Panel, Render, Tr
 from ..models import ApiKey
-from ..security import check_admin_password, create_api_key, set_admin_password, set_key_limits
+from ..security import check_admin_password, create_api_key, off_loop_argon2, set_admin_password, set_key_limits
 from ..services import delete_row
 from .pools import whole_number
 
@@ -118,9 +118,9 @@ async def settings_password(
     new: Annotated[str, Form()] = "",
     confirm: Annotated[str, Form()] = "",
 ):
-    if error := password_problem(panel.db, current, new, confirm, t):
+    if error := await off_loop_argon2(password_problem, panel.db, current, new, confirm, t):
         return render("settings.html", status_code=400, **settings_context(panel, pw_error=error))
-    set_admin_password(panel.db, new)
+    await off_loop_argon2(set_admin_password, panel.db, new)
     panel.sessions.end_all()
     # the old session is now invalid: sign a new one for this browser, and render the page with
     # its CSRF token (the forms on it must work without a reload)
