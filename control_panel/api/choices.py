@@ -57,7 +57,10 @@ class Choices:
 
 
 def answer_or_choices(body: _Common, chat: bool, ids: list[int], target: Target, sampling: SamplingParams, **kw):
-    """The request's Answer, or its `n` choices' (Answer's arguments, `kw` its keywords)."""
+    """The request's Answer, or its `n` choices' (Answer's arguments, `kw` its keywords). `n`
+    choices take `n` places of the API key's (rate_limits.py Slot.widen) before any is asked for."""
+    if body.n > 1 and kw.get("slot") is not None:
+        kw["slot"].widen(body.n, sampling.max_tokens)
     first = Answer(body, chat, ids, target, sampling, **kw)
     if body.n == 1:
         return first

@@ -196,6 +196,46 @@ def test_a_key_without_limits_is_not_limited(api):
     assert api.app_state.panel.limits.buckets == {}
 
 
+def test_n_choices_count_as_n_requests_against_the_key_s_concurrency(api):
+    """A request of n choices runs n sequences (security review L1): with a limit of 4, n=4 beside
+    nothing runs, n=3 beside two running requests is refused 429 before its choices are asked for,
+    n=5 can never run (400 naming n), and every place is freed after."""
+    headers, key_id = key_with(api, max_concurrent=4)
+    r = api.post("/v1/chat/completions", json=chat(n=4), headers=headers)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+    r = api.post("/v1/chat/completions", json=chat(n=5), headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert "may run 4 at once" in r.json()["error"]["message"]
+    limits = api.app_state.panel.limits
+    limits.in_flight[key_id] = 2  # two of the key's requests running (held streams: the test above)
+    agents = api.app_state.agents
+    decodes = sum(path == "/v1/decode" for _, path in agents.paths)
+    r = api.post("/v1/chat/completions", json=chat(n=3), headers=headers)
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1", r.text
+    assert "already has 2 other requests running of its 4" in r.json()["error"]["message"]
+    assert sum(path == "/v1/decode" for _, path in agents.paths) == decodes  # no choice was asked for
+    assert limits.in_flight == {key_id: 2}
+    limits.in_flight[key_id] = 0
+    assert api.post("/v1/chat/completions", json=chat(n=4), headers=headers).status_code == 200
+
+
+def test_n_choices_hold_their_most_tokens_up_front_and_return_what_they_did_not_take(api):
+    """n choices of max_tokens each: the extra n - 1 choices' max_tokens are held from the key's
+    bucket before they run (refused 429 when the bucket lacks them; 400 past a minute's worth),
+    and what was not generated is back when the request ends."""
+    headers, key_id = key_with(api, tokens_per_minute=100)
+    r = api.post("/v1/chat/completions", json=chat(n=4, max_tokens=40), headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text  # 3 x 40 held > 100 a minute
+    r = api.post("/v1/chat/completions", json=chat(n=3, max_tokens=30), headers=headers)
+    assert r.status_code == 200, r.text
+    used = r.json()["usage"]["total_tokens"]
+    bucket = api.app_state.panel.limits.buckets[key_id]
+    assert bucket.level == pytest.approx(100 - used)  # the 60 held came back; the real use stays
+    r = api.post("/v1/chat/completions", json=chat(n=3, max_tokens=30), headers=headers)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "tokens", r.text  # 60 needed, less left
+    assert bucket.level == pytest.approx(100 - used)  # a refused request takes nothing
+
+
 # ---- on the Settings page ---------------------------------------------------------------------------
 def signed_in(api) -> str:
     """Sign in; the session's CSRF token."""
