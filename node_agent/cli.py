@@ -6,14 +6,17 @@ import asyncio
 import logging
 import re
 import socket
+import ssl
 import statistics
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -21,7 +24,7 @@ from tandem_protocol.auth import canonical_address
 from tandem_protocol.page_memory import keep_freed_pages
 from tandem_protocol.pages import PROTOCOL_VERSION
 from tandem_protocol.settings import data_dir, hash_cache_path, settings
-from tandem_protocol.tls import certificate_fingerprint, ensure_certificate, spaced
+from tandem_protocol.tls import certificate_fingerprint, client_context, ensure_certificate, peer_fingerprint, spaced
 from tandem_protocol.wire import HEARTBEAT_SECONDS
 
 from .admission import MAX_SEQUENCES, WAIT_SECONDS
@@ -311,10 +314,79 @@ def key(
         print(f"TLS certificate of agent {name}: SHA-256 {spaced(fp)}", file=sys.stderr)
 
 
-def _client(url: str) -> httpx.Client:
+# The diagnostics send the cluster key, so they trust an agent as the panel does: over HTTPS, by
+# its certificate's fingerprint, checked in the handshake before any byte of the request.
+LOCAL_AGENT = f"https://127.0.0.1:{DEFAULT_PORT}"
+HOW_TO_PIN = (
+    "The agent prints its fingerprint when it starts (`TLS certificate SHA-256 AB:CD:…`), as do `tandem agent key` "
+    "(on stderr) and `tandem agent doctor` on its machine: compare, then pass it with --fingerprint."
+)
+FINGERPRINT_HELP = (
+    # no "AB:CD:" here: help is rich markup, where ":cd:" is an emoji
+    "SHA-256 of the agent's TLS certificate, as the agent prints it at start (colons optional), pinned before the "
+    "cluster key is sent (default: one of the certificates of this machine's agents, in $TANDEM_HOME)."
+)
+INSECURE_HTTP_HELP = (
+    "Allow an http:// URL, for an agent started with --insecure-http: the cluster key then crosses the network "
+    "readable. Only for a link nobody else can reach."
+)
+
+
+def _pin(text: str) -> str:
+    """A fingerprint as given (`AB:CD:…` or 64 hex digits) in the lower-case hex the pins compare."""
+    fp = text.replace(":", "").strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{64}", fp):
+        raise typer.BadParameter(
+            "expected a SHA-256 fingerprint: 64 hex digits, colons allowed", param_hint="--fingerprint"
+        )
+    return fp
+
+
+def _trust(url: str, fingerprint: str | None, insecure_http: bool) -> ssl.SSLContext | bool:
+    """How the agent at `url` is trusted before the cluster key is sent to it: over HTTPS a context
+    pinned to its certificate, `fingerprint` or else one of this machine's own agents' (so the
+    default URL reaches the local agent), once a handshake that sends nothing has shown it; plain
+    HTTP only when told `--insecure-http`. Anything else is refused, the key unsent."""
+    parts = urlsplit(url)
+    if parts.scheme == "http":
+        if fingerprint:
+            raise typer.BadParameter("--fingerprint pins a TLS certificate: the URL must be https://")
+        if not insecure_http:
+            raise typer.BadParameter(
+                f"{url} is plain HTTP, where the cluster key crosses the network readable: the key was not sent. "
+                "Agents serve HTTPS unless started with --insecure-http: use https://, or pass --insecure-http "
+                "for an agent started with it."
+            )
+        return True  # plain HTTP: no certificate to check
+    if parts.scheme != "https" or not parts.hostname:
+        raise typer.BadParameter(f"{url}: expected https://HOST:PORT")
+    known = {_pin(fingerprint)} if fingerprint else set(known_certificates().values())
+    if not known:
+        raise typer.BadParameter(
+            f"no TLS certificate is known here for {url}, so the cluster key was not sent. {HOW_TO_PIN}"
+        )
+    try:
+        seen = peer_fingerprint(parts.hostname, parts.port or 443)
+    except OSError as e:  # refused, unreachable, or no TLS there (an agent started with --insecure-http)
+        console.print(
+            f"[red]{escape(url)}: no TLS handshake ({escape(str(e))}); the cluster key was not sent.[/] "
+            "An agent started with --insecure-http serves http:// (and takes --insecure-http here too)."
+        )
+        raise typer.Exit(1) from None
+    if seen not in known:
+        expected = "the one given with --fingerprint" if fingerprint else "one of this machine's agents'"
+        raise typer.BadParameter(
+            f"{url} presents the TLS certificate {spaced(seen)}, not {expected}: the cluster key was not sent. "
+            + HOW_TO_PIN
+        )
+    return client_context(seen)  # pinned: a later connection to another certificate fails before sending
+
+
+def _client(url: str, trust: ssl.SSLContext | bool) -> httpx.Client:
     return httpx.Client(
         base_url=url.rstrip("/"),
         timeout=10,
+        verify=trust,
         headers={
             "Authorization": f"Bearer {cluster_key()}",
             "X-Tandem-Protocol": str(PROTOCOL_VERSION),
@@ -322,8 +394,8 @@ def _client(url: str) -> httpx.Client:
     )
 
 
-def _rtt_ms(url: str, tries: int = 5) -> float:
-    with httpx.Client(timeout=5) as c:
+def _rtt_ms(url: str, trust: ssl.SSLContext | bool, tries: int = 5) -> float:
+    with httpx.Client(timeout=5, verify=trust) as c:
         samples = []
         for _ in range(tries):
             t0 = time.perf_counter()
@@ -333,9 +405,13 @@ def _rtt_ms(url: str, tries: int = 5) -> float:
 
 
 @app.command()
-def status(url: str = typer.Argument(f"http://127.0.0.1:{DEFAULT_PORT}", help="Agent URL.")) -> None:
+def status(
+    url: str = typer.Argument(LOCAL_AGENT, help="Agent URL (default: this machine's agent)."),
+    fingerprint: str = typer.Option(None, help=FINGERPRINT_HELP),
+    insecure_http: bool = typer.Option(False, "--insecure-http", help=INSECURE_HTTP_HELP),
+) -> None:
     """Show an agent's engine, model, budget and totals."""
-    with _client(url) as c:
+    with _client(url, _trust(url, fingerprint, insecure_http)) as c:
         r = c.get("/v1/status")
     if r.status_code != 200:
         console.print(f"[red]{url} answered {r.status_code}:[/] {r.text}")
@@ -380,8 +456,9 @@ def peers(
         found = asyncio.run(browse(seconds, interface or None))
     table = Table("name", "url", "engine", "accelerator", "model", "contract", "proto", "rtt")
     for p in found:
-        try:
-            rtt = f"{_rtt_ms(p.url):.2f} ms"
+        try:  # /healthz sends nothing secret: the certificate the agent announces is enough to reach it
+            tls_fp = p.properties.get("tls_fp") if p.url.startswith("https://") else None
+            rtt = f"{_rtt_ms(p.url, client_context(tls_fp) if tls_fp else True):.2f} ms"
         except httpx.HTTPError as e:
             rtt = f"unreachable ({type(e).__name__})"
         pr = p.properties
@@ -402,10 +479,13 @@ def peers(
 def bench_link(
     url: str = typer.Argument(..., help="Agent URL to pull synthetic pages from."),
     pages: int = typer.Option(200, help="How many pages to pull."),
+    fingerprint: str = typer.Option(None, help=FINGERPRINT_HELP),
+    insecure_http: bool = typer.Option(False, "--insecure-http", help=INSECURE_HTTP_HELP),
 ) -> None:
     """Measure page throughput and round-trip time to an agent."""
-    rtt = _rtt_ms(url)
-    with _client(url) as c:
+    trust = _trust(url, fingerprint, insecure_http)
+    rtt = _rtt_ms(url, trust)
+    with _client(url, trust) as c:
         t0 = time.perf_counter()
         total = 0
         with c.stream("GET", "/v1/bench/pages", params={"count": pages}, timeout=None) as r:

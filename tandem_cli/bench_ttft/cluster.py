@@ -4,12 +4,15 @@ per direction."""
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from tandem_protocol.tls import client_context
 
 from ..processes import ServiceProcess, agent_serve_args
 from .link import Link, Place
@@ -24,6 +27,11 @@ class Agent:
     info: dict = field(default_factory=dict)
     pid: int = 0  # of the agent's process, for whoever measures it
     place: Place | None = None  # where it runs, when the benchmark started it
+    tls_fingerprint: str = ""  # the certificate it must present over HTTPS (a panel's pin; "" over plain HTTP)
+
+    def verify(self) -> ssl.SSLContext | bool:
+        """How a request to it trusts it: pinned to its certificate, checked before the key is sent."""
+        return client_context(self.tls_fingerprint) if self.tls_fingerprint else True
 
 
 @dataclass

@@ -76,6 +76,13 @@ def bench_ttft(
     ),
     api_key: str = typer.Option(None, envvar="TANDEM_API_KEY", help="With --panel: an API key of that panel."),
     models: str = typer.Option(None, help="With --panel: the models to measure, comma-separated (default: all)."),
+    insecure_http: bool = typer.Option(
+        False,
+        "--insecure-http",
+        help="With --panel: also send the cluster key to the panel's plain-HTTP nodes (agents started with "
+        "--insecure-http), where it crosses the network readable. HTTPS nodes get it only over the certificate "
+        "the panel pinned.",
+    ),
     fast_prefiller: bool = typer.Option(
         False,
         help="Every decoder behind a fast prefiller: torch -> vLLM, SGLang, MLX, torch and vLLM, SGLang -> torch "
@@ -111,7 +118,8 @@ def bench_ttft(
         if not api_key:
             raise typer.BadParameter("--panel needs --api-key (or TANDEM_API_KEY): the panel's OpenAI API wants one")
         result |= {"panel": panel, "link": "panel", "pinned": False}
-        bench_running_panel(result, panel.rstrip("/"), api_key, panel_dir or data_dir() / "panel", models, save)
+        panel_home = panel_dir or data_dir() / "panel"
+        bench_running_panel(result, panel.rstrip("/"), api_key, panel_home, models, save, insecure_http)
     else:
         dirs = {"a2b": [(0, 1)], "b2a": [(1, 0)], "both": [(0, 1), (1, 0)]}.get(direction)
         if dirs is None:
@@ -182,7 +190,7 @@ def own_cluster(
         )
         with console.status("measuring the link (raw TCP and the page stream) and one decode step per engine…"):
             result.setdefault("link_measured", {}).update(measure_links(c, net, dirs, key))
-            steps = {a.name: decode_step_seconds(a.url, key, result["vocab"]) for a in agents}
+            steps = {a.name: decode_step_seconds(a, key, result["vocab"]) for a in agents}
             result.setdefault("decode_step_seconds", {}).update(steps)
         columns = [Column(f"node/{a.name}", None, a) for a in agents] if alone else []
         columns += [

@@ -96,9 +96,9 @@ def measure(
 def timed_request(http: httpx.Client, col: Column, ids: list[int], max_tokens: int, key: str) -> Sample:
     if col.p is None:
         return Sample(ttft(http, col.name, ids, max_tokens))
-    before = prefiller_counters(col.p.url, key)
+    before = prefiller_counters(col.p, key)
     t = ttft(http, col.name, ids, max_tokens)  # reads the whole stream: P is done with it after
-    after = prefiller_counters(col.p.url, key)
+    after = prefiller_counters(col.p, key)
     if after.prefills != before.prefills + 1:  # the panel fell back to D alone (or P served another)
         return Sample(t)
     return Sample(

@@ -4,6 +4,7 @@ decode step, P's counters, and one traced P/D request."""
 from __future__ import annotations
 
 import json
+import ssl
 import statistics
 import time
 from dataclasses import dataclass
@@ -56,8 +57,9 @@ _COUNTERS = {
 }
 
 
-def prefiller_counters(url: str, key: str) -> PrefillerCounters:
-    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
+def prefiller_counters(agent: Agent, key: str) -> PrefillerCounters:
+    headers = {"Authorization": f"Bearer {key}"}
+    text = httpx.get(agent.url + "/metrics", headers=headers, timeout=30, verify=agent.verify()).text
     found = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -65,22 +67,22 @@ def prefiller_counters(url: str, key: str) -> PrefillerCounters:
             found[_COUNTERS[name]] = float(value)
     missing = set(_COUNTERS.values()) - set(found)
     if missing:
-        raise RuntimeError(f"{url}/metrics lacks {', '.join(sorted(missing))}")
+        raise RuntimeError(f"{agent.url}/metrics lacks {', '.join(sorted(missing))}")
     return PrefillerCounters(**found)
 
 
-def decode_step_seconds(url: str, key: str, vocab: int) -> dict:
+def decode_step_seconds(agent: Agent, key: str, vocab: int) -> dict:
     """One decode step of the agent's engine: the gaps between its streamed tokens (three short
     requests, the first gap of each skipped), fastest and median."""
     gaps = []
-    with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=600) as c:
+    with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=600, verify=agent.verify()) as c:
         for seed in range(3):
             body = {
                 "token_ids": prompt_ids(32, 10_000 + seed, vocab),
                 "sampling": {"max_tokens": 12, "ignore_eos": True},
             }
             stamps = []
-            with c.stream("POST", url + "/v1/generate", json=body) as r:
+            with c.stream("POST", agent.url + "/v1/generate", json=body) as r:
                 for line in r.iter_lines():
                     if line.startswith('{"token"'):
                         stamps.append(time.perf_counter())
@@ -95,7 +97,8 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, enco
     headers = {"Authorization": f"Bearer {key}"}
     sampling = {"max_tokens": max_tokens, "temperature": 0}
     body = {"token_ids": ids, "sampling": sampling, "prefill_url": p.url, "page_encoding": encoding}
-    with httpx.Client(headers=headers, timeout=600) as c:
+    body |= {"prefill_fingerprint": p.tls_fingerprint} if p.tls_fingerprint else {}  # D pins P, as the panel asks
+    with httpx.Client(headers=headers, timeout=600, verify=d.verify()) as c:
         t0 = time.time()
         stamps, done, last = [], None, ""
         with c.stream("POST", d.url + "/v1/decode", json=body) as r:
@@ -127,10 +130,10 @@ def trace_pd(p: Agent, d: Agent, key: str, ids: list[int], max_tokens: int, enco
     }
 
 
-def set_prefix_cache(url: str, headers: dict, status: dict, nbytes: int) -> None:
+def set_prefix_cache(url: str, headers: dict, status: dict, nbytes: int, verify: ssl.SSLContext | bool = True) -> None:
     """The agent's prefix cache budget (POST /v1/config with the engine and model of its `status`)."""
     body = {"engine": status["engine"], "model_path": status["model_path"], "prefix_cache_bytes": nbytes}
-    httpx.post(url + "/v1/config", json=body, headers=headers, timeout=120).raise_for_status()
+    httpx.post(url + "/v1/config", json=body, headers=headers, timeout=120, verify=verify).raise_for_status()
 
 
 def trace_held_on_p(
@@ -144,17 +147,17 @@ def trace_held_on_p(
     None where P keeps no prefix cache of Tandem's (SGLang), or one that takes a restart to turn
     on (vLLM's)."""
     headers = {"Authorization": f"Bearer {key}"}
-    status = httpx.get(p.url + "/v1/status", headers=headers, timeout=30).json()
+    status = httpx.get(p.url + "/v1/status", headers=headers, timeout=30, verify=p.verify()).json()
     if status.get("prefix_cache") is None or status["engine"] == "vllm":
         return None
     body = {"token_ids": ids, "sampling": {"max_tokens": 1, "temperature": 0}}
     # the benchmark's agents run with their caches off (cold TTFT); P's is on for this probe only
-    set_prefix_cache(p.url, headers, status, 1 << 30)
+    set_prefix_cache(p.url, headers, status, 1 << 30, p.verify())
     try:
-        httpx.post(p.url + "/v1/generate", json=body, headers=headers, timeout=600).read()
+        httpx.post(p.url + "/v1/generate", json=body, headers=headers, timeout=600, verify=p.verify()).read()
         t = trace_pd(p, d, key, ids, max_tokens, encoding)
     finally:
-        set_prefix_cache(p.url, headers, status, status["prefix_cache"]["capacity"])
+        set_prefix_cache(p.url, headers, status, status["prefix_cache"]["capacity"], p.verify())
     st = t.get("stamps") or {}
     if "error" in t or st.get("last_page_imported_at") is None:
         return {"error": t.get("error", "the decoder reported no import time")}

@@ -1,5 +1,9 @@
 """`tandem bench ttft --panel URL`: the models of a panel that is already running (on the panel's
-machine: its pairs and paired nodes come from its database); nothing is started or pinned.
+machine: its pairs and paired nodes come from its database); nothing is started or pinned to CPUs.
+
+The benchmark sends the nodes this machine's cluster key, so it trusts them as the panel does: an
+HTTPS node only with the certificate the panel pinned for it at pairing, checked in the TLS
+handshake before anything is sent; a plain HTTP node only when told `--insecure-http`.
 
 The link term of each pair comes from its decoder pulling synthetic pages from its prefiller
 (POST /v1/bench/link): the product's page stream, not a raw TCP copy, which would need a program
@@ -20,7 +24,13 @@ from .probe_agents import decode_step_seconds
 
 
 def bench_running_panel(
-    result: dict, panel: str, api_key: str, panel_dir: Path, models: str | None, save: Callable[[], object]
+    result: dict,
+    panel: str,
+    api_key: str,
+    panel_dir: Path,
+    models: str | None,
+    save: Callable[[], object],
+    insecure_http: bool = False,
 ) -> None:
     from sqlmodel import Session, create_engine, select
 
@@ -40,11 +50,14 @@ def bench_running_panel(
     routes = [
         (name, x["pool"].page_encoding, p, d) for name, x in pools.items() for p in x["prefill"] for d in x["decode"]
     ]
+    agents = {  # every node checked before the key goes to any
+        node.id: trusted_agent(node.name, node.engine, node.url.rstrip("/"), node.tls_fingerprint, insecure_http)
+        for node in nodes.values()
+        if node.paired or any(node.id in (p, d) for *_, p, d in routes)
+    }
     key = cluster_key()
-    agents: dict[int, Agent] = {}
-    for node in nodes.values():
-        if node.paired or any(node.id in (p, d) for *_, p, d in routes):
-            agents[node.id] = ready_agent(node.name, node.engine, node.url.rstrip("/"), key)
+    for agent in agents.values():
+        ready_agent(agent, key)
     columns = [Column(f"node/{n.name}", None, agents[n.id]) for n in nodes.values() if n.paired]
     for name, encoding, p, d in routes:
         several = sum(r[0] == name for r in routes) > 1
@@ -72,7 +85,7 @@ def bench_running_panel(
                 result["link_measured"][f"{c.p.name}->{c.d.name}"] = pulled_link(c.p, c.d, key)
         result["vocab"] = min(int(a.info["vocab_size"]) for a in used)
         decoders = {c.d.name: c.d for c in columns}.values()
-        result["decode_step_seconds"] = {a.name: decode_step_seconds(a.url, key, result["vocab"]) for a in decoders}
+        result["decode_step_seconds"] = {a.name: decode_step_seconds(a, key, result["vocab"]) for a in decoders}
 
     def link(p: Agent, d: Agent, nbytes: int) -> tuple[float, str]:
         rate = result["link_measured"][f"{p.name}->{d.name}"]["bytes_per_second"]
@@ -81,19 +94,39 @@ def bench_running_panel(
     measure(result, panel, api_key, key, columns, link, save)
 
 
-def ready_agent(name: str, engine: str, url: str, key: str) -> Agent:
-    r = httpx.get(url + "/v1/info", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+def trusted_agent(name: str, engine: str, url: str, fingerprint: str, insecure_http: bool) -> Agent:
+    """A node of the panel, to be sent the cluster key only over HTTPS to the certificate the panel
+    pinned for it, or over plain HTTP when told `--insecure-http`; refused otherwise (nothing sent)."""
+    if url.startswith("https://"):
+        if not fingerprint:
+            raise typer.BadParameter(
+                f"the panel has no TLS certificate pinned for node {name} at {url} (pair it in the panel): "
+                "the cluster key was not sent"
+            )
+    elif not insecure_http:
+        raise typer.BadParameter(
+            f"node {name} is at {url}, plain HTTP, where the cluster key crosses the network readable: it was not "
+            "sent. Pass --insecure-http for nodes started with it, on a link nobody else can reach."
+        )
+    return Agent(name, engine, url, None, tls_fingerprint=fingerprint)
+
+
+def ready_agent(agent: Agent, key: str) -> None:
+    """The agent's /v1/info, once it says it is ready (its engine as it reports it)."""
+    r = httpx.get(agent.url + "/v1/info", headers={"Authorization": f"Bearer {key}"}, timeout=30, verify=agent.verify())
     if r.status_code != 200 or r.json().get("state") != "ready":
-        raise typer.BadParameter(f"agent {name} at {url} is not ready: {r.status_code} {r.text[:200]}")
-    return Agent(name, r.json().get("engine") or engine, url, None, info=r.json())
+        raise typer.BadParameter(f"agent {agent.name} at {agent.url} is not ready: {r.status_code} {r.text[:200]}")
+    agent.info, agent.engine = r.json(), r.json().get("engine") or agent.engine
 
 
 def pulled_link(p: Agent, d: Agent, key: str) -> dict:
+    body = {"peer": p.url, "megabytes": 64} | ({"peer_fingerprint": p.tls_fingerprint} if p.tls_fingerprint else {})
     r = httpx.post(
         d.url + "/v1/bench/link",
-        json={"peer": p.url, "megabytes": 64},
+        json=body,  # with P's pin: D trusts P as the panel does
         headers={"Authorization": f"Bearer {key}"},
         timeout=600,
+        verify=d.verify(),
     )
     if r.status_code != 200:
         raise RuntimeError(f"{d.name} could not measure its link from {p.name}: {r.status_code} {r.text[:300]}")

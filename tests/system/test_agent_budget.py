@@ -255,9 +255,9 @@ def test_cli_status_bench_link_and_doctor(small):
         assert result.returncode == 0, result.stdout + result.stderr
         return result.stdout
 
-    status = tandem("status", small.url)
+    status = tandem("status", small.url, "--insecure-http")  # `small` serves plain HTTP
     assert "torch" in status and "budget" in status and f"of {3 * PAGE:,} bytes reserved" in status
-    link = tandem("bench-link", small.url, "--pages", "20")
+    link = tandem("bench-link", small.url, "--pages", "20", "--insecure-http")
     assert "20 pages" in link and "MB/s" in link and "rtt" in link
     doctor = tandem("doctor")
     for section in ("packages", "engines", "accelerators", "model", "node"):

@@ -144,11 +144,12 @@ def test_bench_ttft_on_a_shaped_link(tmp_path):
 def test_bench_ttft_against_a_running_panel(tmp_path, smol_dir):
     """`--panel URL`: the models of a panel someone already runs (its pairs and paired nodes, read
     from its database), nothing started; each pair's link measured by its decoder pulling pages
-    from its prefiller (POST /v1/bench/link), checked against an unknown model name first."""
+    from its prefiller (POST /v1/bench/link), checked against an unknown model name first. The
+    agents serve HTTPS: every probe of the benchmark pins the certificate the panel pinned."""
     with (
         side_by_side(
-            lambda: AgentProcess("torch", smol_dir, tmp_path / "p"),
-            lambda: AgentProcess("torch", smol_dir, tmp_path / "d"),
+            lambda: AgentProcess("torch", smol_dir, tmp_path / "p", tls=True),
+            lambda: AgentProcess("torch", smol_dir, tmp_path / "d", tls=True),
         ) as (p, d),
         PanelProcess(tmp_path, "--pair", f"duo={p.url},{d.url},threshold=1") as panel,
     ):
