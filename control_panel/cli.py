@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
 import socket
@@ -30,6 +31,15 @@ def issue_credentials(data_dir: Path, api_key_name: str) -> tuple[str | None, st
         engine.dispose()
 
 
+def is_loopback(host: str) -> bool:
+    """Whether an address to listen on is reachable from this machine alone ("localhost" too; any
+    other name counts as reachable from others)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
 def panel(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on (0 picks a free one)."),
@@ -45,7 +55,13 @@ def panel(
     ),
     api_key: str = typer.Option(None, help="Create an API key with this name and print it once."),
     reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once."),
-    mdns: bool = typer.Option(True, help="Add agents that announce themselves on the LAN (unpaired)."),
+    mdns: bool | None = typer.Option(
+        None,
+        "--mdns/--no-mdns",
+        help="Add agents that announce themselves on the LAN (unpaired). Default: on unless --host is a "
+        "loopback address (such a panel reaches no other machine's agent).",
+        show_default=False,
+    ),
     mdns_interface: list[str] = typer.Option(None, help="Interface address(es) for mDNS (default: all)."),
     stall_timeout: float = typer.Option(
         60.0, help="Seconds a client may take no data of its answer before the panel hangs up and frees the request."
@@ -58,6 +74,12 @@ def panel(
     ),
     tls_cert: Path = typer.Option(None, help="Serve HTTPS with this certificate (PEM), e.g. one a CA signed."),
     tls_key: Path = typer.Option(None, help="The private key (PEM) of --tls-cert."),
+    insecure_http: bool = typer.Option(
+        False,
+        "--insecure-http",
+        help="Serve plain HTTP on an address other machines reach: anyone on the network can read the admin "
+        "password, API keys, prompts and answers. Only for a link nobody else can reach.",
+    ),
 ) -> None:
     """Serve the panel: add agents, pair them, and answer OpenAI API requests."""
     import uvicorn
@@ -74,6 +96,17 @@ def panel(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
+    if insecure_http and (tls or tls_cert):
+        raise typer.BadParameter("--insecure-http serves no certificate: drop --tls (or --tls-cert/--tls-key), or it")
+    plain_on_lan = not is_loopback(host) and not (tls or tls_cert)
+    if plain_on_lan and not insecure_http:
+        raise typer.BadParameter(
+            f"--host {host} is reachable from other machines: serve HTTPS (--tls, or --tls-cert/--tls-key), "
+            "or give --insecure-http to serve plain HTTP, which anyone on the network can read (the admin "
+            "password, API keys, prompts and answers)"
+        )
+    if mdns is None:
+        mdns = not is_loopback(host)
     data_dir = data_dir or settings().data_dir / "panel"
     if tls and tls_cert is None:
         tls_cert, tls_key = ensure_certificate(data_dir / "tls", "panel")
@@ -116,7 +149,14 @@ def panel(
         console.print(
             f"TLS certificate SHA-256 {spaced(certificate_fingerprint(tls_cert))}", emoji=False, highlight=False
         )
-    console.print(f"Tandem panel on {scheme}://{host}:{port} · OpenAI API at {scheme}://{host}:{port}/v1")
+    if plain_on_lan:
+        console.print(
+            "[bold red]plain HTTP[/]: the admin password, API keys, prompts and answers cross the network readable"
+        )
+    console.print(
+        f"Tandem panel on {scheme}://{host}:{port} · OpenAI API at {scheme}://{host}:{port}/v1"
+        + (" · mDNS on" if mdns else "")
+    )
     logging.getLogger("tandem.panel").info("tandem panel ready on %s://%s:%d", scheme, host, port)
     # Streams still open 5 s after Ctrl-C or SIGTERM are cancelled, not waited for (a token stream
     # can run for minutes); each is logged as cancelled and its agents let go of the request.

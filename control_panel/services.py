@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -24,13 +25,22 @@ from tandem_protocol.client import AgentHTTPError, TransportError
 from tandem_protocol.contract import ModelContract
 from tandem_protocol.discovery import Peer
 from tandem_protocol.pages import ENCODINGS
-from tandem_protocol.tls import client_context
+from tandem_protocol.tls import PinnedContext, client_context
 
 from . import pins
 from .models import Node, Pool, PoolMember
 
 log = logging.getLogger("tandem.panel")
-IDENTITY_TIMEOUT = 10.0
+# The identity check's whole exchange (connect, TLS, challenge, answer) gets this long, however its
+# bytes trickle in, and its answer this many bytes (one is a few hundred): the agent there is not
+# trusted yet, and may be anyone on the LAN who announced an address.
+IDENTITY_DEADLINE = 10.0
+MAX_IDENTITY_ANSWER = 64 * 1024
+# Identity checks mDNS announcements may start at once (a LAN host can announce without end);
+# an announcement past them is not followed. A threading semaphore for its non-blocking acquire,
+# which holds no event loop (tests run several).
+MAX_ANNOUNCED_CHECKS = 4
+_announced_checks = threading.BoundedSemaphore(MAX_ANNOUNCED_CHECKS)
 # Unpaired nodes found by mDNS: at most this many are kept (the least recently seen goes first),
 # and one not seen for FOUND_EXPIRE_SECONDS is forgotten. mDNS is unauthenticated: anyone on the
 # LAN can announce as many nodes as they like.
@@ -102,8 +112,10 @@ async def verify_identity(
     # if the proof below names it. A known node's pin is checked in the handshake, before the challenge.
     context = client_context(expect_fingerprint or None) if https else None
     try:
-        async with httpx.AsyncClient(verify=context or True, timeout=IDENTITY_TIMEOUT) as c:
-            r = await c.post(url + IDENTITY_PATH, json={"nonce": nonce, "address": _reached(url)})
+        async with asyncio.timeout(IDENTITY_DEADLINE):  # in all, not per read: a trickle ends here too
+            status, content = await _challenge(url, context, nonce)
+    except TimeoutError as e:
+        raise PanelError(f"{url} gave no whole answer to the identity check within {IDENTITY_DEADLINE:.0f} s") from e
     except httpx.HTTPError as e:
         if context is not None and context.seen and context.pin and context.seen != context.pin:
             raise PanelError(f"{url} presented another TLS certificate than the node's, pinned at pairing") from e
@@ -111,12 +123,12 @@ async def verify_identity(
     seen = (context.seen or "") if context is not None else ""
     if expect_fingerprint and seen != expect_fingerprint:
         raise PanelError(f"{url} does not serve the TLS certificate pinned for the node (plain HTTP?)")
-    if r.status_code == 404:
+    if status == 404:
         raise PanelError(f"{url} cannot prove its identity: update Tandem on that machine")
-    if r.status_code != 200:
-        raise PanelError(f"{url} answered {r.status_code} to the identity check")
+    if status != 200:
+        raise PanelError(f"{url} answered {status} to the identity check")
     try:
-        answer = IdentityAnswer.model_validate_json(r.content)
+        answer = IdentityAnswer.model_validate_json(content)
     except ValidationError as e:
         raise PanelError(f"{url} answered the identity check with something else") from e
     if answer.address not in await _addresses_of(url):
@@ -133,6 +145,24 @@ async def verify_identity(
         who = f"node {expect_node_id[:8]}" if expect_node_id else "an agent"
         raise PanelError(f"{url} could not prove it is {who} holding the panel's cluster key")
     return Proved(answer.node_id, seen)
+
+
+async def _challenge(url: str, context: PinnedContext | None, nonce: str) -> tuple[int, bytes]:
+    """POST the identity challenge to `url`: the answer's status and, for a 200, its body, read as
+    it arrives and refused past MAX_IDENTITY_ANSWER bytes (raw: nothing is inflated)."""
+    challenge = {"nonce": nonce, "address": _reached(url)}
+    async with (
+        httpx.AsyncClient(verify=context or True, timeout=IDENTITY_DEADLINE) as c,
+        c.stream("POST", url + IDENTITY_PATH, json=challenge, headers={"Accept-Encoding": "identity"}) as r,
+    ):
+        if r.status_code != 200:
+            return r.status_code, b""
+        body = bytearray()
+        async for chunk in r.aiter_raw():
+            body += chunk
+            if len(body) > MAX_IDENTITY_ANSWER:
+                raise PanelError(f"{url} answered the identity check with more than {MAX_IDENTITY_ANSWER} bytes")
+        return r.status_code, bytes(body)
 
 
 async def prove(url: str, cluster_key: str) -> None:
@@ -390,30 +420,53 @@ async def note_discovered(engine: Engine, peer: Peer, present: bool, cluster_key
     """Record an agent that appeared on (or withdrew from) the LAN. A new one is added unpaired:
     the panel sends it nothing, the cluster key least of all, until the user pairs it. mDNS is
     unauthenticated, so an announcement moves a known node (or takes a known node's address)
-    only once the agent there has proved its identity (`verify_identity`)."""
+    only once the agent there has proved its identity (`verify_identity`), and at most
+    MAX_ANNOUNCED_CHECKS such checks run at once. The database work runs on a thread: anyone on
+    the LAN can announce, and the event loop serves the API."""
     url, node_id = peer.url.rstrip("/"), peer.properties.get("node_id", "")
     if not url or not node_id:
         return
-    with Session(engine) as s:
-        node = s.exec(select(Node).where(Node.node_id == node_id)).first()
-        at_url = s.exec(select(Node).where(Node.url == url)).first()
+    node, at_url = await asyncio.to_thread(_rows_of, engine, node_id, url)
     if not present:
         if node is not None and node.source == "mdns" and node.url == url:
-            _note(engine, node.id, last_error="withdrawn: the agent stopped announcing itself on the network")
+            withdrawn = "withdrawn: the agent stopped announcing itself on the network"
+            await asyncio.to_thread(_note, engine, node.id, withdrawn)
         return
     if node is not None and node.ignored:  # the user said so: not even its address is followed
         return
     if (node is not None and node.url != url) or (at_url is not None and at_url is not node):
+        if not _announced_checks.acquire(blocking=False):
+            log.warning(
+                "announcement of node %s at %s not followed: %d identity checks already under way",
+                node_id[:8],
+                url,
+                MAX_ANNOUNCED_CHECKS,
+            )
+            return
         try:
             pinned = node.tls_fingerprint if node is not None and node.paired else None
             proved = await verify_identity(url, cluster_key, expect_node_id=node_id, expect_fingerprint=pinned)
         except PanelError as e:
             log.warning("announcement of node %s at %s not followed: %s", node_id[:8], url, e)
             return
+        finally:
+            _announced_checks.release()
         if node is not None and node.paired:
             pins.unpin(node.url)
             pins.pin(url, proved.tls_fingerprint)
-    with Session(engine) as s:  # read again: the check above let other work run
+    await asyncio.to_thread(_record_found, engine, peer, node_id, url)
+
+
+def _rows_of(engine: Engine, node_id: str, url: str) -> tuple[Node | None, Node | None]:
+    """The row of node `node_id` and the row at `url` (either may be None)."""
+    with Session(engine) as s:
+        node = s.exec(select(Node).where(Node.node_id == node_id)).first()
+        return node, s.exec(select(Node).where(Node.url == url)).first()
+
+
+def _record_found(engine: Engine, peer: Peer, node_id: str, url: str) -> None:
+    """Node `node_id` is at `url`, as `peer` announced it (read again: a check may have run since)."""
+    with Session(engine) as s:
         node = _place(s, node_id, url, peer.properties.get("name") or peer.service.split(".")[0], "mdns")
         if not node.paired:  # a paired node's facts come from its authenticated /v1/status
             node.engine, node.model = peer.properties.get("engine", ""), peer.properties.get("model", "")

@@ -90,4 +90,5 @@ def proof_matches(
     serving the certificate `tls_fingerprint` (constant time in the proof)."""
     expected = identity_proof(key, nonce, node_id, address, tls_fingerprint)
     same = answer.node_id == node_id and answer.address == address and answer.tls_fingerprint == tls_fingerprint
-    return same and hmac.compare_digest(answer.proof, expected)
+    # compare_digest takes str only when ASCII (else TypeError): a proof never is anything else
+    return same and answer.proof.isascii() and hmac.compare_digest(answer.proof, expected)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import socket
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,13 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 from .pages import PROTOCOL_VERSION
 
 SERVICE_TYPE = "_tandem._tcp.local."
+# mDNS is unauthenticated: anyone on the LAN may announce any number of names, as often as they like.
+# A watcher keeps the MAX_PEERS names announced last, follows at most MAX_FOLLOWED names at once
+# (the announcements of others go unheard) and each one's announcements one at a time, at most
+# one round per DEBOUNCE_SECONDS: those that come meanwhile make one more round, with the latest.
+MAX_PEERS = 256
+MAX_FOLLOWED = 64
+DEBOUNCE_SECONDS = 1.0
 ANNOUNCED_KEYS = ("node_id", "name", "engine", "model", "contract", "proto", "accel", "accel_name", "tls", "tls_fp")
 
 
@@ -127,9 +135,10 @@ class Peer:
 class Watcher:
     """A live view of the agents announcing on the LAN (a panel keeps one running).
 
-    `peers` maps service names to resolved Peers; `on_change(peer, present)` is called in the
-    event loop when an agent appears, changes or withdraws, and awaited if it is a coroutine
-    function (a panel checks a moved node's identity before it believes the announcement).
+    `peers` maps service names to resolved Peers (the MAX_PEERS announced last); `on_change(peer,
+    present)` is called in the event loop when an agent appears, changes or withdraws, and awaited
+    if it is a coroutine function (a panel checks a moved node's identity before it believes the
+    announcement); for one name, never twice at once, nor more often than once per DEBOUNCE_SECONDS.
     """
 
     def __init__(
@@ -139,7 +148,8 @@ class Watcher:
     ):
         self.interfaces = interfaces or ["0.0.0.0"]
         self.on_change = on_change
-        self.peers: dict[str, Peer] = {}
+        self.peers: OrderedDict[str, Peer] = OrderedDict()  # least recently announced first
+        self._followed: dict[str, bool] = {}  # name -> announced again while being followed
         self._zc: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -158,7 +168,23 @@ class Watcher:
             if peer is not None:
                 self._spawn(self._notify(peer, False))
             return
-        self._spawn(self._resolve(name))
+        if name in self._followed:
+            self._followed[name] = True  # one more round once this one is done
+        elif len(self._followed) < MAX_FOLLOWED:
+            self._followed[name] = False
+            self._spawn(self._follow(name))
+
+    async def _follow(self, name: str) -> None:
+        """Resolve and hand on `name`'s announcement; again (after DEBOUNCE_SECONDS) while more came."""
+        try:
+            while True:
+                self._followed[name] = False
+                await self._resolve(name)
+                if not self._followed[name]:
+                    return
+                await asyncio.sleep(DEBOUNCE_SECONDS)  # a rate, not a wait for an event
+        finally:
+            del self._followed[name]
 
     def _spawn(self, work) -> None:
         task = asyncio.ensure_future(work)
@@ -175,10 +201,13 @@ class Watcher:
         info = AsyncServiceInfo(SERVICE_TYPE, name)
         if self._zc is None or not await info.async_request(self._zc.zeroconf, 3000):
             return
-        props = {k.decode(): (v or b"").decode() for k, v in info.properties.items()}
+        props = {k.decode(errors="replace"): (v or b"").decode(errors="replace") for k, v in info.properties.items()}
         addrs = [socket.inet_ntoa(a) for a in info.addresses_by_version(IPVersion.V4Only)]
         peer = Peer(name, addrs, info.port or 0, props)
         self.peers[name] = peer
+        self.peers.move_to_end(name)
+        while len(self.peers) > MAX_PEERS:
+            self.peers.popitem(last=False)
         await self._notify(peer, True)
 
     async def stop(self) -> None:

@@ -92,11 +92,12 @@ def _check_pin(tls: ssl.SSLObject | ssl.SSLSocket) -> None:
     """Once a handshake is done: record the peer's certificate fingerprint on the context, and
     refuse the connection when the context pins another one."""
     context: PinnedContext = tls.context  # type: ignore[assignment]
-    context.seen = fingerprint(tls.getpeercert(binary_form=True) or b"")
-    if context.pin is not None and not hmac.compare_digest(context.seen, context.pin):
-        raise PinMismatch(
-            f"the peer's TLS certificate {context.seen[:16]}… is not the one pinned for it ({context.pin[:16]}…)"
-        )
+    seen = fingerprint(tls.getpeercert(binary_form=True) or b"")
+    context.seen = seen
+    # `seen` itself is checked, not the context's: another handshake on the same context may write
+    # its own fingerprint there in between
+    if context.pin is not None and not hmac.compare_digest(seen, context.pin):
+        raise PinMismatch(f"the peer's TLS certificate {seen[:16]}… is not the one pinned for it ({context.pin[:16]}…)")
 
 
 class _PinnedObject(ssl.SSLObject):  # what asyncio, uvloop and anyio wrap a connection in

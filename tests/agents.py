@@ -141,6 +141,9 @@ class PanelProcess(ServiceProcess):
 
     def __init__(self, home: Path, *args: str, key: str = TEST_KEY, netns: str | None = None, port: int = 0):
         extra = [] if "--mdns" in args else ["--no-mdns"]  # tests multicast only inside their namespaces
+        # plain HTTP unless a certificate is asked for, as the agents the tests start (a panel bound
+        # beyond loopback refuses it unless told)
+        extra += [] if {"--tls", "--tls-cert", "--insecure-http"} & set(args) else ["--insecure-http"]
         super().__init__(
             ["panel", "--port", str(port), "--api-key", "tests", *args, *extra],
             env={"TANDEM_HOME": str(home), "TANDEM_CLUSTER_KEY": key, "COLUMNS": "300"},

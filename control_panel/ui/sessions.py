@@ -97,7 +97,8 @@ class UiSessions:
         data = self.of(request)
         expected = data["csrf"] if data else self.anon_token(request)
         presented = presented or request.headers.get("X-CSRF-Token")
-        if not expected or not presented or not hmac.compare_digest(expected, presented):
+        # compare_digest takes str only when ASCII (else TypeError, a 500): a token never is anything else
+        if not expected or not presented or not presented.isascii() or not hmac.compare_digest(expected, presented):
             raise HTTPException(403, "CSRF token missing or wrong: reload the page and try again")
 
     def new_session(self) -> dict:
