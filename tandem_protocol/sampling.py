@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .grammar import json_schema_problem
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (vLLM's default max_logprobs too)
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries (each is added at every sampled token)
 
 # Strict: a number must be a JSON number (no "0.5", no true); no NaN or infinity (Python's json,
 # and so a lenient client, sends them, and no sampler can use them).
@@ -38,7 +39,10 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[_Int, ...] = ()
     ignore_eos: Annotated[bool, Field(strict=True)] = False
     logit_bias: tuple[tuple[_TokenId, _Bias], ...] = Field(
-        (), description="(token id, bias) pairs added to the logits before sampling (OpenAI's -100..100)"
+        (),
+        max_length=MAX_LOGIT_BIAS,
+        description="(token id, bias) pairs added to the logits before sampling (OpenAI's -100..100, "
+        f"at most {MAX_LOGIT_BIAS})",
     )
     json_schema: str | None = Field(
         None, description="the output is one JSON value valid against this JSON schema (its JSON text)"

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine_adapters.sampler import Sampler, token_logprobs
-from tandem_protocol.sampling import SERVER_FIELDS, SamplingParams, TokenLogprobs
+from tandem_protocol.sampling import MAX_LOGIT_BIAS, SERVER_FIELDS, SamplingParams, TokenLogprobs
 
 NAN, INF = float("nan"), float("inf")
 
@@ -128,7 +128,24 @@ def test_logit_bias_moves_the_pick_not_the_reported_logprobs():
     raw = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
     assert got[0].logprob == pytest.approx(raw[3]) and got[0].top[0][0] == 1  # the model's own distribution
     assert LOGITS[3] == np.float32(-1.0)  # the caller's logits are left as they were
-    for bad in (((3, 100.5),), ((3, -101),), ((-1, 1.0),), ((3, NAN),), ((1.5, 1.0),)):
+    too_many = tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS + 1))  # OpenAI's bound, held at every hop
+    for bad in (((3, 100.5),), ((3, -101),), ((-1, 1.0),), ((3, NAN),), ((1.5, 1.0),), too_many):
         with pytest.raises(ValidationError) as e:
             SamplingParams(logit_bias=bad)
         assert e.value.errors()[0]["loc"][0] == "logit_bias"
+
+
+def test_a_full_logit_bias_moves_each_logit_as_one_at_a_time_would():
+    """300 entries, added in one vectorized step: the same logits as adding them one by one."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=49_152).astype(np.float32)
+    bias = tuple(
+        (int(t), float(b)) for t, b in zip(rng.choice(49_152, 300, replace=False), rng.uniform(-100, 100, 300))
+    )
+    expected = logits.copy()
+    for token, b in bias:
+        expected[token] += b
+    params = SamplingParams(logit_bias=bias, temperature=0.7, seed=11)
+    picks = [Sampler(params)(logits) for _ in range(3)]
+    reference = Sampler(params.model_copy(update={"logit_bias": ()}))
+    assert picks == [reference(expected)] * 3
