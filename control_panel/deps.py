@@ -143,6 +143,7 @@ async def key_slot(panel: Panel, key: Annotated[ApiKey, Depends(api_key)]) -> As
 
 
 KeySlot = Annotated[Slot, Depends(key_slot)]  # what a route that asks the agents declares
+CallerKey = Annotated[ApiKey, Depends(api_key)]  # what a route that asks no agent declares (its owner's rows)
 
 
 async def json_only(request: Request) -> None:

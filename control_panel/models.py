@@ -99,11 +99,19 @@ class Setting(SQLModel, table=True):
 
 class StoredResponse(SQLModel, table=True):
     """A /v1/responses answer, kept (unless the request said `store: false`) for a later request's
-    `previous_response_id` and for GET /v1/responses/{id}, until it expires."""
+    `previous_response_id` and for GET /v1/responses/{id}, until it expires or the store's caps
+    evict it (control_panel/response_store.py)."""
+
+    # the caps' sums (a key's bytes, all bytes) read this index alone, never the rows
+    __table_args__ = (Index("ix_storedresponse_key_size", "key_id", "size"),)
 
     id: str = Field(primary_key=True)  # resp_…
+    # the API key that made it: only that key reads, continues or deletes it (another key is told
+    # it does not exist), and revoking the key deletes it
+    key_id: int
     created: float = Field(default_factory=time.time)
     expires: float = Field(index=True)
+    size: int = 0  # bytes of the two JSON texts below, counted against the store's caps
     conversation: str  # JSON: the chat messages up to and with this answer, its instructions left out
     response: str  # JSON: the response object as it was returned
 

@@ -12,6 +12,7 @@ from argon2.exceptions import VerificationError
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
+from . import response_store
 from .db import cached_until_state_changes, get_setting, set_setting
 from .models import ApiKey
 
@@ -65,6 +66,18 @@ def set_key_limits(engine: Engine, key_id: int, max_concurrent: int | None, toke
             key.max_concurrent, key.tokens_per_minute = max_concurrent, tokens_per_minute
             s.add(key)
             s.commit()
+
+
+def revoke_api_key(engine: Engine, key_id: int) -> None:
+    """Delete a key and, in the same transaction, the responses it stored: what its holder kept
+    goes with the key, and no later key given the same id (SQLite reuses a deleted row's id)
+    finds it."""
+    with Session(engine) as s:
+        response_store.forget_key(s, key_id)
+        key = s.get(ApiKey, key_id)
+        if key is not None:
+            s.delete(key)
+        s.commit()
 
 
 def api_key_valid(engine: Engine, presented: str | None) -> bool:

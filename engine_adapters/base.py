@@ -36,6 +36,7 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from tandem_protocol.api import TOKENIZE_SECONDS
 from tandem_protocol.contract import HashCache, Progress, compute_contract
 from tandem_protocol.errors import Cancelled, FrameError, RequestError
 from tandem_protocol.handoff import FirstTokenMode, PrefillDone
@@ -43,6 +44,7 @@ from tandem_protocol.model_dir import inspect_model
 from tandem_protocol.pages import LOSSY, KVPage
 from tandem_protocol.sampling import OUTPUT_ONLY_FIELDS, SAMPLER_FIELDS, SamplingParams, TokenLogprobs
 from tandem_protocol.settings import load
+from tandem_protocol.template_switches import check_template_switches
 from tandem_protocol.tools import render_messages
 
 from .settings import EngineSettings
@@ -186,6 +188,11 @@ class EngineAdapter(ABC):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}")
         self._executor.submit(self._load).result()
         self.tokenizer = self._executor.submit(self._load_tokenizer).result()
+        # Tokenizing has a thread of its own: off the event loop (an 8 MiB prompt takes seconds)
+        # and off the engine thread (a request's tokenizing must not wait for decode steps). One
+        # thread, as vLLM's tokenizer executor has: a fast tokenizer used from several threads at
+        # once can fail ("Already borrowed").
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}-tokenize")
 
     # ---- what the agent calls ---------------------------------------------------------------
     @abstractmethod
@@ -284,7 +291,9 @@ class EngineAdapter(ABC):
     ) -> str:
         """A chat as the model's template renders it, ready for the answer; `tools` rendered by the
         template where it knows tools, else by Tandem's prompt (tandem_protocol/tools.py);
-        `template_kwargs` (e.g. enable_thinking) passed to the template."""
+        `template_kwargs` (e.g. enable_thinking) passed to the template: only its switches, never
+        a template of the caller's (TemplateSwitchError)."""
+        check_template_switches(template_kwargs)
         template = self.tokenizer.chat_template
         knows_tools = "tools" in (template if isinstance(template, str) else json.dumps(template or ""))
         rendered = render_messages(messages, tools, knows_tools)
@@ -376,6 +385,7 @@ class EngineAdapter(ABC):
         """Stop every request and free the engine (threads, processes, memory)."""
         for event in self._cancels.values():
             event.set()
+        self._tokenizer_thread.shutdown(wait=False)  # what is queued there still answers; nothing waits for it
         self._executor.shutdown(wait=True)
 
     # ---- shared by both kinds of engine -------------------------------------------------------
@@ -392,6 +402,21 @@ class EngineAdapter(ABC):
     async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the engine thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def on_tokenizer(self, fn: Callable[..., T], *args: Any, timeout: float = TOKENIZE_SECONDS) -> T:
+        """Run `fn(*args)` (a chat template's render, an encoding) on the tokenizer thread; the
+        event loop serves other requests meanwhile. RequestError once `timeout` seconds have
+        passed since the call, queueing included: the request fails then, while what was running
+        finishes on its thread (a thread cannot be stopped; a render of the model's own template,
+        with the switches tandem_protocol/template_switches.py lets through, ends)."""
+        work = asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+        try:
+            return await asyncio.wait_for(work, timeout)
+        except TimeoutError:
+            raise RequestError(
+                f"tokenizing did not finish within {timeout:g} s on this node (a prompt too long, or "
+                "too many long prompts at once): shorten the prompt or try again"
+            ) from None
 
     def _begin(self, req: EngineRequest) -> threading.Event:
         if req.request_id in self._cancels:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .handoff import FirstTokenMode
 from .pages import PROTOCOL_VERSION
 from .sampling import SamplingParams
+from .template_switches import check_template_switches
 
 PageEncoding = Literal["raw", "zstd", "fp8", "int8"]
 _URL = r"^https?://[^\s/]+(/.*)?$"
@@ -21,6 +22,13 @@ _FINGERPRINT = r"^[0-9a-f]{64}$"
 # stream broke or arrived damaged. D has released what it imported, so a panel may serve the
 # request on D alone (a pair's "decode_alone" fallback).
 PREFILLER_FAILED = "prefiller_failed"
+
+# How long an agent may take over one POST /v1/tokenize (a chat template's render and the
+# encoding, with its wait for the tokenizer thread) before it fails the request with a 400
+# (EngineAdapter.on_tokenizer); its client waits a little longer for that answer. An 8 MiB prompt
+# (the agent's body limit) took 8 s to encode on a 2-core machine (4 MiB: 3.5-5 s, SmolLM2's
+# tokenizer); 60 s leaves that room on a busy one.
+TOKENIZE_SECONDS = 60.0
 
 
 def _check_pin(url: str | None, fingerprint: str | None, field: str) -> None:
@@ -99,7 +107,17 @@ class TokenizeBody(BaseModel):
     tools: list[dict] | None = Field(
         None, description="OpenAI function tools the chat offers (tandem_protocol/tools.py)"
     )
-    chat_template_kwargs: dict | None = Field(None, description="passed to the chat template (e.g. enable_thinking)")
+    chat_template_kwargs: dict | None = Field(
+        None,
+        description="switches passed to the chat template (e.g. enable_thinking): only those of "
+        "tandem_protocol/template_switches.py, with scalar values",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _switches_only(cls, value: dict | None) -> dict | None:
+        check_template_switches(value)  # a ValueError naming the key: the agent's 400
+        return value
 
 
 class TokenizeAnswer(BaseModel):

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 
-from .api import TokenizeAnswer, TokenizeBody
+from .api import TOKENIZE_SECONDS, HandoffBody, TokenizeAnswer, TokenizeBody
 from .errors import TandemError
 from .page_receiver import MAX_ERROR_BODY, HTTPStatusError, PageStream, ReceiverPool
 from .pages import PROTOCOL_VERSION, FrameExpectation
@@ -66,6 +66,26 @@ def _http_error(status: int, where: str, body: bytes, retry_after: str | None = 
 # hostile or broken peer cannot make the reader hold what it sends.
 MAX_JSON = 1 << 20  # a JSON answer (status, info, a handoff); an error's body: MAX_ERROR_BODY
 MAX_LINE = 1 << 20  # one line of a token stream
+
+
+# How long a call that is not a stream waits for its answer (httpx's read and write timeouts), so
+# that an agent that hangs, or whose event loop is held, cannot hold its caller forever: past it,
+# a TransportError, as for an agent that cannot be reached. Each is far above what a working agent
+# takes, so that none cuts a legitimate call short.
+# healthz, info, status, local models, cancelling a handoff: milliseconds, a second or two for a
+# server engine's status or a listing of the model roots.
+CONTROL_SECONDS = 60.0
+# A tokenize: the agent fails it itself once TOKENIZE_SECONDS have passed, with a 400 that says
+# why; that answer is waited for.
+TOKENIZE_WAIT = TOKENIZE_SECONDS + 30.0
+# A configuration may close the engine and load another (a vLLM or SGLang server may take its
+# whole start timeout, 600 s by default, and a new checkpoint's contract hashes every weight
+# file), then load the old one again if that failed: an hour, for an administrator's action.
+CONFIG_SECONDS = 3600.0
+# A link probe pulls `megabytes`: CONTROL_SECONDS plus a second a megabyte, far slower than any
+# link P/D can use. A handoff's creation waits up to its `wait_timeout` for staging budget
+# (HandoffBody, 30 s by default): CONTROL_SECONDS plus that.
+LINK_SECONDS_PER_MB = 1.0
 
 
 class AnswerTooLarge(TandemError, ConnectionError):
@@ -154,7 +174,8 @@ class AgentClient:
             self._http = httpx.AsyncClient(
                 base_url=self.base_url,
                 headers=self._headers,
-                # connecting is bounded; reading is not: a decode may stream for minutes
+                # connecting is bounded; reading is not: a decode may stream for minutes (a call
+                # that is not a stream bounds its own, `_json`)
                 timeout=httpx.Timeout(None, connect=self._connect_timeout),
                 verify=True if self._ssl is None else self._ssl,
                 limits=httpx.Limits(max_connections=64, keepalive_expiry=60),
@@ -168,9 +189,20 @@ class AgentClient:
         if self._http is not None:
             await self._http.aclose()
 
-    async def _json(self, method: str, path: str, **kwargs) -> dict:
-        async with self.http.stream(method, path, **kwargs) as response:
-            body = await read_capped(response, MAX_JSON)
+    async def _json(self, method: str, path: str, wait: float | None = None, **kwargs) -> dict:
+        """A call that is not a stream, its answer waited for `wait` seconds at most (default
+        CONTROL_SECONDS; sending the body, then each read): past that, httpx's ReadTimeout or
+        WriteTimeout (TransportError)."""
+        wait = CONTROL_SECONDS if wait is None else wait
+        timeout = httpx.Timeout(connect=self._connect_timeout, read=wait, write=wait, pool=None)
+        try:
+            async with self.http.stream(method, path, timeout=timeout, **kwargs) as response:
+                body = await read_capped(response, MAX_JSON)
+        except httpx.TimeoutException as e:
+            if isinstance(e, httpx.ConnectTimeout | httpx.PoolTimeout):
+                raise
+            where = f"{self.base_url} {method} {path}"
+            raise type(e)(f"{where}: no answer within {wait:g} s ({type(e).__name__})", request=e.request) from None
         _raise_for(response, body)
         return json.loads(body)
 
@@ -187,11 +219,11 @@ class AgentClient:
     async def tokenize(self, **body) -> TokenizeAnswer:
         """POST /v1/tokenize with a TokenizeBody's fields (messages or prompt, tools, chat_template_kwargs)."""
         sent = TokenizeBody(**body).model_dump(exclude_none=True)
-        return TokenizeAnswer(**await self._json("POST", "/v1/tokenize", json=sent))
+        return TokenizeAnswer(**await self._json("POST", "/v1/tokenize", TOKENIZE_WAIT, json=sent))
 
     async def configure(self, **body) -> dict:
         """POST /v1/config: check (dry_run) or switch the node's engine, model and budget."""
-        return await self._json("POST", "/v1/config", json=body)
+        return await self._json("POST", "/v1/config", CONFIG_SECONDS, json=body)
 
     async def local_models(self) -> dict:
         return await self._json("GET", "/v1/models/local")
@@ -201,10 +233,12 @@ class AgentClient:
         from that prefiller to this decoder; over HTTPS it must present `peer_fingerprint`):
         bytes_per_second, rtt_seconds, page_bytes."""
         body = {"peer": peer, "megabytes": megabytes, "peer_fingerprint": peer_fingerprint}
-        return await self._json("POST", "/v1/bench/link", json={k: v for k, v in body.items() if v is not None})
+        wait = CONTROL_SECONDS + megabytes * LINK_SECONDS_PER_MB
+        return await self._json("POST", "/v1/bench/link", wait, json={k: v for k, v in body.items() if v is not None})
 
     async def create_handoff(self, **body) -> dict:
-        return await self._json("POST", "/v1/handoffs", json=body)
+        wait = CONTROL_SECONDS + body.get("wait_timeout", HandoffBody.model_fields["wait_timeout"].default)
+        return await self._json("POST", "/v1/handoffs", wait, json=body)
 
     async def cancel_handoff(self, handoff_id: str) -> dict:
         return await self._json("DELETE", f"/v1/handoffs/{handoff_id}")

@@ -10,7 +10,8 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem_protocol.grammar import ANY_JSON_OBJECT, json_schema_problem
-from tandem_protocol.sampling import MAX_TOP_LOGPROBS, SERVER_FIELDS, SamplingParams
+from tandem_protocol.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SERVER_FIELDS, SamplingParams
+from tandem_protocol.template_switches import TemplateSwitchError, check_template_switches
 from tandem_protocol.tools import forced_schema
 
 from .errors import OpenAIError
@@ -27,6 +28,9 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "ignore_eos", *SERVE
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default (Tandem's own is greedy)
 DEFAULT_MAX_TOKENS = 256
 MAX_STOPS = 4  # OpenAI's bound on stop strings
+# A stop string's length: the answer holds back up to that much text of each choice, and matches
+# it as the text streams (control_panel/api/answer.py); a stop string is a word or a marker
+MAX_STOP_CHARS = 256
 MAX_CHOICES = 16  # `n`: each choice is a request on the route (control_panel/api/choices.py)
 
 
@@ -60,6 +64,17 @@ class _Common(BaseModel):
             raise OpenAIError(400, f"`n`: 1 to {MAX_CHOICES} choices (got {self.n})", param="n")
         if len(self.stops) > MAX_STOPS:
             raise OpenAIError(400, f"`stop`: at most {MAX_STOPS} stop strings (got {len(self.stops)})", param="stop")
+        longest = max(map(len, self.stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise OpenAIError(
+                400, f"`stop`: a stop string has at most {MAX_STOP_CHARS} characters (got {longest})", param="stop"
+            )
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:  # OpenAI's 300
+            raise OpenAIError(
+                400,
+                f"`logit_bias`: at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})",
+                param="logit_bias",
+            )
         extra = self.model_extra or {}
         for name in self.UNSUPPORTED:
             value = extra.get(name)
@@ -168,9 +183,19 @@ class ChatBody(_Common):
 
     def check(self) -> None:
         super().check()
+        check_template_kwargs(self.chat_template_kwargs)
         self.messages = [text_message(i, m) for i, m in enumerate(self.messages)]
         check_tools(self.tools, self.tool_choice)
         check_tool_messages(self.messages)
+
+
+def check_template_kwargs(kwargs: dict | None) -> None:
+    """Only a template's switches, with scalar values (tandem_protocol/template_switches.py): a
+    template of the client's choosing never reaches an agent."""
+    try:
+        check_template_switches(kwargs)
+    except TemplateSwitchError as e:
+        raise OpenAIError(400, str(e), param="chat_template_kwargs") from None
 
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

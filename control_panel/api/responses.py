@@ -29,10 +29,10 @@ from sqlalchemy import Engine
 from tandem_protocol.tools import ToolCall
 
 from .. import response_store
-from ..deps import API_KEY, AgentRouter, Db, KeySlot, RequestLogs
+from ..deps import API_KEY, AgentRouter, CallerKey, Db, KeySlot, RequestLogs
 from ..router import RouteError
 from .answer import Answer
-from .bodies import OPENAI_TEMPERATURE, ChatBody, parts_text
+from .bodies import OPENAI_TEMPERATURE, ChatBody, check_template_kwargs, parts_text
 from .chat import chat_answer
 from .errors import OpenAIError, route_failure
 
@@ -50,7 +50,7 @@ def new_id(prefix: str) -> str:
 
 
 class ResponsesBody(BaseModel):
-    model_config = ConfigDict(extra="allow")  # sampling extensions and chat_template_kwargs go on
+    model_config = ConfigDict(extra="allow")  # sampling extensions go on to the chat
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -70,6 +70,7 @@ class ResponsesBody(BaseModel):
     user: str | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # a template's switches, as a chat's (enable_thinking)
 
     # parameters of the Responses API that Tandem does not implement: refused, never ignored
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
@@ -84,6 +85,7 @@ class ResponsesBody(BaseModel):
 
     def check(self) -> None:
         extra = self.model_extra or {}
+        check_template_kwargs(self.chat_template_kwargs)  # as a chat's, before anything is read or asked
         for name in self.UNSUPPORTED:
             if extra.get(name) not in (None, False):
                 raise OpenAIError(400, f"the parameter `{name}` is not supported by Tandem", param=name)
@@ -125,6 +127,7 @@ class ResponsesBody(BaseModel):
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs if self.logprobs else None,
             "user": self.user,
+            "chat_template_kwargs": self.chat_template_kwargs,
             **{k: v for k, v in (self.model_extra or {}).items() if k not in self.UNSUPPORTED},
         }
         try:
@@ -238,8 +241,11 @@ def chat_format(fmt: dict | None) -> dict | None:
 class ResponseRun:
     """One /v1/responses answer: `whole` or `streamed`, then kept (unless `store` is false)."""
 
-    def __init__(self, body: ResponsesBody, chat: ChatBody, answer: Answer, conversation: list[dict], db: Engine):
+    def __init__(
+        self, body: ResponsesBody, chat: ChatBody, answer: Answer, conversation: list[dict], db: Engine, key_id: int
+    ):
         self.body, self.chat, self.answer, self.conversation, self.db = body, chat, answer, conversation, db
+        self.key_id = key_id  # the API key it is kept for
         self.created = int(time.time())
 
     def response(self, status: str, output: list[dict], error: dict | None = None) -> dict:
@@ -283,13 +289,13 @@ class ResponseRun:
         return "incomplete" if self.answer.finish_reason == "length" else "completed"
 
     def keep(self, response: dict, text: str, calls: list[ToolCall]) -> None:
-        """Store the response and its conversation (with this answer) for a later request."""
+        """Store the response and its conversation (with this answer) for a later request of this key."""
         if not self.body.store:
             return
         said: dict = {"role": "assistant", "content": text or None}
         if calls:
             said["tool_calls"] = [c.openai() for c in calls]
-        response_store.save(self.db, response, [*self.conversation, said])
+        response_store.save(self.db, self.key_id, response, [*self.conversation, said])
 
     async def whole(self) -> dict:
         pieces = await self.answer.pieces()
@@ -445,13 +451,57 @@ def call_item(call: ToolCall) -> dict:
     }
 
 
+# ---- what a response keeps of its request ------------------------------------------------------
+# The fields a response echoes, and the store keeps, that no template renders (so no context length
+# bounds them), bounded as OpenAI bounds them: metadata (16 keys: `ResponsesBody.check`; keys of 64
+# characters, values of 512: its documented bounds), `user` (64 characters: undocumented, what its
+# API is reported to enforce, maximhq/bifrost#1000), the number of tools (128).
+METADATA_KEY_CHARS, METADATA_VALUE_CHARS, USER_CHARS, MOST_TOOLS = 64, 512, 64, 128
+# the fields of a function tool, a `text.format` and a named `tool_choice` as OpenAI defines them
+TOOL_FIELDS = ("type", "name", "description", "parameters", "strict")
+FORMAT_FIELDS = ("type", "name", "description", "schema", "strict")
+CHOICE_FIELDS = ("type", "name")
+
+
+def bound_kept_fields(body: ResponsesBody) -> None:
+    """Refuse (400 naming the field) what is over OpenAI's bounds, and keep only the known fields
+    of tools, `text.format` and `tool_choice`: anything else in them would be stored as is."""
+    for key, value in (body.metadata or {}).items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise OpenAIError(
+                400, f"`metadata`: a key is at most {METADATA_KEY_CHARS} characters (got {len(key)})", param="metadata"
+            )
+        if len(value) > METADATA_VALUE_CHARS:
+            raise OpenAIError(
+                400,
+                f"`metadata.{key}`: a value is at most {METADATA_VALUE_CHARS} characters (got {len(value)})",
+                param="metadata",
+            )
+    if body.user is not None and len(body.user) > USER_CHARS:
+        raise OpenAIError(400, f"`user`: at most {USER_CHARS} characters (got {len(body.user)})", param="user")
+    if body.tools is not None:
+        if len(body.tools) > MOST_TOOLS:
+            raise OpenAIError(400, f"`tools`: at most {MOST_TOOLS} tools (got {len(body.tools)})", param="tools")
+        body.tools = [{k: tool[k] for k in TOOL_FIELDS if k in tool} for tool in body.tools]
+    fmt = (body.text or {}).get("format")
+    if isinstance(fmt, dict):
+        body.text = {**(body.text or {}), "format": {k: fmt[k] for k in FORMAT_FIELDS if k in fmt}}
+    if isinstance(body.tool_choice, dict):
+        body.tool_choice = {k: body.tool_choice[k] for k in CHOICE_FIELDS if k in body.tool_choice}
+
+
 # ---- the routes ----------------------------------------------------------------------------------
+# A response is its key's alone. Another key's is answered exactly as an unknown id is, so a key
+# cannot even learn that an id exists.
+
+
 @router.post("/v1/responses")
 async def create_response(body: ResponsesBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot):
     body.check()
+    bound_kept_fields(body)
     history: list[dict] = []
     if body.previous_response_id is not None:
-        history = await asyncio.to_thread(response_store.conversation, db, body.previous_response_id)
+        history = await asyncio.to_thread(response_store.conversation, db, slot.key_id, body.previous_response_id)
         if history is None:
             raise OpenAIError(
                 404,
@@ -468,20 +518,20 @@ async def create_response(body: ResponsesBody, db: Db, agents: AgentRouter, requ
         answer = await chat_answer(chat, db, agents, request_log, rid=new_id("resp"), slot=slot)
     except OpenAIError as e:
         raise renamed(e) from None
-    run = ResponseRun(body, chat, answer, conversation, db)
+    run = ResponseRun(body, chat, answer, conversation, db, slot.key_id)
     return await (run.streamed() if body.stream else run.whole())
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, db: Db):
-    response = await asyncio.to_thread(response_store.response, db, response_id)
+async def get_response(response_id: str, db: Db, key: CallerKey):
+    response = await asyncio.to_thread(response_store.response, db, key.id, response_id)
     if response is None:
         raise OpenAIError(404, f"no stored response has the id {response_id!r}", code="response_not_found")
     return response
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, db: Db):
-    if not await asyncio.to_thread(response_store.forget, db, response_id):
+async def delete_response(response_id: str, db: Db, key: CallerKey):
+    if not await asyncio.to_thread(response_store.forget, db, key.id, response_id):
         raise OpenAIError(404, f"no stored response has the id {response_id!r}", code="response_not_found")
     return {"id": response_id, "object": "response", "deleted": True}

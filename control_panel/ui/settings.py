@@ -3,6 +3,7 @@ admin password."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Form, Request
@@ -11,8 +12,14 @@ from sqlmodel import Session, col, select
 
 from ..deps import SIGNED_IN, CsrfForm, Db, Panel, Render, Tr
 from ..models import ApiKey
-from ..security import check_admin_password, create_api_key, off_loop_argon2, set_admin_password, set_key_limits
-from ..services import delete_row
+from ..security import (
+    check_admin_password,
+    create_api_key,
+    off_loop_argon2,
+    revoke_api_key,
+    set_admin_password,
+    set_key_limits,
+)
 from .pools import whole_number
 
 router = APIRouter(include_in_schema=False, dependencies=SIGNED_IN)
@@ -52,7 +59,7 @@ async def settings_new_key(_csrf: CsrfForm, panel: Panel, render: Render, t: Tr,
 
 @router.post("/settings/keys/{key_id}/delete")
 async def settings_delete_key(_csrf: CsrfForm, key_id: int, db: Db):
-    delete_row(db, ApiKey, key_id)
+    await asyncio.to_thread(revoke_api_key, db, key_id)  # its stored responses may be many MiB
     return RedirectResponse("/settings", status_code=303)
 
 

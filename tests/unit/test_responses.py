@@ -5,13 +5,14 @@ request's own parameters, and stored answers that expire."""
 from __future__ import annotations
 
 import pytest
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from control_panel import response_store
 from control_panel.api.errors import OpenAIError
 from control_panel.api.responses import chat_format, chat_tool_choice, chat_tools, input_messages, renamed
 from control_panel.db import open_db
-from control_panel.models import StoredResponse
+from control_panel.models import ApiKey, StoredResponse
+from control_panel.security import create_api_key
 
 
 def test_input_items_become_chat_messages():
@@ -91,16 +92,19 @@ def test_chat_errors_name_the_responses_parameters():
 
 def test_stored_answers_expire(tmp_path, monkeypatch):
     db = open_db(tmp_path / "panel.db")
+    prefix = create_api_key(db, "k")[:10]
+    with Session(db) as s:
+        key = s.exec(select(ApiKey.id).where(ApiKey.prefix == prefix)).one()
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    response_store.save(db, {"id": "resp_a", "output": []}, conversation)
-    assert response_store.conversation(db, "resp_a") == conversation
-    assert response_store.response(db, "resp_a") == {"id": "resp_a", "output": []}
-    assert response_store.conversation(db, "resp_b") is None
+    response_store.save(db, key, {"id": "resp_a", "output": []}, conversation)
+    assert response_store.conversation(db, key, "resp_a") == conversation
+    assert response_store.response(db, key, "resp_a") == {"id": "resp_a", "output": []}
+    assert response_store.conversation(db, key, "resp_b") is None
     clock = [response_store.time.time()]
     monkeypatch.setattr(response_store.time, "time", lambda: clock[0])
     clock[0] += response_store.KEEP_SECONDS + 1  # past its time: gone, and deleted by the next write
-    assert response_store.conversation(db, "resp_a") is None and not response_store.forget(db, "resp_a")
-    response_store.save(db, {"id": "resp_b"}, conversation)
+    assert response_store.conversation(db, key, "resp_a") is None and not response_store.forget(db, key, "resp_a")
+    response_store.save(db, key, {"id": "resp_b"}, conversation)
     with Session(db) as s:
         assert s.get(StoredResponse, "resp_a") is None
-    assert response_store.forget(db, "resp_b") and response_store.response(db, "resp_b") is None
+    assert response_store.forget(db, key, "resp_b") and response_store.response(db, key, "resp_b") is None
