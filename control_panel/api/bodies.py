@@ -189,6 +189,14 @@ class ChatBody(_Common):
         check_tool_messages(self.messages)
 
 
+def checked_sampling(body) -> SamplingParams:
+    """`body.check()`, then its sampling parameters (a 400 if any is refused). Run in a thread
+    (`asyncio.to_thread`): checking tools and a JSON schema compiles each schema (llguidance,
+    ~0.1-0.4 s for a 0.2 MB one), which would hold every other request of the panel."""
+    body.check()
+    return body.sampling()
+
+
 def check_template_kwargs(kwargs: dict | None) -> None:
     """Only a template's switches, with scalar values (tandem_protocol/template_switches.py): a
     template of the client's choosing never reaches an agent."""
@@ -199,11 +207,14 @@ def check_template_kwargs(kwargs: dict | None) -> None:
 
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_TOOLS = 128  # OpenAI's bound on the tools of one request (each schema is compiled to check it)
 
 
 def check_tools(tools: list[dict] | None, choice: str | dict | None) -> None:
     """Each tool a function with a valid name and an arguments schema that can constrain an
     output; `tool_choice` one of OpenAI's, naming an offered function."""
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise OpenAIError(400, f"`tools`: at most {MAX_TOOLS} tools (got {len(tools)})", param="tools")
     names = set()
     for i, tool in enumerate(tools or []):
         fn = tool.get("function") if tool.get("type") == "function" else None

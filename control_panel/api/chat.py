@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 from sqlalchemy import Engine
 
@@ -11,7 +13,7 @@ from ..request_log import RequestLogWriter
 from ..router import Router
 from ..targets import resolve_target
 from .answer import Answer, new_rid, tokenize
-from .bodies import ChatBody
+from .bodies import ChatBody, checked_sampling
 from .choices import Choices, answer_or_choices
 
 router = APIRouter(dependencies=API_KEY)
@@ -27,8 +29,7 @@ async def chat_answer(
 ) -> Answer | Choices:
     """The answer to a chat body, checked, routed and tokenized (what /v1/responses runs too);
     `rid`: its id (default: a new chatcmpl-…), `slot`: the API key's, charged its tokens."""
-    body.check()
-    sampling = body.sampling()  # refused here, before any agent is asked anything
+    sampling = await asyncio.to_thread(checked_sampling, body)  # refused here, before any agent is asked anything
     target = resolve_target(db, body.model)
     rid = rid or new_rid(True)
     prompt = await tokenize(

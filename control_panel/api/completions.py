@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 
 from ..deps import API_KEY, AgentRouter, Db, KeySlot, RequestLogs
@@ -9,7 +11,7 @@ from ..request_log import RequestLogWriter
 from ..router import Router, Target
 from ..targets import resolve_target
 from .answer import new_rid, tokenize
-from .bodies import CompletionBody
+from .bodies import CompletionBody, checked_sampling
 from .choices import answer_or_choices
 from .errors import OpenAIError
 
@@ -29,8 +31,7 @@ async def prompt_ids(
 
 @router.post("/v1/completions")
 async def completions(body: CompletionBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot):
-    body.check()
-    sampling = body.sampling()  # refused here, before any agent is asked anything
+    sampling = await asyncio.to_thread(checked_sampling, body)  # refused here, before any agent is asked anything
     target = resolve_target(db, body.model)
     rid = new_rid(False)
     ids = await prompt_ids(body, agents, target, request_log, rid)

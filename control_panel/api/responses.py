@@ -32,7 +32,7 @@ from .. import response_store
 from ..deps import API_KEY, AgentRouter, CallerKey, Db, KeySlot, RequestLogs
 from ..router import RouteError
 from .answer import Answer
-from .bodies import OPENAI_TEMPERATURE, ChatBody, check_template_kwargs, parts_text
+from .bodies import MAX_TOOLS, OPENAI_TEMPERATURE, ChatBody, check_template_kwargs, parts_text
 from .chat import chat_answer
 from .errors import OpenAIError, route_failure
 
@@ -455,8 +455,8 @@ def call_item(call: ToolCall) -> dict:
 # The fields a response echoes, and the store keeps, that no template renders (so no context length
 # bounds them), bounded as OpenAI bounds them: metadata (16 keys: `ResponsesBody.check`; keys of 64
 # characters, values of 512: its documented bounds), `user` (64 characters: undocumented, what its
-# API is reported to enforce, maximhq/bifrost#1000), the number of tools (128).
-METADATA_KEY_CHARS, METADATA_VALUE_CHARS, USER_CHARS, MOST_TOOLS = 64, 512, 64, 128
+# API is reported to enforce, maximhq/bifrost#1000); the number of tools is bodies.MAX_TOOLS.
+METADATA_KEY_CHARS, METADATA_VALUE_CHARS, USER_CHARS = 64, 512, 64
 # the fields of a function tool, a `text.format` and a named `tool_choice` as OpenAI defines them
 TOOL_FIELDS = ("type", "name", "description", "parameters", "strict")
 FORMAT_FIELDS = ("type", "name", "description", "schema", "strict")
@@ -480,8 +480,8 @@ def bound_kept_fields(body: ResponsesBody) -> None:
     if body.user is not None and len(body.user) > USER_CHARS:
         raise OpenAIError(400, f"`user`: at most {USER_CHARS} characters (got {len(body.user)})", param="user")
     if body.tools is not None:
-        if len(body.tools) > MOST_TOOLS:
-            raise OpenAIError(400, f"`tools`: at most {MOST_TOOLS} tools (got {len(body.tools)})", param="tools")
+        if len(body.tools) > MAX_TOOLS:
+            raise OpenAIError(400, f"`tools`: at most {MAX_TOOLS} tools (got {len(body.tools)})", param="tools")
         body.tools = [{k: tool[k] for k in TOOL_FIELDS if k in tool} for tool in body.tools]
     fmt = (body.text or {}).get("format")
     if isinstance(fmt, dict):
