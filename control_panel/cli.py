@@ -13,7 +13,8 @@ import typer
 from rich.console import Console
 
 console = Console()
-# Connections and requests at once; past it a new one gets 503 at once (uvicorn), not memory.
+# Connections at once: at the limit the one that has waited longest for a request is closed to
+# make room (tandem_protocol/http_server.py); 503 only when every one is being answered.
 MAX_CONNECTIONS = 1024
 
 
@@ -84,7 +85,7 @@ def panel(
     """Serve the panel: add agents, pair them, and answer OpenAI API requests."""
     import uvicorn
 
-    from tandem_protocol.http_server import PageStreamProtocol, quiet_shutdown_cancels
+    from tandem_protocol.http_server import PageStreamProtocol, quiet_shutdown_cancels, raise_open_file_limit
     from tandem_protocol.pages import ENCODINGS
     from tandem_protocol.settings import settings
     from tandem_protocol.tls import certificate_fingerprint, ensure_certificate, spaced
@@ -94,6 +95,7 @@ def panel(
     from .services import MemberSpec, add_node, create_pool
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_open_file_limit()  # MAX_CONNECTIONS sockets, beside the files and the engine's
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
     if insecure_http and (tls or tls_cert):
@@ -163,7 +165,6 @@ def panel(
     # The agent's HTTP protocol (uvicorn's, plus a stall timeout): a client that stops reading its
     # answer without hanging up would otherwise hold a decode on the agents for as long as TCP waits.
     http = PageStreamProtocol.with_stall_timeout(stall_timeout)
-    # past MAX_CONNECTIONS connections and requests at once, a new one gets 503 at once
     config = uvicorn.Config(
         web,
         log_level="warning",

@@ -44,8 +44,9 @@ from .identity import (
 # On Ctrl-C or SIGTERM, requests still streaming after this long are cancelled (each releases what
 # it holds on the way out) instead of being waited for: a token stream can run for minutes.
 GRACEFUL_SHUTDOWN_SECONDS = 5.0
-# Connections and requests at once; past it a new one gets 503 at once (uvicorn), not memory.
-# A desk's agent serves a few panels' polls, its peers' page streams and its decodes.
+# Connections at once: at the limit the one that has waited longest for a request is closed to
+# make room (tandem_protocol/http_server.py); 503 only when every one is being answered. A desk's
+# agent serves a few panels' polls, its peers' page streams and its decodes.
 MAX_CONNECTIONS = 256
 
 app = typer.Typer(help="Run and diagnose a node agent.", no_args_is_help=True)
@@ -176,13 +177,19 @@ def serve(
     from engine_adapters.settings import EngineSettings
     from tandem_protocol.contract import HashCache
     from tandem_protocol.discovery import Announcer, announced_properties, lan_addresses
-    from tandem_protocol.http_server import PageStreamProtocol, quiet_shutdown_cancels, server_tls_context
+    from tandem_protocol.http_server import (
+        PageStreamProtocol,
+        quiet_shutdown_cancels,
+        raise_open_file_limit,
+        server_tls_context,
+    )
     from tandem_protocol.settings import load
 
     from .app import AgentConfig, create_app
     from .model_roots import default_roots
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_open_file_limit()  # MAX_CONNECTIONS sockets, beside the files and the engine's
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
     if insecure_http and tls_cert:

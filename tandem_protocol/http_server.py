@@ -25,17 +25,36 @@ server's, and against raw TCP.
   Under a server with `tandem.vectored` a frame is one chunk, written by the `ChunkWriter`; any
   other server gets each frame joined into one body message (one copy, still correct).
 
+A connection must deliver a whole request (headers and body) within `REQUEST_DEADLINE` seconds:
+of its TCP connection (the TLS handshake included, under `configured(tls=...)`), or of the first
+byte of a later request on a kept-alive one; it is aborted otherwise. The deadline ends with the
+request's last byte, so answers that stream for minutes are never cut. Between requests a
+kept-alive connection is uvicorn's to close (`timeout_keep_alive`). uvicorn alone times nothing
+out before a request's end, and its `limit_concurrency` counts connections: a few hundred silent
+or trickling sockets would answer every request with 503 (review finding M2). So, also, at that
+limit a new connection closes the one that has waited longest for a request (silent, trickling,
+idle between requests, or in its handshake), as nginx takes back its connections that wait for a
+request when it runs out (`ngx_drain_connections`): sockets that send nothing never keep out a
+client that asks at once. A connection whose request is being answered is never closed for room;
+when every one is, uvicorn's 503 stands. No per-address cap: room is made whatever the number of
+addresses a LAN host takes, and a cap would have to admit the panel's pool (64 connections per
+agent) and every decoder's page streams.
+
 uvicorn is pinned in pyproject.toml (the protocol relies on its cycle's `chunked_encoding`,
-`response_started` and `disconnected` and on the protocol's `flow`); tests/unit/test_page_receiver.py,
-tests/unit/test_http_server.py and tests/system/test_page_sender.py check the chunks on the wire, the stall
-timeout and the release of a stream whose reader hung up, for both senders.
+`response_started` and `disconnected`, on the protocol's `flow`, `connections`, `pipeline`, parser
+callbacks and `on_response_complete`); tests/unit/test_page_receiver.py, tests/unit/test_http_server.py and
+tests/system/test_page_sender.py check the chunks on the wire, the stall timeout, the release of a
+stream whose reader hung up, for both senders, and the request deadline and the room made at the
+limit; tests/system/test_idle_sockets.py holds hundreds of sockets on a real agent and panel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import ssl
+import time
 from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass
 
@@ -44,13 +63,21 @@ from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from .page_sender import SocketSender, TlsLayer, dup_socket, tls_protocol
+from .page_sender import SocketSender, TlsLayer, dup_socket
 
 EXTENSION = "tandem.vectored"
 SENDERS = ("thread", "loop")
 
 Frame = bytes | tuple[bytes, memoryview]
 log = logging.getLogger("tandem.http")
+
+# Seconds a connection has to deliver a whole request. No legitimate client comes near it: the
+# largest body either server takes (the agent's 8 MiB limit) arrives in it at 1.2 Mbit/s, the
+# panel's 4 MiB at 0.6 Mbit/s, slower than any working LAN link; page-stream GETs and the panel's
+# calls are a few KB sent at once. It is nginx's default wait for a request's header
+# (client_header_timeout) and asyncio's and uvloop's for a TLS handshake: one figure for each phase.
+REQUEST_DEADLINE = 60.0
+LOG_EVERY = 60.0  # seconds between warnings of connections closed (an attack closes hundreds)
 
 
 class _ShutdownCancels(logging.Filter):
@@ -196,8 +223,47 @@ class StallFlowControl(FlowControl):
             await asyncio.sleep(0)  # let it run before the caller looks
 
 
+class Intake:
+    """One server's connections that owe it a request, oldest first (a dict keeps the order in
+    which they began to wait), and how many of them are still in their TLS handshake: those are not
+    yet among uvicorn's `connections`, but hold a socket all the same."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[PageStreamProtocol, None] = {}
+        self.handshaking = 0
+        self._closed: collections.Counter[str] = collections.Counter()
+        self._last_peer = None
+        self._logged_at = -LOG_EVERY
+        self._report: asyncio.TimerHandle | None = None
+
+    @staticmethod
+    def of(server_state) -> Intake:
+        """The intake of the server whose shared state (uvicorn's `ServerState`) this is."""
+        intake = getattr(server_state, "tandem_intake", None)
+        if intake is None:
+            intake = server_state.tandem_intake = Intake()
+        return intake
+
+    def closed(self, why: str, peer) -> None:
+        """Counted, and told in one warning a second later (at most one every LOG_EVERY seconds)."""
+        self._closed[why] += 1
+        self._last_peer = peer
+        if self._report is None:
+            delay = max(1.0, self._logged_at + LOG_EVERY - time.monotonic())
+            self._report = asyncio.get_running_loop().call_later(delay, self._warn)
+
+    def _warn(self) -> None:
+        counts = ", ".join(f"{n} {why}" for why, n in self._closed.items())
+        log.warning(
+            "closed connections that delivered no whole request: %s (the last from %s)", counts, self._last_peer
+        )
+        self._closed.clear()
+        self._logged_at, self._report = time.monotonic(), None
+
+
 class PageStreamProtocol(HttpToolsProtocol):
     stall_timeout: float | None = None  # None: wait for a slow reader as long as TCP does
+    request_deadline: float | None = REQUEST_DEADLINE  # None: wait for a request forever (uvicorn's way)
 
     sender: str = "loop"
 
@@ -206,23 +272,160 @@ class PageStreamProtocol(HttpToolsProtocol):
         return cls.configured(seconds)
 
     @classmethod
-    def configured(cls, stall_timeout: float | None, sender: str = "loop", tls: ssl.SSLContext | None = None):
+    def configured(
+        cls,
+        stall_timeout: float | None,
+        sender: str = "loop",
+        tls: ssl.SSLContext | None = None,
+        request_deadline: float | None = REQUEST_DEADLINE,
+    ):
         """The protocol for uvicorn's `http=`. `sender`: who writes a page stream's frames, "loop"
         (the transport) or "thread" (a `SocketSender`). `tls`: serve TLS with this context through
-        `TlsLayer` (give uvicorn no certificate of its own): the TLS a sender thread can write."""
+        `TlsLayer` (give uvicorn no certificate of its own): the TLS a sender thread can write, and
+        whose handshake the request deadline covers."""
         if sender not in SENDERS:
             raise ValueError(f"sender is one of {SENDERS}, not {sender!r}")
-        protocol = type(cls.__name__, (cls,), {"stall_timeout": stall_timeout, "sender": sender})
-        return protocol if tls is None else tls_protocol(protocol, tls)
+        attributes = {"stall_timeout": stall_timeout, "sender": sender, "request_deadline": request_deadline}
+        protocol = type(cls.__name__, (cls,), attributes)
+        if tls is None:
+            return protocol
+
+        def create(*args, **kwargs) -> DeadlineTlsLayer:
+            http = protocol(*args, **kwargs)
+            return DeadlineTlsLayer(asyncio.get_running_loop(), http, tls, None, server_side=True)
+
+        return create
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._intake = Intake.of(self.server_state)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._socket: asyncio.BaseTransport | None = None  # what the deadline aborts (under TLS: the TCP one)
+        self._handshaking = False
+
+    # A connection is counted and its deadline starts when its TCP connection is accepted: under
+    # `DeadlineTlsLayer`, before the handshake (`tls_started`); in plain HTTP, at `connection_made`.
+    # Under uvloop's own TLS (uvicorn given a certificate) only once the handshake is done: uvloop
+    # gives up on a handshake after 60 s itself, but does not let it be counted.
+    def tls_started(self, tcp: asyncio.BaseTransport) -> None:
+        self._handshaking = True
+        self._intake.handshaking += 1
+        self._accepted(tcp)
+
+    def tls_ended(self) -> None:
+        """The TCP connection is gone; if before the handshake ended, uvicorn never heard of it."""
+        if self._handshaking:
+            self._handshake_over()
+            self._forget()
+
+    def _handshake_over(self) -> None:
+        self._handshaking = False
+        self._intake.handshaking -= 1
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self.flow = StallFlowControl(transport, self.stall_timeout)
+        if self._handshaking:  # now one of uvicorn's connections: its deadline runs on
+            self._handshake_over()
+        else:
+            self._accepted(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._forget()
+        super().connection_lost(exc)
+
+    def _accepted(self, tcp: asyncio.BaseTransport) -> None:
+        self._socket = tcp
+        self._intake.waiting[self] = None
+        self._arm()
+        self._make_room()
+
+    def _make_room(self) -> None:
+        """At the limit (where uvicorn answers every new request 503), close the connections that
+        have waited longest for a request, so that this one's request is served."""
+        limit = self.limit_concurrency
+        if limit is None:
+            return
+        while len(self.connections) + self._intake.handshaking >= limit:
+            oldest = next((c for c in self._intake.waiting if c is not self and not c._writing()), None)
+            if oldest is None:  # every other connection is being answered
+                return
+            oldest._close("to make room")
+
+    def _writing(self) -> bool:
+        """Whether the end of an answer is still on its way out (its client may be slow to read it)."""
+        return self.transport is not None and self.transport.get_write_buffer_size() > 0
+
+    def _arm(self) -> None:
+        if self.request_deadline is not None and self._deadline is None:
+            self._deadline = self.loop.call_later(self.request_deadline, self._deadline_passed)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _forget(self) -> None:
+        self._disarm()
+        self._intake.waiting.pop(self, None)
+
+    def _deadline_passed(self) -> None:
+        self._deadline = None
+        self._close(f"after {self.request_deadline:g} s")
+
+    def _close(self, why: str) -> None:
+        """Abort (nothing is owed to a client that has not asked) and count it out at once."""
+        self._intake.closed(why, self._socket.get_extra_info("peername"))
+        if self._handshaking:
+            self._handshake_over()
+        self._forget()
+        self.connections.discard(self)
+        self._socket.abort()
+
+    # The request: its deadline runs from its first byte (from the connection's start, for the
+    # first) to its last; a connection waits (may be closed for room) until a request of it is
+    # whole and again once its answer is complete.
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+        if self.cycle is None or not self.cycle.response_complete:  # being answered (not answered early)
+            self._intake.waiting.pop(self, None)
+
+    def on_response_complete(self) -> None:
+        idle = not self.pipeline  # no request queued behind this one
+        super().on_response_complete()
+        if idle and not self.transport.is_closing():
+            self._intake.waiting.setdefault(self, None)
+
+    def handle_websocket_upgrade(self) -> None:
+        self._forget()  # the connection is the WebSocket protocol's now
+        super().handle_websocket_upgrade()
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.scope is self.scope:  # an HTTP request (not an upgrade)
             self.scope.setdefault("extensions", {})[EXTENSION] = ChunkWriter(self.cycle, self.flow, self)
+
+
+class DeadlineTlsLayer(TlsLayer):
+    """`TlsLayer` that tells its HTTP protocol of the TCP connection before the handshake, so the
+    request deadline covers a handshake that never ends, and counts it toward the limit."""
+
+    def __init__(self, loop, http: PageStreamProtocol, *args, **kwargs):
+        super().__init__(loop, http, *args, **kwargs)
+        self._http = http
+
+    def connection_made(self, transport):
+        self._http.tls_started(transport)
+        super().connection_made(transport)
+
+    def connection_lost(self, exc):
+        super().connection_lost(exc)
+        self._http.tls_ended()
 
 
 async def aclose(iterator) -> None:
@@ -276,3 +479,19 @@ class PageStreamResponse(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         self._writer: ChunkWriter | None = (scope.get("extensions") or {}).get(EXTENSION)
         await super().__call__(scope, receive, send)
+
+
+def raise_open_file_limit() -> None:
+    """The soft limit on open files up to the hard one (as Go's runtime does): a server's
+    connection limit (1024 on the panel) must not meet the common soft default of 1024 files."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 65536 if hard == resource.RLIM_INFINITY else hard  # macOS: no file limit, a kernel cap
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):  # a kernel cap below it: keep the soft limit
+            pass

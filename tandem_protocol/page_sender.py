@@ -324,14 +324,3 @@ class TlsLayer(sslproto.SSLProtocol):
     def _start_shutdown(self):
         if not self._defer(lambda: super(TlsLayer, self)._start_shutdown()):
             super()._start_shutdown()
-
-
-def tls_protocol(http_protocol: type, context: ssl.SSLContext) -> Callable[..., TlsLayer]:
-    """A protocol factory for uvicorn's `http=`: `http_protocol` behind `TlsLayer` (serve with no
-    `ssl` of uvicorn's own: the TLS is here)."""
-
-    def create(*args, **kwargs) -> TlsLayer:
-        app = http_protocol(*args, **kwargs)
-        return TlsLayer(asyncio.get_running_loop(), app, context, None, server_side=True)
-
-    return create
