@@ -20,12 +20,23 @@ from sqlmodel import Session, select
 from .models import RequestLog
 
 INTERRUPTED = "the panel stopped while this request ran"
+# An error is kept (and logged) up to this many characters: every line of ours fits, with a
+# server engine's log tail; an agent's error body (64 KiB) or error line (1 MiB) does not.
+MAX_ERROR = 4000
 
 log = logging.getLogger("tandem.panel")
 
 
+def bounded(error: str) -> str:
+    """`error` as the request log keeps it: at most MAX_ERROR characters, and how many more there were."""
+    if len(error) <= MAX_ERROR:
+        return error
+    return f"{error[:MAX_ERROR]} … ({len(error) - MAX_ERROR} more characters)"
+
+
 def save(engine: Engine, row: RequestLog) -> RequestLog:
     """Insert the row, or update it when it has an id; returns it detached, id filled in."""
+    row.error = bounded(row.error)
     with Session(engine) as s:
         row = s.merge(row)
         s.commit()
@@ -62,9 +73,10 @@ class RequestLogWriter:
 
     def finish(self, started: tuple[RequestLog, Future], **fields) -> None:
         """Record how the request ended; returns once it is written. A failure goes to the panel's
-        log too, in full: the API's client is told less (api/errors.py, `route_failure`)."""
+        log too, as the row keeps it (`bounded`): the API's client is told less (api/errors.py,
+        `route_failure`)."""
         if fields.get("outcome") == "error":
-            log.warning("API request %s failed: %s", started[0].request_id, fields.get("error", ""))
+            log.warning("API request %s failed: %s", started[0].request_id, bounded(fields.get("error", "")))
         try:
             self._writer.submit(self._finish, started, fields).result()
         except RuntimeError:  # the writer has shut down (a request ending as the panel stops)

@@ -26,6 +26,13 @@ SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNO
 # The agent's own polls (its figures every few seconds, health checks) in the server's access log:
 # a log tail is read for what went wrong, and these would push it out.
 POLL_LINE = re.compile(r'"GET /(metrics|health)\S* HTTP/[\d.]+" \d{3}')
+# A key in a server's log: SGLang (0.5.23) logs its arguments as it starts,
+# `server_args={…, 'api_key': '…', …}`, and a log tail goes into errors, which reach the panel and
+# its log. As an option (`--api-key X`, `--admin-api-key=X`) or a field (a repr, a dict's entry).
+API_KEY_ARG = re.compile(r"""(-api-key(?:=|\s+)|api_key['"]?\s*[:=]\s*['"]?)[^\s'",)}]++""", re.IGNORECASE)
+REDACTED = "<redacted>"
+LOG_TAIL_BYTES = 64 * 1024  # of a server's log, read for its tail
+LOG_TAIL_LINE = 1000  # characters of a line of it, at most
 
 
 def engine_python(engine: str, explicit: Path | None, env_var: str, venv: str, make_target: str) -> Path:
@@ -201,12 +208,18 @@ class ServerProcess:
             return False
 
     def log_tail(self, lines: int = 15) -> str:
-        """The log's last `lines` lines but the agent's own polls."""
+        """The log's last `lines` lines but the agent's own polls, each cut to LOG_TAIL_LINE
+        characters, with any key redacted: it goes into error messages."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as f:
+                start = f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
-        return "\n".join([line for line in text.splitlines() if not POLL_LINE.search(line)][-lines:])
+        text = API_KEY_ARG.sub(rf"\1{REDACTED}", text.replace(self.api_key, REDACTED))
+        logged = text.splitlines()[1 if start else 0 :]  # (a line read from its middle could hold a piece of a key)
+        kept = [line for line in logged if not POLL_LINE.search(line)][-lines:]
+        return "\n".join(line if len(line) <= LOG_TAIL_LINE else line[:LOG_TAIL_LINE] + " …" for line in kept)
 
     def stop(self) -> None:
         self._stopping = True

@@ -28,7 +28,15 @@ log = logging.getLogger("tandem.agent")
 class IncrementalDetokenizer:
     """Text deltas from a growing token list, decoding only a short window of recent tokens
     (the offsets scheme of Hugging Face's TextStreamer and vLLM's detokenizer), so a long answer
-    costs O(n), not O(n^2). A partial UTF-8 character is held back until it completes."""
+    costs O(n), not O(n^2). A partial UTF-8 character is held back until it completes.
+
+    Tokens that add no text (special tokens, which decode to nothing) or leave it ending in a
+    partial character are decoded again with the next token; past MAX_HELD of them they go out as
+    they decode (U+FFFD for bytes that make no character), so that the window stays short even
+    when a request steers its output to such tokens (logit_bias, ignore_eos): left to grow, each
+    token would decode all of them again (issue 43)."""
+
+    MAX_HELD = 8  # a UTF-8 character is at most 4 bytes, so at most 4 tokens
 
     def __init__(self, adapter: EngineAdapter):
         self.adapter, self.ids, self.prefix, self.read = adapter, [], 0, 0
@@ -37,7 +45,8 @@ class IncrementalDetokenizer:
         self.ids.append(token)
         before = self.adapter.detokenize(self.ids[self.prefix : self.read])
         text = self.adapter.detokenize(self.ids[self.prefix :])
-        if len(text) <= len(before) or text.endswith("\ufffd"):
+        held = len(self.ids) - self.read
+        if (len(text) <= len(before) or text.endswith("\ufffd")) and held < self.MAX_HELD:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(before) :]

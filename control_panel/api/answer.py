@@ -27,27 +27,84 @@ from .tool_calls import ToolCallText
 
 
 class StopScanner:
-    """Cuts the text at the first stop string, holding back what could still become one."""
+    """Cuts the text at the first stop string, holding back what could still become one: the
+    longest end of the text that is the start of a stop string.
+
+    Linear in the text, however long the stop strings (issue 43): each stop string is matched as
+    the text streams (Knuth-Morris-Pratt), so the text is read once, not again at each token, and
+    what is held back is a stop string's start, so it is kept as which one and how much of it,
+    never copied."""
 
     def __init__(self, stops: list[str]):
-        self.stops, self.pending, self.hit = [s for s in stops if s], "", False
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.stops = [s for s in stops if s]
+        self.borders = [_borders(s) for s in self.stops]
+        self.firsts = frozenset(s[0] for s in self.stops)
+        self.matched = [0] * len(self.stops)  # of each stop string, how much the text ends with
+        self.held_of, self.held = 0, 0  # held back: the start of stops[held_of], `held` characters
+        self.hit = False
 
     def feed(self, text: str) -> str:
-        self.pending += text
-        for stop in self.stops:
-            at = self.pending.find(stop)
-            if at >= 0:
-                self.hit = True
-                out, self.pending = self.pending[:at], ""
-                return out
-        cut = max(0, len(self.pending) - self.hold)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
+        if not self.held and self.firsts.isdisjoint(text):  # the usual case: nothing begins a stop string
+            return text
+        ends = []  # (where in `text` a stop string ends, minus its length)
+        for i, stop in enumerate(self.stops):
+            self.matched[i], end = _match(stop, self.borders[i], self.matched[i], text)
+            if end >= 0:
+                ends.append((end, -len(stop)))
+        if ends:  # the first to end (the longest of those): the text goes up to its start
+            end, length = min(ends)
+            self.hit = True
+            out = self._release(text[:end], -length, 0)
+            self.held = 0  # the stop string itself never goes out
+            return out
+        longest = max(range(len(self.stops)), key=self.matched.__getitem__)
+        return self._release(text, self.matched[longest], longest)
+
+    def _release(self, text: str, keep: int, of: int) -> str:
+        """The held text followed by `text`, less its last `keep` characters: those are held
+        back from now on, the start of stops[of]."""
+        out = self.held + len(text) - keep  # characters that go out
+        held = self.stops[self.held_of]
+        released = held[:out] if out <= self.held else held[: self.held] + text[: out - self.held]
+        self.held_of, self.held = of, keep
+        return released
 
     def flush(self) -> str:
-        out, self.pending = self.pending, ""
+        out = self.stops[self.held_of][: self.held] if self.stops else ""
+        self.held = 0
         return out
+
+
+def _borders(stop: str) -> list[int]:
+    """For each length n of the start of `stop`, the longest proper start of `stop` that its first
+    n characters end with (Knuth-Morris-Pratt's failure function)."""
+    borders, k = [0] * (len(stop) + 1), 0
+    for n in range(2, len(stop) + 1):
+        while k and stop[k] != stop[n - 1]:
+            k = borders[k]
+        if stop[k] == stop[n - 1]:
+            k += 1
+        borders[n] = k
+    return borders
+
+
+def _match(stop: str, borders: list[int], k: int, text: str) -> tuple[int, int]:
+    """After `text`, how much of `stop` the text ends with, `k` before it; and where in `text` the
+    whole of `stop` first ends (-1: it does not)."""
+    if k and stop.startswith(text, k):  # (scans in C: the text goes on with it, or cannot begin it)
+        k += len(text)
+        return k, len(text) if k == len(stop) else -1
+    start = text.find(stop[0]) if k == 0 else 0
+    if start < 0:
+        return 0, -1
+    for at in range(start, len(text)):
+        while k and stop[k] != text[at]:
+            k = borders[k]
+        if stop[k] == text[at]:
+            k += 1
+            if k == len(stop):
+                return k, at + 1
+    return k, -1
 
 
 def sse(obj: dict) -> bytes:

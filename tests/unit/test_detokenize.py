@@ -6,6 +6,8 @@ import pytest
 
 from node_agent.token_stream import IncrementalDetokenizer
 
+from .cost import cpu_seconds
+
 
 @pytest.mark.parametrize(
     "text",
@@ -30,6 +32,37 @@ def test_window_stays_short(engines):
     for t in adapter.encode("word " * 300):
         inc.add(t)
     assert len(inc.ids) - inc.prefix <= 4  # decoding cost does not grow with the answer
+
+
+# (token, its text alone): a byte-level BPE vocabulary (GPT-2's, SmolLM2's) spells byte 0xE6,
+# which begins a 3-byte character, "æ"; <|im_end|> is a special token, which decodes to nothing.
+NO_TEXT = {"a character's first byte": ("æ", "\ufffd"), "a special token": ("<|im_end|>", "")}
+
+
+@pytest.mark.parametrize("what", NO_TEXT)
+def test_tokens_that_add_no_text_cost_linear_time(engines, what):
+    """The attack (issue 43, L11): an answer steered (logit_bias, ignore_eos) to a token that leaves
+    the text ending in a partial character, or adds none, again and again. The old detokenizer
+    never moved its window then, so each token decoded all the earlier ones again: 8x the tokens
+    cost 45x. Now the window moves on after a few (a character is at most 4 bytes): ~8x (measured
+    on a loaded 2-core machine: 2,000 tokens in ~25 ms of CPU), and the deltas still add up to the
+    text of the tokens they stand for (U+FFFD for bytes that make no character)."""
+    adapter = engines["torch"]
+    piece, alone = NO_TEXT[what]
+    token = adapter.tokenizer.convert_tokens_to_ids(piece)
+    assert adapter.detokenize([token]) == alone
+
+    def detokenizing(tokens: int) -> tuple[float, IncrementalDetokenizer, list[str]]:
+        inc, deltas = IncrementalDetokenizer(adapter), []
+        return cpu_seconds(lambda: deltas.extend(inc.add(token) for _ in range(tokens))), inc, deltas
+
+    small = large = float("inf")
+    for _ in range(5):  # in turn: whatever slows the machine for a while weighs on both
+        small = min(small, detokenizing(250)[0])
+        cost, inc, deltas = detokenizing(2000)
+        large = min(large, cost)
+    assert large < 0.25 and large / small < 16, (small, large)
+    assert "".join(deltas) == adapter.detokenize(inc.ids[: inc.read]) and len(inc.ids) - inc.read < 8
 
 
 def test_each_tokens_bytes_join_into_the_text_even_inside_a_character(engines):
