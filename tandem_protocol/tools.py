@@ -35,7 +35,9 @@ To call a function, answer with one block per call and nothing else:
 A function's result comes back in a <tool_response> block."""
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# (No `\s*` around the body: beside a lazy `.*?` it rescans a run of whitespace from each of its
+# characters, quadratic in it; json.loads takes the whitespace as it is.)
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -116,22 +118,37 @@ def forced_calls(text: str, tools: list[dict], choice: str | dict) -> list[ToolC
 
 def array_items(text: str) -> list[str]:
     """The whole object items at the start of a JSON array's text, which may be cut anywhere."""
-    items, depth, start, in_string, escaped = [], 0, 0, False, False
-    for i, ch in enumerate(text):
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            start = i if depth == 2 else start
-        elif ch in "]}":
-            if depth == 2:
-                items.append(text[start : i + 1])
-            depth -= 1
-            if depth == 0:
+    return ArrayItems().new(text)
+
+
+class ArrayItems:
+    """`array_items` of a text that grows, each character read once: `new(text)` gives the items
+    that ended since the last call (a forced call's answer is checked at each token)."""
+
+    def __init__(self):
+        self.read, self.depth, self.start, self.in_string, self.escaped = 0, 0, 0, False, False
+        self.ended = False
+
+    def new(self, text: str) -> list[str]:
+        items = []
+        for i in range(self.read, len(text)):
+            if self.ended:
                 break
-    return items
+            ch = text[i]
+            self.read = i + 1
+            if self.in_string:
+                self.escaped, self.in_string = (False, True) if self.escaped else (ch == "\\", ch != '"')
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+                self.start = i if self.depth == 2 else self.start
+            elif ch in "]}":
+                if self.depth == 2:
+                    items.append(text[self.start : i + 1])
+                self.depth -= 1
+                self.ended = self.depth == 0
+        return items
 
 
 def call_key(call: ToolCall) -> tuple[str, str]:

@@ -13,10 +13,16 @@ class ReasoningText:
         self.inside = open_in_prompt  # the template opened the block: the answer begins in it
         self.started = open_in_prompt  # the block was opened (a model may open it only at the start)
         self.held = ""
+        self.space: list[str] = []  # whitespace before anything else (held apart: no rescan of it at each token)
         self.closed = False  # the block just closed: the newlines templates put after it are not content
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) that can go out now."""
+        if not self.started and not self.held and text.isspace():  # no telling yet what it comes before
+            self.space.append(text)
+            return "", ""
+        if self.space:
+            text, self.space = "".join(self.space) + text, []
         self.held += text
         reasoning = content = ""
         while True:
@@ -44,5 +50,5 @@ class ReasoningText:
             self.held, self.inside, self.closed = self.held[at + len(CLOSE) :], False, True
 
     def finish(self) -> tuple[str, str]:
-        held, self.held = self.held, ""
+        held, self.held, self.space = "".join(self.space) + self.held, "", []
         return (held, "") if self.inside else ("", held)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from tandem_protocol.tools import CLOSE, OPEN, ToolCall, array_items, call_key, forced_calls, parse_calls
+from tandem_protocol.tools import CLOSE, OPEN, ArrayItems, ToolCall, call_key, forced_calls, parse_calls
 
 
 def partial_tag(text: str, tag: str) -> int:
@@ -23,6 +23,11 @@ class ToolCallText:
         self.tools, self.choice, self.forced = tools, choice, forced
         self.held, self.holding, self.sent_any = "", forced, False
         self.repeated = False  # the answer made a call twice: it ends before the second
+        # how far the held text has been checked for a repeat (each part of it once: a check of
+        # it all at each token cost O(n^2) in its length, O(n^3) with n calls)
+        self.keys: set[tuple[str, str]] = set()  # the calls made so far
+        self.checked = self.searched = 0  # the end of the last call checked; where a CLOSE may begin
+        self.items, self.kept = ArrayItems(), []  # a forced answer's items, those kept
 
     def feed(self, text: str) -> str:
         """The content that can go out now."""
@@ -52,24 +57,25 @@ class ToolCallText:
             return
         if ("}" if self.forced else ">") not in text:
             return
-        seen, kept = set(), []
         if self.forced:
-            for item in array_items(self.held):
+            for item in self.items.new(self.held):
                 call = json.loads(item)
                 key = call_key(ToolCall(call["name"], json.dumps(call["parameters"])))
-                if key in seen:
-                    self.held, self.repeated = "[" + ",".join(kept) + "]", True
+                if key in self.keys:
+                    self.held, self.repeated = "[" + ",".join(self.kept) + "]", True
                     return
-                seen.add(key)
-                kept.append(item)
+                self.keys.add(key)
+                self.kept.append(item)
             return
-        end = 0
-        while (close := self.held.find(CLOSE, end)) >= 0:
-            _, calls = parse_calls(self.held[: close + len(CLOSE)], self.tools)
-            if calls and call_key(calls[-1]) in {call_key(c) for c in calls[:-1]}:
-                self.held, self.repeated = self.held[:end], True
-                return
+        while (close := self.held.find(CLOSE, self.searched)) >= 0:
             end = close + len(CLOSE)
+            _, calls = parse_calls(self.held[self.checked : end], self.tools)
+            if calls and call_key(calls[-1]) in self.keys:
+                self.held, self.repeated = self.held[: self.checked], True
+                return
+            self.keys.update(map(call_key, calls))
+            self.checked = self.searched = end
+        self.searched = max(self.checked, len(self.held) - len(CLOSE) + 1)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content still held, and the calls read from it."""
