@@ -146,6 +146,14 @@ KeySlot = Annotated[Slot, Depends(key_slot)]  # what a route that asks the agent
 CallerKey = Annotated[ApiKey, Depends(api_key)]  # what a route that asks no agent declares (its owner's rows)
 
 
+async def cache_salt(panel: Panel, key: CallerKey) -> str | None:
+    """The prefix cache namespace of the key's requests (cache_salt.py): None while shared."""
+    return panel.cache_salts.of(key)
+
+
+CacheSalt = Annotated[str | None, Depends(cache_salt)]  # what a route that asks the agents declares too
+
+
 async def json_only(request: Request) -> None:
     """A POST's body sent as JSON. FastAPI parses a body as JSON only under a JSON media type, and
     validates anything else as one opaque value ("Input should be a valid dictionary"): this says

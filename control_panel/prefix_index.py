@@ -5,7 +5,9 @@ It is the router's belief, not the node's word: a node that evicted pages (its c
 than the index, or other clients use it) is still believed to hold them, which only costs a
 worse choice; the node's done line says what its cache really served (`cached_tokens`), and that
 is what the request log records. Hashes chain over token ids (tandem_protocol/prefix.py), so a
-page is held only with every page before it.
+page is held only with every page before it, and from the request's cache salt as the nodes'
+caches do: one API key's prompts are never believed held for another's (its route, and so its
+time to first token, would tell of them).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from tandem_protocol.prefix import page_hashes
 PAGES_PER_NODE = 32_768
 
 
-def hashes_of(token_ids: Sequence[int]) -> list[bytes]:
-    """The hashes of the full pages of a token sequence (one index per panel, nodes of one pool
-    share a contract, so no contract seeds the chain here: a node that switches model is forgotten)."""
-    return page_hashes(b"", token_ids, PAGE_TOKENS)
+def hashes_of(token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
+    """The hashes of the full pages of a token sequence sent with the cache salt `salt` (one index
+    per panel, nodes of one pool share a contract, so no contract seeds the chain here: a node that
+    switches model is forgotten)."""
+    return page_hashes(b"", token_ids, PAGE_TOKENS, salt=salt)
 
 
 class PrefixIndex:

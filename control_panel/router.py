@@ -59,6 +59,9 @@ class Target:
     page_encoding: str = "raw"
     is_node: bool = False  # `node/<name>`: that node alone, whatever it holds
     node_names: tuple[tuple[str, str], ...] = ()  # (url, name) of every node, for the request log
+    # The prefix caches' namespace of this request (its API key's, cache_salt.py; None: unsalted),
+    # sent to the nodes and used by the router's own index
+    cache_salt: str | None = None
 
     def name_of(self, url: str) -> str:
         return dict(self.node_names).get(url, url)
@@ -157,7 +160,7 @@ class Router:
         """NDJSON-style events from D: {"token", "text"} …, then {"done": true, ...}. Leaving the
         iterator early (the client went away) closes D's stream: D stops and cancels P's handoff."""
         stats.prompt_tokens = len(token_ids)
-        hashes = hashes_of(token_ids)
+        hashes = hashes_of(token_ids, target.cache_salt)
         decoders, prefillers = list(target.decode_urls), list(target.prefill_urls)
         last_error: RouteError | None = None
         while decoders:
@@ -199,17 +202,20 @@ class Router:
                 continue
             finally:
                 self.planner.ended(work)
-            self._learn(plan, token_ids, hashes, output)
+            self._learn(plan, token_ids, hashes, output, target.cache_salt)
             self._learn_figures(plan, len(token_ids), stats)
             self.measure(target)
             return
         raise last_error or RouteError(f"{target.name} has no decode node", 503)
 
-    def _learn(self, plan: Plan, token_ids: list[int], hashes: list[bytes], output: list[int]) -> None:
+    def _learn(
+        self, plan: Plan, token_ids: list[int], hashes: list[bytes], output: list[int], salt: str | None
+    ) -> None:
         """The nodes served the request: D now holds the prompt and the answer but its last token
-        (whose KV was never computed), P the prompt (whose page hashes are `hashes`)."""
+        (whose KV was never computed), P the prompt (whose page hashes are `hashes`), both under
+        the request's cache salt."""
         self.planner.served(plan.decode_url)
-        self.planner.index.add(plan.decode_url, hashes_of(token_ids + output[:-1]))
+        self.planner.index.add(plan.decode_url, hashes_of(token_ids + output[:-1], salt))
         if plan.prefill_url:
             self.planner.served(plan.prefill_url)
             self.planner.index.add(plan.prefill_url, hashes)
@@ -283,11 +289,12 @@ class Router:
 
     def _serve(self, target: Target, plan: Plan, token_ids, sampling, stats) -> AsyncIterator[dict]:
         if plan.prefill_url is None:
-            body = GenerateBody(token_ids=token_ids, sampling=sampling)
+            body = GenerateBody(token_ids=token_ids, sampling=sampling, cache_salt=target.cache_salt)
             return self._stream(plan.decode_url, "/v1/generate", body, stats)
         body = DecodeBody(
             token_ids=token_ids,
             sampling=sampling,
+            cache_salt=target.cache_salt,
             prefill_url=plan.prefill_url,
             prefill_fingerprint=pins.pinned(plan.prefill_url),
             page_encoding=target.page_encoding,

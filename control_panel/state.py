@@ -11,6 +11,7 @@ from sqlalchemy import Engine
 from tandem_protocol.discovery import Watcher
 
 from . import pins
+from .cache_salt import CacheSalts, load_cache_salts
 from .db import get_setting, open_db, set_setting
 from .i18n import load_all
 from .login_limit import LoginLimiter
@@ -32,6 +33,7 @@ class PanelState:
     login_limiter: LoginLimiter
     watcher: Watcher | None  # agents announcing on the LAN; None without mDNS
     data_dir: Path
+    cache_salts: CacheSalts  # each API key's prefix cache namespace, unless the admin shares it
     limits: RateLimiter = field(default_factory=RateLimiter)  # the API keys' requests in flight and tokens
 
     async def aclose(self) -> None:
@@ -71,4 +73,5 @@ def open_state(
         login_limiter=login_limiter or LoginLimiter(),
         watcher=watcher,
         data_dir=data_dir,
+        cache_salts=load_cache_salts(db),
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
@@ -12,14 +14,15 @@ from .router import Target
 from .services import node_by_model_name
 
 
-def resolve_target(engine: Engine, model: str) -> Target:
-    """A pool by its name, or a single node as `node/<name>`."""
+def resolve_target(engine: Engine, model: str, cache_salt: str | None = None) -> Target:
+    """A pool by its name, or a single node as `node/<name>`, for a request whose prefix cache
+    namespace is `cache_salt` (its API key's; None: unsalted)."""
     target = _find_target(engine, model)
     if target is None:
         raise OpenAIError(
             404, f"the model `{model}` does not exist (see GET /v1/models)", code="model_not_found", param="model"
         )
-    return target
+    return replace(target, cache_salt=cache_salt) if cache_salt else target
 
 
 @cached_until_state_changes

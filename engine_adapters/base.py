@@ -124,6 +124,10 @@ class EngineRequest:
     # end, where its last pages may still wait for the window
     answered_at: tuple[float, float] | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from this engine's prefix cache
+    # The prefix cache's namespace (tandem_protocol/prefix.py): only requests with the same salt
+    # share cached KV; None: the unsalted one. In-process engines chain it into their page hashes,
+    # server engines pass it to their server (vLLM's and SGLang's `cache_salt`).
+    cache_salt: str | None = None
     # A delta handoff: the leading pages of the prompt's KV the decoder holds already (set by its
     # `hold_prefix`); the prefiller sends only the pages after them.
     have_pages: int = 0

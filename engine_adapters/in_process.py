@@ -144,7 +144,7 @@ class InProcessEngine(EngineAdapter):
             t0 = time.perf_counter()
             ids, n, P = req.token_ids, len(req.token_ids), self.geometry.page_tokens
             session = await self.on_engine(self.new_session, n)
-            cached, req.cached_tokens = await self.on_engine(self._restore, session, ids)
+            cached, req.cached_tokens = await self.on_engine(self._restore, session, ids, req.cache_salt)
             for index in range(req.have_pages, len(cached)):  # computed before: leaves at once
                 if window is not None:
                     await window.take()
@@ -175,7 +175,7 @@ class InProcessEngine(EngineAdapter):
                     for page in await self.on_engine(self.export_finish, exports.popleft()):
                         yield page
             first = (await self._sampler(req, req.token_logprobs))(logits)
-            self._remember(session, ids)
+            self._remember(session, ids, req.cache_salt)
             # the prefill ends here, whatever its pages still wait for
             done = PrefillDone(
                 first_token=first,
@@ -250,7 +250,7 @@ class InProcessEngine(EngineAdapter):
                 produced.append(token)
                 yield token
             out = [first, *produced] if commit_first else produced
-            self._remember(session, req.token_ids + out[:-1])
+            self._remember(session, req.token_ids + out[:-1], req.cache_salt)
         finally:
             self._cancels.pop(req.request_id, None)
             if session is not None:
@@ -263,7 +263,7 @@ class InProcessEngine(EngineAdapter):
         try:
             ids = req.token_ids
             session = await self.on_engine(self.new_session, len(ids) + req.sampling.max_tokens)
-            _, req.cached_tokens = await self.on_engine(self._restore, session, ids)
+            _, req.cached_tokens = await self.on_engine(self._restore, session, ids, req.cache_salt)
             logits = None
             for start, end in self.prefill_chunks(len(ids), req.cached_tokens):
                 self._check(req, event)
@@ -273,7 +273,7 @@ class InProcessEngine(EngineAdapter):
             async for token in self._continue(req, event, session, sampler, sampler(logits)):
                 produced.append(token)
                 yield token
-            self._remember(session, ids + produced[:-1])
+            self._remember(session, ids + produced[:-1], req.cache_salt)
         finally:
             self._cancels.pop(req.request_id, None)
             if session is not None:
@@ -322,32 +322,33 @@ class InProcessEngine(EngineAdapter):
         self._executor.submit(self.prefix_cache.resize, capacity).result()
 
     async def hold_prefix(self, req: EngineRequest) -> None:
-        req.held = await self.on_engine(self._held_pages, req.token_ids[: kv_tokens(len(req.token_ids), req.mode)])
+        tokens = req.token_ids[: kv_tokens(len(req.token_ids), req.mode)]
+        req.held = await self.on_engine(self._held_pages, tokens, req.cache_salt)
         req.have_pages = len(req.held)
         req.cached_tokens = req.have_pages * self.geometry.page_tokens
 
-    def _held_pages(self, tokens: list[int]) -> list[np.ndarray]:
-        """The cached pages of the longest prefix of `tokens`, counted as one lookup. Held by
-        reference: an eviction meanwhile drops the cache's entry, not the array."""
+    def _held_pages(self, tokens: list[int], salt: str | None) -> list[np.ndarray]:
+        """The cached pages of the longest prefix of `tokens` under the cache salt `salt`, counted
+        as one lookup. Held by reference: an eviction meanwhile drops the cache's entry, not the array."""
         if self.prefix_cache.capacity < self.geometry.page_bytes:
             return []
-        pages = self.prefix_cache.match(self._hashes(tokens))
+        pages = self.prefix_cache.match(self._hashes(tokens, salt))
         self.prefix_cache.count(
             len(tokens) // self.geometry.page_tokens * self.geometry.page_tokens, len(pages) * self.geometry.page_tokens
         )
         return pages
 
-    def _restore(self, session: Any, ids: list[int]) -> tuple[list[np.ndarray], int]:
-        """Import the longest cached prefix of `ids` into `session`: its whole pages (returned)
+    def _restore(self, session: Any, ids: list[int], salt: str | None) -> tuple[list[np.ndarray], int]:
+        """Import the longest prefix of `ids` cached under `salt` into `session`: its whole pages (returned)
         and, after them, as many tokens as a cached tail shares; returns the pages and the tokens
         imported. The last prompt token is always computed (its logits sample the first token),
         so what is looked up is ids[:-1]."""
         if self.prefix_cache.capacity < self.geometry.page_bytes:
             return [], 0
         P, tokens = self.geometry.page_tokens, ids[:-1]
-        hashes = self._hashes(tokens)
+        hashes = self._hashes(tokens, salt)
         pages = self.prefix_cache.match(hashes)
-        after = self._chain_end(hashes[: len(pages)])
+        after = self._chain_end(hashes[: len(pages)], salt)
         length = len(pages) * P
         shared, tail = self.prefix_cache.match_tail(after, tokens[length : length + P - 1])
         self.prefix_cache.count(len(tokens), length + shared)
@@ -363,29 +364,30 @@ class InProcessEngine(EngineAdapter):
         for index, kv in enumerate(pages):
             self.import_kv(session, index * self.geometry.page_tokens, kv)
 
-    def _remember(self, session: Any, tokens: list[int]) -> None:
-        """Queue, on the engine thread ahead of the session's release, the caching of the full
-        pages of `tokens` (whose KV the session holds from position 0) that the cache lacks."""
+    def _remember(self, session: Any, tokens: list[int], salt: str | None) -> None:
+        """Queue, on the engine thread ahead of the session's release, the caching under `salt` of
+        the full pages of `tokens` (whose KV the session holds from position 0) that the cache lacks."""
         if self.prefix_cache.capacity >= self.geometry.page_bytes:
-            self._executor.submit(self._cache_pages, session, tokens)
+            self._executor.submit(self._cache_pages, session, tokens, salt)
 
-    def _cache_pages(self, session: Any, tokens: list[int]) -> None:
-        hashes, P = self._hashes(tokens), self.geometry.page_tokens
+    def _cache_pages(self, session: Any, tokens: list[int], salt: str | None) -> None:
+        hashes, P = self._hashes(tokens, salt), self.geometry.page_tokens
         full = len(hashes) * P
         if full < len(tokens):  # the tail first: the oldest entry of its chain
             kv = self.export_kv(session, full, len(tokens))
-            self.prefix_cache.add_tail(self._chain_end(hashes), tokens[full:], kv)
+            self.prefix_cache.add_tail(self._chain_end(hashes, salt), tokens[full:], kv)
         first = next((i for i, h in enumerate(hashes) if h not in self.prefix_cache), len(hashes))
         kv = self.export_kv(session, first * P, full) if first < len(hashes) else None
         pages = [] if kv is None else [np.ascontiguousarray(kv[:, :, a : a + P]) for a in range(0, kv.shape[2], P)]
         self.prefix_cache.add(hashes, pages, start=first)
 
-    def _hashes(self, tokens: list[int]) -> list[bytes]:
-        return page_hashes(self.contract.fingerprint_bytes, tokens, self.geometry.page_tokens)
+    def _hashes(self, tokens: list[int], salt: str | None) -> list[bytes]:
+        return page_hashes(self.contract.fingerprint_bytes, tokens, self.geometry.page_tokens, salt=salt)
 
-    def _chain_end(self, hashes: list[bytes]) -> bytes:
-        """What a tail after these whole pages follows: the last page's hash, or the chain's seed."""
-        return hashes[-1] if hashes else chain_seed(self.contract.fingerprint_bytes)
+    def _chain_end(self, hashes: list[bytes], salt: str | None) -> bytes:
+        """What a tail after these whole pages follows: the last page's hash, or the chain's seed
+        (salted: a short prompt's tail is its salt's alone too)."""
+        return hashes[-1] if hashes else chain_seed(self.contract.fingerprint_bytes, salt)
 
     async def _sampler(self, req: EngineRequest, logprobs: list) -> Sampler:
         """The request's sampler; one whose output follows a JSON schema gets the grammar

@@ -324,10 +324,14 @@ class SGLangAdapter(ServerEngine):
         if s.logit_bias:
             params["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
         logprobs = {} if s.logprobs is None else {"return_logprob": True, "top_logprobs_num": s.logprobs}
+        # SGLang keys its radix cache by the salt too (RadixKey.cache_salt): it serves this request
+        # only what the same salt cached, on either role
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
         return {
             "input_ids": req.token_ids,
             "sampling_params": params,
             **logprobs,
+            **salt,
             "stream": stream,
             "bootstrap_host": "127.0.0.1",
             "bootstrap_port": self.server.bootstrap_port,
@@ -359,9 +363,15 @@ class SGLangAdapter(ServerEngine):
     async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
         """The engine alone: SGLang prefills, then SGLang decodes from its own pages."""
         prefill_req = EngineRequest(
-            f"{req.request_id}/prefill", req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST
+            f"{req.request_id}/prefill",
+            req.token_ids,
+            req.sampling,
+            FirstTokenMode.COMMIT_FIRST,
+            cache_salt=req.cache_salt,
         )
-        decode_req = EngineRequest(req.request_id, req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST)
+        decode_req = EngineRequest(
+            req.request_id, req.token_ids, req.sampling, FirstTokenMode.COMMIT_FIRST, cache_salt=req.cache_salt
+        )
         decode_req.token_logprobs = req.token_logprobs  # what the request reports, tokens and their logprobs
         self.validate(req, generates=True)
         items = [item async for item in self.prefill(prefill_req)]

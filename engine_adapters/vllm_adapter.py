@@ -184,6 +184,8 @@ class VLLMAdapter(ServerEngine):
             body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
         if s.logprobs is not None:  # alternatives named by id ("token_id:123"), not by text
             body.update(logprobs=s.logprobs, return_tokens_as_token_ids=True)
+        if req.cache_salt:  # vLLM chains it into the hash of the prompt's first block: its prefix cache
+            body["cache_salt"] = req.cache_salt  # serves this request only what the same salt cached
         if transfer is not None:
             # the connector saves (a prefill) or loads (a decode) this many tokens through the room
             op = "tandem_save" if transfer.op == "export" else "tandem_load"

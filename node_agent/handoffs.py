@@ -138,6 +138,7 @@ class HandoffManager:
         wait_timeout: float,
         encoding: int = RAW,
         have_pages: int = 0,
+        cache_salt: str | None = None,
     ) -> Handoff:
         request = EngineRequest(
             f"handoff-{handoff_id}",
@@ -145,6 +146,7 @@ class HandoffManager:
             sampling,
             mode,
             have_pages=have_pages,
+            cache_salt=cache_salt,
             lossy_encoding=encoding if encoding in LOSSY else None,
         )
         self.adapter.validate(request, generates=False)

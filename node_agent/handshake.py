@@ -84,6 +84,9 @@ class Handshake:
                 contract=self.adapter.contract.fingerprint,
                 page_encoding=page_encoding,
                 have_pages=req.have_pages,
+                # P's cache serves and keeps the prompt under the request's salt (none: unsalted,
+                # and the body as an agent without salts takes it)
+                **({"cache_salt": req.cache_salt} if req.cache_salt else {}),
             )
         except AgentHTTPError as e:
             if e.status < 500:

@@ -43,9 +43,10 @@ async def run_pair(
     mode: FirstTokenMode | None = None,
     stats: PairStats | None = None,
     encoding: int = RAW,
+    cache_salt: str | None = None,
 ) -> AsyncIterator[int]:
     """Stream the tokens of a P/D request: `prefiller` runs the prompt, `decoder` the answer;
-    `encoding`: how the pages travel (pages.ENCODINGS)."""
+    `encoding`: how the pages travel (pages.ENCODINGS); `cache_salt`: both prefix caches' namespace."""
     decoder.contract.check_same(prefiller.contract)
     mode = mode or decoder.decoder_modes[0]
     stats = stats if stats is not None else PairStats()
@@ -59,8 +60,8 @@ async def run_pair(
         keep_coded=decoder.decodes_coded,
     )
     # Distinct ids per role: one engine may serve both roles of a pair.
-    p_req = EngineRequest(f"{request_id}-p", list(token_ids), sampling, mode)
-    d_req = EngineRequest(f"{request_id}-d", list(token_ids), sampling, mode)
+    p_req = EngineRequest(f"{request_id}-p", list(token_ids), sampling, mode, cache_salt=cache_salt)
+    d_req = EngineRequest(f"{request_id}-d", list(token_ids), sampling, mode, cache_salt=cache_salt)
     wire: asyncio.Queue = asyncio.Queue(_QUEUE_PAGES)
     t0 = time.perf_counter()
     await decoder.hold_prefix(d_req)  # a delta handoff: P sends only the pages D lacks

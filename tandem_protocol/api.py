@@ -16,6 +16,13 @@ from .template_switches import check_template_switches
 PageEncoding = Literal["raw", "zstd", "fp8", "int8"]
 _URL = r"^https?://[^\s/]+(/.*)?$"
 _FINGERPRINT = r"^[0-9a-f]{64}$"
+# A cache salt (tandem_protocol/prefix.py) is opaque to the agent; hex or base64url, at most 128
+# characters: what vLLM's `cache_salt` takes too.
+_CACHE_SALT = r"^[A-Za-z0-9_-]{1,128}$"
+_CACHE_SALT_HELP = (
+    "the prefix cache's namespace for this request: only requests with the same salt share cached KV "
+    "(absent: the unsalted one); the panel gives each API key its own unless its admin shares the cache"
+)
 
 # The key in a decoder's error object (an answer before the stream, or the stream's error line)
 # that says the prefiller's side failed before any token left: P unreachable, P failed, the page
@@ -47,6 +54,7 @@ class GenerateBody(_Body):
     token_ids: list[int]
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     request_id: str | None = None
+    cache_salt: str | None = Field(None, description=_CACHE_SALT_HELP, pattern=_CACHE_SALT)
 
 
 class DecodeBody(GenerateBody):
@@ -88,6 +96,11 @@ class HandoffBody(_Body):
     )
     have_pages: int = Field(
         0, ge=0, description="leading pages of the prompt's KV the decoder holds already: only later pages are sent"
+    )
+    cache_salt: str | None = Field(
+        None,
+        description="the decode request's cache salt: the prefiller's cache serves and keeps its pages under it",
+        pattern=_CACHE_SALT,
     )
 
 

@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter
 from sqlalchemy import Engine
 
-from ..deps import API_KEY, AgentRouter, Db, KeySlot, RequestLogs
+from ..deps import API_KEY, AgentRouter, CacheSalt, Db, KeySlot, RequestLogs
 from ..rate_limits import Slot
 from ..request_log import RequestLogWriter
 from ..router import Router
@@ -26,11 +26,13 @@ async def chat_answer(
     request_log: RequestLogWriter,
     rid: str | None = None,
     slot: Slot | None = None,
+    cache_salt: str | None = None,
 ) -> Answer | Choices:
     """The answer to a chat body, checked, routed and tokenized (what /v1/responses runs too);
-    `rid`: its id (default: a new chatcmpl-…), `slot`: the API key's, charged its tokens."""
+    `rid`: its id (default: a new chatcmpl-…), `slot`: the API key's, charged its tokens,
+    `cache_salt`: its prefix cache namespace."""
     sampling = await asyncio.to_thread(checked_sampling, body)  # refused here, before any agent is asked anything
-    target = resolve_target(db, body.model)
+    target = resolve_target(db, body.model, cache_salt)
     rid = rid or new_rid(True)
     prompt = await tokenize(
         agents,
@@ -56,5 +58,7 @@ async def chat_answer(
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot):
-    return await (await chat_answer(body, db, agents, request_log, slot=slot)).respond()
+async def chat_completions(
+    body: ChatBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot, salt: CacheSalt
+):
+    return await (await chat_answer(body, db, agents, request_log, slot=slot, cache_salt=salt)).respond()

@@ -6,7 +6,7 @@ import asyncio
 
 from fastapi import APIRouter
 
-from ..deps import API_KEY, AgentRouter, Db, KeySlot, RequestLogs
+from ..deps import API_KEY, AgentRouter, CacheSalt, Db, KeySlot, RequestLogs
 from ..request_log import RequestLogWriter
 from ..router import Router, Target
 from ..targets import resolve_target
@@ -30,9 +30,11 @@ async def prompt_ids(
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot):
+async def completions(
+    body: CompletionBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot, salt: CacheSalt
+):
     sampling = await asyncio.to_thread(checked_sampling, body)  # refused here, before any agent is asked anything
-    target = resolve_target(db, body.model)
+    target = resolve_target(db, body.model, salt)
     rid = new_rid(False)
     ids = await prompt_ids(body, agents, target, request_log, rid)
     kw = {"agents": agents, "request_log": request_log, "rid": rid, "slot": slot}

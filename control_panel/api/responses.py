@@ -29,7 +29,7 @@ from sqlalchemy import Engine
 from tandem_protocol.tools import ToolCall
 
 from .. import response_store
-from ..deps import API_KEY, AgentRouter, CallerKey, Db, KeySlot, RequestLogs
+from ..deps import API_KEY, AgentRouter, CacheSalt, CallerKey, Db, KeySlot, RequestLogs
 from ..router import RouteError
 from .answer import Answer
 from .bodies import MAX_TOOLS, OPENAI_TEMPERATURE, ChatBody, check_template_kwargs, parts_text
@@ -496,7 +496,9 @@ def bound_kept_fields(body: ResponsesBody) -> None:
 
 
 @router.post("/v1/responses")
-async def create_response(body: ResponsesBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot):
+async def create_response(
+    body: ResponsesBody, db: Db, agents: AgentRouter, request_log: RequestLogs, slot: KeySlot, salt: CacheSalt
+):
     body.check()
     bound_kept_fields(body)
     history: list[dict] = []
@@ -515,7 +517,7 @@ async def create_response(body: ResponsesBody, db: Db, agents: AgentRouter, requ
         raise OpenAIError(400, "`input`: give at least one item", param="input")
     chat = body.chat_body(conversation)
     try:
-        answer = await chat_answer(chat, db, agents, request_log, rid=new_id("resp"), slot=slot)
+        answer = await chat_answer(chat, db, agents, request_log, rid=new_id("resp"), slot=slot, cache_salt=salt)
     except OpenAIError as e:
         raise renamed(e) from None
     run = ResponseRun(body, chat, answer, conversation, db, slot.key_id)

@@ -1,5 +1,5 @@
-"""The Settings page: language, API keys (shown once, stored hashed) with their limits, and the
-admin password."""
+"""The Settings page: language, API keys (shown once, stored hashed) with their limits, whether
+they share the prefix cache, and the admin password."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import RedirectResponse
 from sqlmodel import Session, col, select
 
+from ..cache_salt import set_shared
 from ..deps import SIGNED_IN, CsrfForm, Db, Panel, Render, Tr
 from ..models import ApiKey
 from ..security import (
@@ -36,6 +37,7 @@ def settings_context(panel: Panel, **extra) -> dict:
         "key_error": None,
         "pw_error": None,
         "pw_ok": False,
+        "share_prefix_cache": panel.cache_salts.shared,
         "mdns": panel.watcher is not None,
         "mdns_seen": len(panel.watcher.peers) if panel.watcher else 0,
         **extra,
@@ -60,6 +62,13 @@ async def settings_new_key(_csrf: CsrfForm, panel: Panel, render: Render, t: Tr,
 @router.post("/settings/keys/{key_id}/delete")
 async def settings_delete_key(_csrf: CsrfForm, key_id: int, db: Db):
     await asyncio.to_thread(revoke_api_key, db, key_id)  # its stored responses may be many MiB
+    return RedirectResponse("/settings", status_code=303)
+
+
+@router.post("/settings/prefix-cache")
+async def settings_prefix_cache(_csrf: CsrfForm, panel: Panel, share: Annotated[str, Form()] = ""):
+    """Share the prefix cache across API keys (the box ticked) or give each key its own (cache_salt.py)."""
+    await asyncio.to_thread(set_shared, panel.db, panel.cache_salts, share == "on")
     return RedirectResponse("/settings", status_code=303)
 
 

@@ -24,7 +24,7 @@ router = APIRouter(dependencies=KEYED)
 @router.post("/v1/generate")
 async def generate(body: GenerateBody, agent: Agent):
     adapter = agent.slot.adapter
-    req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling)
+    req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling, cache_salt=body.cache_salt)
     adapter.validate(req, generates=True)
     return alone(agent, req, await admit(agent, req))
 
@@ -51,7 +51,9 @@ async def decode(body: DecodeBody, agent: Agent):
     mode = body.mode or adapter.decoder_modes[0]
     if mode not in adapter.decoder_modes:
         raise RequestError(f"{adapter.name} cannot decode in {mode.value} mode")
-    req = EngineRequest(body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling, mode)
+    req = EngineRequest(
+        body.request_id or uuid.uuid4().hex, body.token_ids, body.sampling, mode, cache_salt=body.cache_salt
+    )
     adapter.validate(req, generates=True)  # context length, sampling fields: refused before P computes
     ticket = await admit(agent, req)  # P is asked only once this decoder has room for the request
     if body.prefill_url is None:

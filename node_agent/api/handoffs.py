@@ -43,6 +43,7 @@ async def create_handoff(body: HandoffBody, slot: Slot, handoffs: Handoffs) -> H
         body.wait_timeout,
         encoding=ENCODINGS[body.page_encoding],
         have_pages=body.have_pages,
+        cache_salt=body.cache_salt,
     )
     return HandoffCreated(
         handoff_id=h.handoff_id, pages=h.pages, reserved_bytes=h.reservation.nbytes, read_token=h.read_token

@@ -153,6 +153,7 @@ def test_a_pair_request_is_two_calls_tokenize_and_decode(panel):
     assert agents.paths == [("D", "/v1/tokenize"), ("D", "/v1/decode")]
     decode = agents.calls[1][2]
     assert SamplingParams(**decode.pop("sampling")) == SamplingParams(max_tokens=3)
+    assert re.fullmatch(r"[0-9a-f]{64}", decode.pop("cache_salt"))  # the key's own (tests/unit/test_cache_salt.py)
     assert decode == {"token_ids": PROMPT, "prefill_url": P, "page_encoding": "zstd"}
 
 
