@@ -351,6 +351,7 @@ class Events:
 
     def __init__(self):
         self.sequence, self.output, self.item = 0, [], None
+        self.pieces: list[str] = []  # the open item's text, joined as it closes (`+=` copied all of it at each token)
 
     def event(self, kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -376,7 +377,7 @@ class Events:
             )
             out.append(self.of_part("response.content_part.added", part=new["content"][0]))
         part = self.item["content"][0]
-        part["text"] += text
+        self.pieces.append(text)
         if kind == "reasoning":
             return [*out, self.of_part("response.reasoning_text.delta", delta=text)]
         part["logprobs"] += entries
@@ -386,6 +387,7 @@ class Events:
         if self.item is None:
             return []
         part = self.item["content"][0]
+        part["text"], self.pieces = "".join(self.pieces), []
         if self.item["type"] == "reasoning":
             out = [self.of_part("response.reasoning_text.done", text=part["text"])]
         else:
