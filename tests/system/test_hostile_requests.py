@@ -1,5 +1,6 @@
 """Issue 43, H1 and L17: an API key cannot freeze a node with a chat template of its own, and a
-long tokenization does not hold the agent's event loop.
+long tokenization does not hold the agent's event loop. H2: a 64 KiB refusal from a hostile
+agent does not hold the panel's.
 
 The attack is the review's: `chat_template_kwargs` carrying `chat_template`, a nested loop that
 Jinja's sandbox renders for hours. Before the fix it reached `apply_chat_template` on the decode
@@ -16,12 +17,16 @@ agent frozen, which no shared cluster may suffer.
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+
+from engine_adapters.server_process import free_port
 
 from ..agents import AgentProcess, PanelProcess
 
@@ -40,13 +45,15 @@ AFTER_FACTOR = 5  # the next request after an attack: at most this many times it
 @pytest.fixture(scope="module")
 def cluster(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("hostile")
-    with AgentProcess("torch", smol_dir, home / "agent", key=KEY) as agent:
+    relay_port = free_port()  # where test_a_hostile_agents_huge_refusal... reaches the agent
+    advertised = ("--advertise-address", f"127.0.0.1:{relay_port}")
+    with AgentProcess("torch", smol_dir, home / "agent", *advertised, key=KEY) as agent:
         with PanelProcess(home / "panel", "--node", agent.url, key=KEY) as panel:
             api = httpx.Client(base_url=panel.url, headers={"Authorization": f"Bearer {panel.api_key}"}, timeout=WAIT)
             first = api.post("/v1/chat/completions", json=normal_chat())  # the first request's one-off costs
             assert first.status_code == 200, first.text
             try:
-                yield {"agent": agent, "panel": panel, "api": api}
+                yield {"agent": agent, "panel": panel, "api": api, "home": home, "relay_port": relay_port}
             finally:
                 api.close()
 
@@ -140,3 +147,80 @@ def test_a_long_tokenization_leaves_the_agents_event_loop_free(cluster):
     # many answered
     assert max(probes) < tokenize_seconds / 5, (max(probes), tokenize_seconds, len(probes))
     assert len(probes) >= 10, (probes, tokenize_seconds)
+
+
+# What a hostile agent answers a tokenize with: the review's worst case for the old scrubbing
+# pattern, 60 KB of address-like text (8 KB of it took 2.6 s; 60 KB, minutes), under the 64 KiB
+# the panel reads of an error.
+HUGE_REFUSAL = "cannot tokenize: " + "a-" * 30_000
+
+
+class HostileRelay(BaseHTTPRequestHandler):
+    """An agent that holds the cluster key and turns hostile: every call goes to the real agent
+    behind it (so it proves its identity and reports a model), but a tokenize is answered 400 with
+    HUGE_REFUSAL."""
+
+    upstream = ""
+
+    def do_GET(self):
+        self.relay()
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/v1/tokenize":
+            self.answer(400, json.dumps({"error": {"type": "RequestError", "message": HUGE_REFUSAL}}).encode())
+        else:
+            self.relay(body)
+
+    def relay(self, body: bytes | None = None):
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+        r = httpx.request(self.command, self.upstream + self.path, content=body, headers=headers, timeout=60)
+        self.answer(r.status_code, r.content, r.headers.get("content-type", "application/json"))
+
+    def answer(self, status: int, body: bytes, content_type: str = "application/json"):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_hostile_agents_huge_refusal_leaves_the_panel_free(cluster):
+    """H2 through real processes: a panel whose node is reached through HostileRelay. The API
+    request gets the refusal cut to a few hundred characters within a second, and the panel's
+    /healthz answers meanwhile; the old scrubbing held the panel's event loop for minutes."""
+    HostileRelay.upstream = cluster["agent"].url
+    relay = ThreadingHTTPServer(("127.0.0.1", cluster["relay_port"]), HostileRelay)
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    relay_url = f"http://127.0.0.1:{cluster['relay_port']}"
+    try:
+        with PanelProcess(cluster["home"] / "panel-relayed", "--node", relay_url, key=KEY) as panel:
+            headers = {"Authorization": f"Bearer {panel.api_key}"}
+            with httpx.Client(base_url=panel.url, headers=headers, timeout=WAIT) as api:
+                probes: list[float] = []
+                done = threading.Event()
+
+                def probe() -> None:  # the panel's /healthz every 50 ms while the request runs
+                    with httpx.Client(base_url=panel.url, timeout=WAIT) as c:
+                        while not done.wait(0.05):
+                            probes.append(timed(lambda: c.get("/healthz"))[1])
+
+                prober = threading.Thread(target=probe)
+                prober.start()
+                try:
+                    r, seconds = timed(lambda: api.post("/v1/chat/completions", json=normal_chat()))
+                finally:
+                    done.set()
+                    prober.join()
+    finally:
+        relay.shutdown()
+        relay.server_close()
+    message = r.json()["error"]["message"]
+    # cut before it was scrubbed, at a word: the one 60 KB word is left out whole
+    assert r.status_code == 400 and message.startswith("cannot tokenize:"), r.text[:300]
+    assert len(message) < 600, len(message)
+    assert seconds < REFUSED_WITHIN, f"the refusal took {seconds:.2f} s"
+    assert probes and max(probes) < REFUSED_WITHIN, probes
