@@ -1,7 +1,9 @@
 """Soak: mixed OpenAI traffic through the panel for a while, then check that nothing was kept.
 
     .venv/bin/python bench/soak.py [--duration 600] [--concurrency 4] [--seed 0] [--json PATH]
-    .venv/bin/python bench/soak.py --panel URL --api-key K --agent URL --agent URL --cluster-key K
+    TANDEM_API_KEY=K TANDEM_CLUSTER_KEY=K .venv/bin/python bench/soak.py --panel URL --agent URL --agent URL
+
+(The keys come from the environment, never the command line, where any local user reads them.)
 
 A server that runs for days must give back whatever a request held once that request is over,
 however it ended. N workers send random requests through the panel's OpenAI API (chat and
@@ -466,9 +468,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--engines", default="torch,mlx", help="own cluster: engines of agents a and b")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="own cluster: do not pin each agent to a CPU")
     ap.add_argument("--panel", help="soak this panel instead of starting a cluster")
-    ap.add_argument("--api-key", help="with --panel: an API key of it")
     ap.add_argument("--agent", action="append", help="with --panel: an agent URL to check (repeatable)")
-    ap.add_argument("--cluster-key", help="with --agent: the cluster key")
     ap.add_argument(
         "--panel-db",
         type=Path,
@@ -476,10 +476,12 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--model", action="append", help="pair names to use (default: every pair of the panel)")
     args = ap.parse_args()
+    # keys from the environment: a command line is readable by every local user (`ps`)
+    args.api_key, args.cluster_key = os.environ.get("TANDEM_API_KEY"), os.environ.get("TANDEM_CLUSTER_KEY")
     if args.panel and not args.api_key:
-        ap.error("--panel needs --api-key")
+        ap.error("--panel needs the panel's API key in TANDEM_API_KEY")
     if args.agent and not args.cluster_key:
-        ap.error("--agent needs --cluster-key")
+        ap.error("--agent needs the cluster key in TANDEM_CLUSTER_KEY")
     if len(args.engines.split(",")) != 2:
         ap.error("--engines takes two engines, e.g. torch,mlx")
     return args

@@ -18,10 +18,14 @@ from .cluster import pair_name
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_soak(out: Path, *args: str) -> dict:
+def run_soak(out: Path, *args: str, env: dict[str, str] | None = None) -> dict:
     """bench/soak.py with `args`, its JSON written to `out`: it exits 0 (every goal met), each way
     of ending a request happened, nothing leaked and no process's RSS grew 10%. Returns the JSON."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        **(env or {}),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "soak.py"), *args, "--json", str(out)],
         cwd=ROOT,
@@ -52,11 +56,12 @@ SOAK_PAIRS = [
 
 def test_a_short_soak_on_every_engine_leaves_nothing_behind(cluster, tmp_path):
     agents = sorted({name for pair in SOAK_PAIRS for name in pair})
-    args = ["--panel", cluster.panel.url, "--api-key", cluster.api_key, "--cluster-key", TEST_KEY]
+    args = ["--panel", cluster.panel.url]
     args += ["--panel-db", str(cluster.panel_home / "panel" / "panel.db"), "--duration", "40"]
     args += [a for name in agents for a in ("--agent", cluster[name].url)]
     args += [a for p, d in SOAK_PAIRS for a in ("--model", pair_name(p, d))]
-    result = run_soak(tmp_path / "soak.json", *args)
+    keys = {"TANDEM_API_KEY": cluster.api_key, "TANDEM_CLUSTER_KEY": TEST_KEY}  # never on a command line
+    result = run_soak(tmp_path / "soak.json", *args, env=keys)
     servers = {
         f"{cluster[name].status()['name']} engine" for name in agents if cluster[name].engine in ("vllm", "sglang")
     }
