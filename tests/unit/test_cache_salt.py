@@ -16,12 +16,11 @@ import httpx
 import pydantic
 import pytest
 import xxhash
-from fastapi.testclient import TestClient
 from sqlmodel import Session, select
 
 from control_panel.cache_salt import CacheSalts, load_cache_salts
 from control_panel.models import ApiKey
-from control_panel.security import create_api_key, revoke_api_key, set_admin_password
+from control_panel.security import create_api_key, revoke_api_key
 from engine_adapters.base import EngineRequest
 from engine_adapters.sglang_adapter import SGLangAdapter
 from engine_adapters.vllm_adapter import VLLMAdapter
@@ -32,7 +31,9 @@ from tandem_protocol.handoff import FirstTokenMode
 from tandem_protocol.prefix import chain_seed, page_hashes
 from tandem_protocol.sampling import SamplingParams
 
-from .test_router import FakeAgents, chat, pair_app
+from .test_rate_limits import PASSWORD
+from .test_response_owner import panel_on_fakes
+from .test_router import chat
 
 FP, PAGE = b"contract-fingerprint", 4
 IDS = list(range(1, 13))  # three pages of PAGE
@@ -84,17 +85,12 @@ def test_a_key_s_salt_is_its_own_lasts_and_is_not_the_key(tmp_path):
 
 
 # ---- through the panel, on fake agents ------------------------------------------------------------
-PASSWORD = "unit-admin-password"
 LONG = list(range(1, 131))  # two whole pages and 2 tokens: held, under the pool's threshold of 8 new
 
 
 @pytest.fixture
 def api(tmp_path):
-    app = pair_app(tmp_path, FakeAgents())
-    set_admin_password(app.state.db, PASSWORD)
-    with TestClient(app, base_url="http://127.0.0.1") as client:
-        client.app_state = app.state
-        yield client
+    yield from panel_on_fakes(tmp_path)
 
 
 def key_headers(api, name: str) -> dict:

@@ -23,13 +23,19 @@ from .test_rate_limits import PASSWORD, signed_in
 from .test_router import FakeAgents, pair_app
 
 
-@pytest.fixture
-def api(tmp_path):
+def panel_on_fakes(tmp_path):
+    """The real panel in process on fake agents, its admin password PASSWORD: a TestClient (with
+    the panel's state as `app_state`), for a fixture to `yield from`."""
     app = pair_app(tmp_path, FakeAgents())
     set_admin_password(app.state.db, PASSWORD)
     with TestClient(app, base_url="http://127.0.0.1") as client:
         client.app_state = app.state
         yield client
+
+
+@pytest.fixture
+def api(tmp_path):
+    yield from panel_on_fakes(tmp_path)
 
 
 def new_key(api, name: str) -> tuple[dict, int]:
