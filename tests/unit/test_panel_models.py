@@ -359,3 +359,18 @@ def test_a_node_of_another_model_cannot_join_and_its_field_says_so(panel):
 def test_the_pairs_page_moved_to_models(panel):
     (r,) = as_admin(panel, ("GET", "/pairs", {}))
     assert r.status_code == 301 and r.headers["location"] == "/models"
+
+
+def test_markup_an_agent_reports_is_shown_as_text_on_every_page(panel):
+    """A node's name, engine and model come from agents (an mDNS record, a status answer): markup
+    in them renders escaped on the Nodes table, the Nodes page and the Models page (security
+    review §5: the autoescaping, checked)."""
+    tag = "<img src=x onerror=alert(1)>"
+    with Session(panel.state.db) as s:
+        node = s.exec(select(Node).where(Node.name == "e")).one()
+        node.name, node.engine, node.model = tag, f"torch{tag}", f"m{tag}"
+        s.add(node)
+        s.commit()
+    for r in as_admin(panel, ("GET", "/nodes/table", {}), ("GET", "/nodes", {}), ("GET", "/models", {})):
+        assert r.status_code == 200, r.text
+        assert tag not in r.text and "&lt;img src=x onerror=alert(1)&gt;" in r.text, r.request.url
