@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import secrets
@@ -55,7 +56,11 @@ def panel(
         "alone, the rest P/D (threshold=1: always P/D).",
     ),
     api_key: str = typer.Option(None, help="Create an API key with this name and print it once."),
-    reset_admin_password: bool = typer.Option(False, help="Set a new admin password and print it once."),
+    reset_admin_password: bool = typer.Option(
+        False,
+        help="Set a new admin password, print it once and exit (works while the panel runs: signed-in "
+        "sessions end, the next login takes the new password).",
+    ),
     mdns: bool | None = typer.Option(
         None,
         "--mdns/--no-mdns",
@@ -91,9 +96,17 @@ def panel(
     from tandem_protocol.tls import certificate_fingerprint, ensure_certificate, spaced
 
     from .app import create_panel_app
+    from .db import open_db
     from .security import create_api_key, ensure_admin_password, set_admin_password
     from .services import MemberSpec, add_node, create_pool
 
+    data_dir = data_dir or settings().data_dir / "panel"
+    if reset_admin_password:  # the database alone, before any port: a running panel keeps serving
+        password = secrets.token_urlsafe(12)
+        set_admin_password(open_db(data_dir / "panel.db"), password)
+        console.print(f"[bold]admin password[/] (shown once, stored hashed): {password}")
+        console.print("Signed-in sessions have ended; a running panel takes the new password at its next login.")
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_open_file_limit()  # MAX_CONNECTIONS sockets, beside the files and the engine's
     if (tls_cert is None) != (tls_key is None):
@@ -109,7 +122,6 @@ def panel(
         )
     if mdns is None:
         mdns = not is_loopback(host)
-    data_dir = data_dir or settings().data_dir / "panel"
     if tls and tls_cert is None:
         tls_cert, tls_key = ensure_certificate(data_dir / "tls", "panel")
     scheme = "https" if tls_cert else "http"
@@ -118,15 +130,21 @@ def panel(
     cluster_key = settings().cluster_key
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        console.print(
+            f"[red]Port {port} on {host} is in use[/]: is the panel already running? `--port` picks another "
+            "(0: a free one); `--reset-admin-password` works beside a running panel."
+        )
+        raise typer.Exit(1) from None
     sock.listen(1024)
     port = sock.getsockname()[1]
     web = create_panel_app(data_dir, cluster_key, mdns, mdns_interface or None)
     engine, key = web.state.db, web.state.router.cluster_key
     password = ensure_admin_password(engine)
-    if reset_admin_password and not password:
-        password = secrets.token_urlsafe(12)
-        set_admin_password(engine, password)
     if password:
         console.print(f"[bold]admin password[/] (shown once, stored hashed): {password}")
 

@@ -82,7 +82,11 @@ def up(
         )
         console.print(
             "  admin password: "
-            + (password or "unchanged since the first start (`tandem panel --reset-admin-password` sets a new one)")
+            + (
+                password
+                or "unchanged since the first start (`.venv/bin/tandem panel --reset-admin-password` "
+                "prints a new one, also while this runs)"
+            )
         )
         console.print(f"  API key: {api_key}")
         example(panel_url, api_key, ask)

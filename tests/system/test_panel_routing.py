@@ -131,15 +131,38 @@ def test_first_migration_upgrades_and_data_survive_restart(tmp_path):
         assert s.exec(select(Pool)).one().name == "old"
 
 
-def test_reset_admin_password(tmp_path):
+def test_reset_admin_password_beside_the_running_panel(tmp_path):
+    """The password is printed once; `tandem panel --reset-admin-password` run while the panel
+    serves writes a new one and exits (no port taken): the running panel's next login takes the
+    new password, not the old. A second panel on the taken port says so, no traceback."""
+    import os
+    import subprocess
+
+    import httpx
+
     from control_panel.security import check_admin_password
+
+    from ..agents import TANDEM
+    from .test_security import log_in
+
+    env = {**os.environ, "TANDEM_HOME": str(tmp_path), "TANDEM_CLUSTER_KEY": "tdm_reset-test-key", "COLUMNS": "300"}
+
+    def tandem_panel(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([TANDEM, "panel", *args], capture_output=True, text=True, env=env, timeout=120)
 
     with PanelProcess(tmp_path) as first:
         assert first.admin_password
-    with PanelProcess(tmp_path) as second:
-        assert second.admin_password is None  # stored hashed: never shown again
-    with PanelProcess(tmp_path, "--reset-admin-password") as third:
-        assert third.admin_password and third.admin_password != first.admin_password
+    with PanelProcess(tmp_path) as running:
+        assert running.admin_password is None  # stored hashed: never shown again
+        reset = tandem_panel("--reset-admin-password")
+        assert reset.returncode == 0, reset.stdout + reset.stderr
+        new = reset.stdout.split("(shown once, stored hashed): ", 1)[1].split()[0]
+        assert new != first.admin_password
+        with httpx.Client(base_url=running.url, follow_redirects=False) as ui:
+            assert log_in(ui, first.admin_password).status_code == 401
+            assert log_in(ui, new).status_code == 303
+        taken = tandem_panel("--port", running.url.rsplit(":", 1)[1])
+        assert taken.returncode == 1 and "is in use: is the panel already running?" in taken.stdout, taken
+        assert "Traceback" not in taken.stdout + taken.stderr
     engine = open_db(tmp_path / "panel" / "panel.db")
-    assert check_admin_password(engine, third.admin_password)
-    assert not check_admin_password(engine, first.admin_password)
+    assert check_admin_password(engine, new) and not check_admin_password(engine, first.admin_password)
