@@ -166,6 +166,11 @@ def refusal(e: ContractMismatch | PanelError, t: Tr, joining: bool = False) -> t
     return _("Could not create the pair: %(reason)s", reason=str(e)), list(e.fields)
 
 
+def model_named(panel: Panel, name: str) -> bool:
+    with Session(panel.db) as s:
+        return s.exec(select(Pool.id).where(Pool.name == name)).first() is not None
+
+
 @router.post("/models")
 async def models_create(
     _csrf: CsrfForm,
@@ -185,6 +190,7 @@ async def models_create(
     threshold: Annotated[str, Form()] = "0",
     fallback: Annotated[str, Form()] = "decode_alone",
     page_encoding: Annotated[str, Form()] = "raw",
+    replace: Annotated[str, Form()] = "",
 ):
     form = {
         "name": name.strip(),
@@ -200,10 +206,18 @@ async def models_create(
         "threshold": threshold,
         "fallback": fallback,
         "page_encoding": page_encoding,
+        "replace": replace == "1",
     }
     with Session(panel.db) as s:
         nodes = tuple(s.get(Node, int(form[role])) if form[role].isdigit() else None for role in ("prefill", "decode"))
     error, bad = check_form(form, nodes, t)
+    if error is None and not form["replace"] and model_named(panel, form["name"]):  # never silently replaced
+        _ = t.gettext
+        error = _(
+            "A model named %(name)s already exists: add nodes to it, delete it first, or tick Replace to set it anew.",
+            name=form["name"],
+        )
+        bad = ["name"]
     if error is None:
         error, bad = await save_pair(panel, form, *nodes, t)
     if error:

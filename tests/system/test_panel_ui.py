@@ -414,7 +414,8 @@ def test_pair_form_checks_engines_model_paths_and_contracts(cluster, tmp_path):
         assert r.status_code == 303, r.text[-2000:]
         assert m.status()["engine"] == "torch" and t.status()["budget"]["capacity"] == 64 << 20
         assert m.status()["decode"]["kv_capacity"] == 256 << 20 and t.status()["decode"]["kv_capacity"] == p_kv
-        r = c.post("/models", data={**form, "decode_engine": "mlx", "staging_mib": "512"})  # and back
+        back = {**form, "decode_engine": "mlx", "staging_mib": "512", "replace": "1"}  # and back: the model set anew
+        r = c.post("/models", data=back)
         assert r.status_code == 303 and m.status()["engine"] == "mlx"
         pair_id = re.search(r'data-model="checked">.*?/models/(\d+)/delete', c.get("/models").text, re.S).group(1)
         assert c.post(f"/models/{pair_id}/delete", data={"csrf": form["csrf"]}).status_code == 303

@@ -204,7 +204,7 @@ def test_the_decode_kv_budget_goes_to_the_decode_node_alone(panel):
     assert (pair.staging_bytes, pair.decode_kv_bytes) == (64 * MIB, 256 * MIB)  # as the nodes report them
 
     agents.calls.clear()  # blank budgets and nothing else to change: neither node is configured
-    (r,) = as_admin(panel, ("POST", "/models", pair_form(panel)))
+    (r,) = as_admin(panel, ("POST", "/models", pair_form(panel, replace="1")))
     assert r.status_code == 303 and agents.configured("P") == agents.configured("D") == []
     assert stored_pair(panel, "pd").decode_kv_bytes == 256 * MIB  # the decode node kept it
 
@@ -374,3 +374,21 @@ def test_markup_an_agent_reports_is_shown_as_text_on_every_page(panel):
     for r in as_admin(panel, ("GET", "/nodes/table", {}), ("GET", "/nodes", {}), ("GET", "/models", {})):
         assert r.status_code == 200, r.text
         assert tag not in r.text and "&lt;img src=x onerror=alert(1)&gt;" in r.text, r.request.url
+
+
+def test_a_new_model_with_a_live_models_name_is_replaced_only_when_asked(panel):
+    """UX walk item 1: the create form given the name of a model already served replaced it,
+    silently, with the form's defaults. Without Replace ticked it is refused, naming the name field,
+    in the user's language, and the live model keeps its nodes and roles; with it, it is replaced."""
+    assert as_admin(panel, ("POST", "/models", pair_form(panel)))[0].status_code == 303
+    ids = node_ids(panel)
+    other = pair_form(panel, prefill=ids["d"], decode=ids["e"])
+    (en,) = as_admin(panel, ("POST", "/models", other))
+    assert en.status_code == 400, en.text
+    assert "A model named pd already exists: add nodes to it, delete it first, or tick Replace" in en.text
+    assert re.search(r'<input[^>]*name="name"[^>]*aria-invalid="true"', en.text), en.text
+    (de,) = as_admin(panel, ("POST", "/models", other), lang="de")
+    assert "Ein Modell namens pd gibt es schon" in de.text
+    assert [m[0] for m in members_of(panel, "pd")] == ["p", "d"]
+    assert as_admin(panel, ("POST", "/models", {**other, "replace": "1"}))[0].status_code == 303
+    assert [m[0] for m in members_of(panel, "pd")] == ["d", "e"]
