@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,25 @@ from tandem_cli.processes import TANDEM, ServiceProcess, agent_serve_args  # noq
 from tandem_protocol.tls import client_context
 
 TEST_KEY = "tdm_test-cluster-key-0123456789abcdef"
+
+
+class LocalHTTPServer(ThreadingHTTPServer):
+    """A test's own HTTP server on 127.0.0.1 (a free port, or `port`), `handler` answering, served by
+    a thread while it is used as a context manager (`url`: where)."""
+
+    daemon_threads = True
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], port: int = 0):
+        super().__init__(("127.0.0.1", port), handler)
+        self.url = f"http://127.0.0.1:{self.server_port}"
+
+    def __enter__(self):
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+        self.server_close()
 
 
 class AgentProcess(ServiceProcess):

@@ -21,14 +21,14 @@ import json
 import statistics
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
 
 from engine_adapters.server_process import free_port
 
-from ..agents import AgentProcess, PanelProcess
+from ..agents import AgentProcess, LocalHTTPServer, PanelProcess
 
 KEY = "tdm_hostile-requests-cluster-key-7c21"
 MODEL = "node/torch-agent"  # the agent's name: its engine and its home's name
@@ -193,31 +193,27 @@ def test_a_hostile_agents_huge_refusal_leaves_the_panel_free(cluster):
     request gets the refusal cut to a few hundred characters within a second, and the panel's
     /healthz answers meanwhile; the old scrubbing held the panel's event loop for minutes."""
     HostileRelay.upstream = cluster["agent"].url
-    relay = ThreadingHTTPServer(("127.0.0.1", cluster["relay_port"]), HostileRelay)
-    threading.Thread(target=relay.serve_forever, daemon=True).start()
-    relay_url = f"http://127.0.0.1:{cluster['relay_port']}"
-    try:
-        with PanelProcess(cluster["home"] / "panel-relayed", "--node", relay_url, key=KEY) as panel:
-            headers = {"Authorization": f"Bearer {panel.api_key}"}
-            with httpx.Client(base_url=panel.url, headers=headers, timeout=WAIT) as api:
-                probes: list[float] = []
-                done = threading.Event()
+    with (
+        LocalHTTPServer(HostileRelay, port=cluster["relay_port"]) as relay,
+        PanelProcess(cluster["home"] / "panel-relayed", "--node", relay.url, key=KEY) as panel,
+    ):
+        headers = {"Authorization": f"Bearer {panel.api_key}"}
+        with httpx.Client(base_url=panel.url, headers=headers, timeout=WAIT) as api:
+            probes: list[float] = []
+            done = threading.Event()
 
-                def probe() -> None:  # the panel's /healthz every 50 ms while the request runs
-                    with httpx.Client(base_url=panel.url, timeout=WAIT) as c:
-                        while not done.wait(0.05):
-                            probes.append(timed(lambda: c.get("/healthz"))[1])
+            def probe() -> None:  # the panel's /healthz every 50 ms while the request runs
+                with httpx.Client(base_url=panel.url, timeout=WAIT) as c:
+                    while not done.wait(0.05):
+                        probes.append(timed(lambda: c.get("/healthz"))[1])
 
-                prober = threading.Thread(target=probe)
-                prober.start()
-                try:
-                    r, seconds = timed(lambda: api.post("/v1/chat/completions", json=normal_chat()))
-                finally:
-                    done.set()
-                    prober.join()
-    finally:
-        relay.shutdown()
-        relay.server_close()
+            prober = threading.Thread(target=probe)
+            prober.start()
+            try:
+                r, seconds = timed(lambda: api.post("/v1/chat/completions", json=normal_chat()))
+            finally:
+                done.set()
+                prober.join()
     message = r.json()["error"]["message"]
     # cut before it was scrubbed, at a word: the one 60 KB word is left out whole
     assert r.status_code == 400 and message.startswith("cannot tokenize:"), r.text[:300]

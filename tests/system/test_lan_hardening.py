@@ -12,7 +12,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -21,7 +21,7 @@ import pytest
 from control_panel import services
 from tandem_cli.processes import ServiceProcess
 
-from ..agents import TEST_KEY
+from ..agents import TEST_KEY, LocalHTTPServer
 
 MIB = 1 << 20
 # services.IDENTITY_DEADLINE and MAX_IDENTITY_ANSWER (written out, so this file runs on a panel
@@ -45,28 +45,20 @@ def vm_rss(pid: int) -> int:
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) * 1024
 
 
-class EndlessIdentity(ThreadingHTTPServer):
+class EndlessIdentity(LocalHTTPServer):
     """An "agent" on 127.0.0.1 (anyone can announce an address by mDNS, or be typed in the Add node
     form): up on /healthz, and an identity answer that never ends — `flood_bytes` at full speed,
     then a byte every `trickle_every` seconds for as long as the panel reads. Records what it got out."""
-
-    daemon_threads = True
 
     def __init__(self, flood_bytes: int, trickle_every: float):
         self.flood_bytes, self.trickle_every = flood_bytes, trickle_every
         self.sent, self.hung_up = 0, False
         self.flood_over, self.stopping = threading.Event(), threading.Event()
-        super().__init__(("127.0.0.1", 0), EndlessHandler)
-        self.url = f"http://127.0.0.1:{self.server_port}"
-
-    def __enter__(self):
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-        return self
+        super().__init__(EndlessHandler)
 
     def __exit__(self, *exc):
         self.stopping.set()
-        self.shutdown()
-        self.server_close()
+        super().__exit__(*exc)
 
 
 class EndlessHandler(BaseHTTPRequestHandler):

@@ -21,10 +21,9 @@ import json
 import re
 import sqlite3
 import statistics
-import threading
 import time
 from http.cookies import SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
@@ -40,7 +39,7 @@ from control_panel.ui import sessions
 from control_panel.ui.sessions import IDLE_SECONDS, SESSION_COOKIE
 from tandem_protocol.discovery import Peer
 
-from ..agents import AgentProcess, PanelProcess
+from ..agents import AgentProcess, LocalHTTPServer, PanelProcess
 from ..unit.test_agent_auth import http_routes
 
 CLUSTER_KEY = "tdm_security-review-cluster-key-4e8a1f"
@@ -561,22 +560,13 @@ def test_secrets_are_stored_hashed(cluster, traffic):
 # ---- 7. the UI hands the cluster key only to a URL that proved it holds it -----------------------
 
 
-class Impostor(ThreadingHTTPServer):
+class Impostor(LocalHTTPServer):
     """An HTTP server on 127.0.0.1 posing as an agent: it answers the identity check with a wrong
     proof, everything else with 200 {}, and records each request: (method, path, Authorization)."""
 
     def __init__(self):
         self.requests: list[tuple[str, str, str]] = []
-        super().__init__(("127.0.0.1", 0), ImpostorHandler)
-        self.url = f"http://127.0.0.1:{self.server_port}"
-
-    def __enter__(self):
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
-        self.server_close()
+        super().__init__(ImpostorHandler)
 
 
 class ImpostorHandler(BaseHTTPRequestHandler):

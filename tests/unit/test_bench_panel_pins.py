@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -26,6 +26,8 @@ from tandem_cli.bench_ttft.cluster import Agent
 from tandem_cli.bench_ttft.probe_agents import decode_step_seconds, prefiller_counters, trace_pd
 from tandem_cli.bench_ttft.running_panel import bench_running_panel, pulled_link, ready_agent
 from tandem_protocol.tls import certificate_fingerprint, ensure_certificate, server_context
+
+from ..agents import LocalHTTPServer
 
 KEY = "tdm_m3-bench-panel-key-0123456789abcdef"
 
@@ -76,7 +78,7 @@ class RawListener:
         self._thread.join(10)
 
 
-class HttpsServer(ThreadingHTTPServer):
+class HttpsServer(LocalHTTPServer):
     """An HTTPS server on 127.0.0.1 with a certificate of its own (`fingerprint`), answering each
     path's JSON from `answers` (else {}), recording (method, path, Authorization, body)."""
 
@@ -85,20 +87,12 @@ class HttpsServer(ThreadingHTTPServer):
         self.fingerprint = certificate_fingerprint(cert)
         self.answers = answers or {}
         self.requests: list[tuple[str, str, str, bytes]] = []
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(_Handler)
         self.socket = server_context(cert, key).wrap_socket(self.socket, server_side=True)
         self.url = f"https://127.0.0.1:{self.server_port}"
 
     def handle_error(self, request, client_address) -> None:
         pass  # a client that hangs up after the handshake (its pin did not match) is no error here
-
-    def __enter__(self) -> HttpsServer:
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-        self.server_close()
 
 
 class _Handler(BaseHTTPRequestHandler):
