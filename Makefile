@@ -11,8 +11,16 @@ NVIDIA := $(if $(shell command -v nvidia-smi 2>/dev/null),yes,)
 # Every environment installs from a lock file with a hash for each package (locks/, written by
 # `make lock`): --no-deps because a lock is the whole closure, so nothing unlisted comes along.
 # The lock holds setuptools, so Tandem's own editable install builds without downloading one.
+# uv installs them (itself installed by pip from the hashed locks/tools.txt into .venv-lock): the
+# main lock into a fresh venv with empty caches here took pip 175 s and uv 11 s.
 PIP_LOCKED   := -m pip install --disable-pip-version-check -q --require-hashes --no-deps -r
-PIP_EDITABLE := -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+LOCK_VENV := .venv-lock
+UV := $(LOCK_VENV)/bin/uv
+# PyTorch's CPU build of torch is not on PyPI: where uv finds it (a folder of wheels, or a page of
+# links such as PyTorch's CPU index) for the CPU locks, to install and to lock.
+TORCH_CPU_WHEELS ?= $(if $(wildcard /opt/wheels/torch-*),/opt/wheels,https://download.pytorch.org/whl/cpu/torch/)
+UV_LOCKED   = $(UV) pip install -q --require-hashes --no-deps --find-links $(TORCH_CPU_WHEELS) --python
+UV_EDITABLE = $(UV) pip install -q --no-deps --no-build-isolation -e . --python
 # One set of lock files per platform: the pins are the same, the packages a platform needs are
 # not (the CUDA build of torch brings nvidia-* packages, the CPU build none; mlx differs).
 OS_ARCH := $(shell uname -s)-$(shell uname -m)
@@ -51,9 +59,9 @@ run: setup
 	$(BIN)/tandem model fetch
 	$(BIN)/tandem up
 
-# The three environments install side by side, their downloads and unpacking overlapping (a
-# clean clone's setup here: 211 s one after another, 189 s side by side); apt stays serial
-# (test-deps first, then system-deps alone inside the parallel step).
+# The three environments install side by side (a clean clone's setup here: 105 s with uv on a
+# loaded machine; pip took 189 s); apt stays serial (test-deps first, then system-deps alone
+# inside the parallel step).
 # pytest runs through tests/suite.py: two lanes (the engine servers' and the rest), then the tests
 # that time the machine alone, then seconds per file and the whole wall clock, set-up included
 # (reports/: JUnit XML, started).
@@ -101,10 +109,10 @@ test-deps:
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; \
 	fi
 
-$(STAMP): $(LOCK) pyproject.toml
+$(STAMP): $(LOCK) pyproject.toml | $(UV)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python $(PIP_LOCKED) $(LOCK)
-	$(EDITABLE) $(BIN)/python $(PIP_EDITABLE)
+	$(UV_LOCKED) $(BIN)/python -r $(LOCK)
+	$(EDITABLE) $(UV_EDITABLE) $(BIN)/python
 	touch $(STAMP)
 
 # vLLM in its own environment (pyproject.toml [dependency-groups]); the agent starts its server
@@ -112,20 +120,20 @@ $(STAMP): $(LOCK) pyproject.toml
 # to import beside the CPU torch. Tandem itself (no dependencies) for its vLLM plugin's entry point.
 vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): $(VLLM_LOCK) pyproject.toml
+$(VLLM_STAMP): $(VLLM_LOCK) pyproject.toml | $(UV)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python $(PIP_LOCKED) $(VLLM_LOCK)
-	$(EDITABLE) $(VLLM_VENV)/bin/python $(PIP_EDITABLE)
+	$(UV_LOCKED) $(VLLM_VENV)/bin/python -r $(VLLM_LOCK)
+	$(EDITABLE) $(UV_EDITABLE) $(VLLM_VENV)/bin/python
 	touch $(VLLM_STAMP)
 
 # SGLang in its own environment too, with Tandem installed (no dependencies) so SGLang sees the
 # transfer backend's plugin entry point.
 sglang: $(SGLANG_STAMP)
 
-$(SGLANG_STAMP): $(SGLANG_LOCK) pyproject.toml
+$(SGLANG_STAMP): $(SGLANG_LOCK) pyproject.toml | $(UV)
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python $(PIP_LOCKED) $(SGLANG_LOCK)
-	$(EDITABLE) $(SGLANG_VENV)/bin/python $(PIP_EDITABLE)
+	$(UV_LOCKED) $(SGLANG_VENV)/bin/python -r $(SGLANG_LOCK)
+	$(EDITABLE) $(UV_EDITABLE) $(SGLANG_VENV)/bin/python
 	touch $(SGLANG_STAMP)
 
 # For the tests only, on machines without an NVIDIA driver: the CPU recipe of
@@ -133,12 +141,12 @@ $(SGLANG_STAMP): $(SGLANG_LOCK) pyproject.toml
 # stand-in for its kernel package, torchvision made importable beside the CPU torch).
 sglang-cpu-test: $(SGLANG_CPU_STAMP)
 
-$(SGLANG_CPU_STAMP): tests/sglang_cpu/lock-$(PLATFORM).txt pyproject.toml tests/sglang_cpu/site/sgl_kernel/__init__.py tests/sglang_cpu/patch_torchvision.py
+$(SGLANG_CPU_STAMP): tests/sglang_cpu/lock-$(PLATFORM).txt pyproject.toml tests/sglang_cpu/site/sgl_kernel/__init__.py tests/sglang_cpu/patch_torchvision.py | $(UV)
 	test -x $(SGLANG_CPU_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_CPU_VENV)
-	$(SGLANG_CPU_VENV)/bin/python $(PIP_LOCKED) tests/sglang_cpu/lock-$(PLATFORM).txt
+	$(UV_LOCKED) $(SGLANG_CPU_VENV)/bin/python -r tests/sglang_cpu/lock-$(PLATFORM).txt
 	$(SGLANG_CPU_VENV)/bin/python tests/sglang_cpu/patch_torchvision.py "$$($(SGLANG_CPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	echo "$(CURDIR)/tests/sglang_cpu/site" > "$$($(SGLANG_CPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tandem-sglang-cpu.pth"
-	$(EDITABLE) $(SGLANG_CPU_VENV)/bin/python $(PIP_EDITABLE)
+	$(EDITABLE) $(UV_EDITABLE) $(SGLANG_CPU_VENV)/bin/python
 	touch $(SGLANG_CPU_STAMP)
 
 # A platform with no lock file for an environment: say so rather than install unpinned.
@@ -149,21 +157,20 @@ locks/%.txt tests/sglang_cpu/lock-%.txt:
 # `make lock` rewrites every lock file from pyproject.toml's pins (run it after changing one;
 # tests/unit/test_locks.py fails while a lock disagrees). uv resolves each platform's packages
 # from this machine, and is itself installed from a lock.
-LOCK_VENV := .venv-lock
-UV := $(LOCK_VENV)/bin/uv
 UV_LOCK := $(UV) pip compile -q --generate-hashes --python-version 3.11 --custom-compile-command 'make lock' locks/build.in
 LINUX := --python-platform x86_64-manylinux_2_35
 # with MACOSX_DEPLOYMENT_TARGET=14.0: the oldest macOS that torch 2.13 has wheels for
 MACOS := --python-platform aarch64-apple-darwin
-# PyTorch's CPU build of torch is not on PyPI: where uv finds it (a folder of wheels, or a page of
-# links such as PyTorch's CPU index) for the CPU locks.
-TORCH_CPU_WHEELS ?= /opt/wheels
 CPU_TORCH := --find-links $(TORCH_CPU_WHEELS) --override locks/torch-cpu.in
 # vLLM needs none of these, and they fail to import beside the CPU torch.
 NO_TORCH_MEDIA := --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
 
-lock:
-	test -x $(UV) || { $(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/python $(PIP_LOCKED) locks/tools.txt; }
+$(UV): locks/tools.txt
+	test -x $(LOCK_VENV)/bin/python || $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python $(PIP_LOCKED) locks/tools.txt
+	touch $(UV)
+
+lock: $(UV)
 	$(UV_LOCK) pyproject.toml --extra test $(LINUX) $(CPU_TORCH) -o locks/tandem-linux-x86_64-cpu.txt
 	$(UV_LOCK) pyproject.toml --extra test $(LINUX) -o locks/tandem-linux-x86_64-cuda.txt
 	MACOSX_DEPLOYMENT_TARGET=14.0 $(UV_LOCK) pyproject.toml --extra test $(MACOS) -o locks/tandem-macos-arm64.txt
