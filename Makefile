@@ -12,14 +12,16 @@ NVIDIA := $(if $(shell command -v nvidia-smi 2>/dev/null),yes,)
 # `make lock`): --no-deps because a lock is the whole closure, so nothing unlisted comes along.
 # The lock holds setuptools, so Tandem's own editable install builds without downloading one.
 # uv installs them (itself installed by pip from the hashed locks/tools.txt into .venv-lock): the
-# main lock into a fresh venv with empty caches here took pip 175 s and uv 11 s.
+# main lock into a fresh venv with empty caches here took pip 175 s and uv 11 s. Compiled to
+# bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (CI), nothing else would, and every
+# engine server and agent would compile its imports from source at each start.
 PIP_LOCKED   := -m pip install --disable-pip-version-check -q --require-hashes --no-deps -r
 LOCK_VENV := .venv-lock
 UV := $(LOCK_VENV)/bin/uv
 # PyTorch's CPU build of torch is not on PyPI: where uv finds it (a folder of wheels, or a page of
 # links such as PyTorch's CPU index) for the CPU locks, to install and to lock.
 TORCH_CPU_WHEELS ?= $(if $(wildcard /opt/wheels/torch-*),/opt/wheels,https://download.pytorch.org/whl/cpu/torch/)
-UV_LOCKED   = $(UV) pip install -q --require-hashes --no-deps --find-links $(TORCH_CPU_WHEELS) --python
+UV_LOCKED   = $(UV) pip install -q --compile-bytecode --require-hashes --no-deps --find-links $(TORCH_CPU_WHEELS) --python
 UV_EDITABLE = $(UV) pip install -q --no-deps --no-build-isolation -e . --python
 # One set of lock files per platform: the pins are the same, the packages a platform needs are
 # not (the CUDA build of torch brings nvidia-* packages, the CPU build none; mlx differs).

@@ -36,8 +36,7 @@ def test_a_port_taken_before_the_server_binds_it_is_picked_again(tmp_path, capfd
     server = TinyServer(tmp_path / "tiny.log", start_timeout=30.0)
     taken = server.port
     with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", taken))
-        squatter.listen()
+        squatter.bind(("127.0.0.1", taken))  # not listening: the health check is refused, not held
         server.start()
         try:
             assert server.port != taken and server.proc.poll() is None
@@ -51,8 +50,7 @@ def test_a_server_that_cannot_bind_at_all_fails_with_its_log(tmp_path, monkeypat
     """Every attempt finds its port taken: the last failure is raised, with the log's tail."""
     server = TinyServer(tmp_path / "tiny.log", start_timeout=30.0)
     squatter = socket.socket()
-    squatter.bind(("127.0.0.1", 0))
-    squatter.listen()
+    squatter.bind(("127.0.0.1", 0))  # bound, not listening: a health check is refused at once, not left hanging
     monkeypatch.setattr(server, "pick_ports", lambda: None)  # always the same, taken port
     server.port = squatter.getsockname()[1]
     server.url = f"http://127.0.0.1:{server.port}"

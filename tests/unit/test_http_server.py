@@ -127,9 +127,9 @@ def deadline_app(held: Held | None = None) -> Starlette:
     async def echo(request):
         return PlainTextResponse(str(len(await request.body())))
 
-    async def slow(request):  # an answer that streams for 6 deadlines
+    async def slow(request):  # an answer that streams for 3 deadlines
         async def parts():
-            for _ in range(6):
+            for _ in range(3):
                 await asyncio.sleep(DEADLINE)
                 yield b"part "
 
@@ -253,11 +253,11 @@ def test_the_deadline_ends_with_the_request(loop):
         async with serving(deadline_app()) as (addr, _):
             reader, writer = await asyncio.open_connection(*addr)
             writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert await read_response(reader) == (200, b"part " * 6)
-            await asyncio.sleep(2 * DEADLINE)
+            assert await read_response(reader) == (200, b"part " * 3)
+            await asyncio.sleep(1.5 * DEADLINE)
             writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
             assert await read_response(reader) == (200, b"5")
-            await asyncio.sleep(2 * DEADLINE)
+            await asyncio.sleep(1.5 * DEADLINE)
             t0 = time.monotonic()
             writer.write(b"GET / HT")
             await asyncio.wait_for(closed(reader), DEADLINE + LATE)
