@@ -1,4 +1,4 @@
-"""POST /v1/responses through the official SDK on two P/D routes: a Responses answer
+"""POST /v1/responses through the official SDK on a torch → MLX pair: a Responses answer
 is the chat completion of the same conversation (greedy, so token for token), continued by
 `previous_response_id` from SQLite exactly as if the history were resent; streamed events are
 well formed and spell the whole answer; function tools round-trip, by id or resent; typed outputs
@@ -16,11 +16,21 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from .cluster import pair_name
+from .cluster import for_each, pair_name
 
-# The Responses <-> chat translation is the panel's, whatever the engines: one route with an
-# in-process decoder, one with a server engine's (it ran on 4: also vLLM->MLX and MLX alone).
-ROUTES = [pair_name("torch", "mlx"), pair_name("mlx", "sglang2")]
+# The Responses <-> chat translation is the panel's, whatever the engines, and what a chat does on
+# every engine is tests/integration/test_api_fields.py's; the Responses API on a server engine's
+# decoder also runs in test_client_libraries.py (the Agents SDK, vLLM → SGLang). One route, with
+# an exact decoder, so that the requests compared go together. (It ran on 4, then on 2: also
+# vLLM → MLX, MLX → SGLang and MLX alone.)
+ROUTES = [pair_name("torch", "mlx")]
+
+
+def together(*calls):
+    """Each call's answer, the calls sent at once: MLX decodes a batch exactly as one request."""
+    return for_each("mlx", lambda call: call(), list(calls))
+
+
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -44,21 +54,27 @@ def chat_text(client, model: str, messages: list[dict]) -> tuple[str, int]:
 @pytest.mark.parametrize("model", ROUTES)
 def test_a_conversation_continues_by_previous_response_id_as_if_resent(cluster, model):
     client = cluster.client
-    first = client.responses.create(
-        model=model, instructions="Be brief.", input="What is the capital of France?", **GREEDY
-    )
-    assert first.status in ("completed", "incomplete") and first.output_text
     system = {"role": "system", "content": "Be brief."}
     question = {"role": "user", "content": "What is the capital of France?"}
-    assert (first.output_text, first.usage.input_tokens) == chat_text(client, model, [system, question])
-    second = client.responses.create(model=model, previous_response_id=first.id, input="And of Italy?", **GREEDY)
+    first, chat = together(
+        lambda: client.responses.create(
+            model=model, instructions="Be brief.", input="What is the capital of France?", **GREEDY
+        ),
+        lambda: chat_text(client, model, [system, question]),
+    )
+    assert first.status in ("completed", "incomplete") and first.output_text
+    assert (first.output_text, first.usage.input_tokens) == chat
     # the instructions are not carried over (OpenAI's rule); the history is
     history = [
         question,
         {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "And of Italy?"},
     ]
-    assert (second.output_text, second.usage.input_tokens) == chat_text(client, model, history)
+    second, chat = together(
+        lambda: client.responses.create(model=model, previous_response_id=first.id, input="And of Italy?", **GREEDY),
+        lambda: chat_text(client, model, history),
+    )
+    assert (second.output_text, second.usage.input_tokens) == chat
     assert second.previous_response_id == first.id
     assert client.responses.retrieve(second.id).output_text == second.output_text
 
@@ -66,8 +82,10 @@ def test_a_conversation_continues_by_previous_response_id_as_if_resent(cluster, 
 @pytest.mark.parametrize("model", ROUTES)
 def test_streamed_events_are_well_formed_and_spell_the_whole_answer(cluster, model):
     client = cluster.client
-    whole = client.responses.create(model=model, input="Name three colours.", **GREEDY)
-    events = list(client.responses.create(model=model, input="Name three colours.", stream=True, **GREEDY))
+    whole, events = together(
+        lambda: client.responses.create(model=model, input="Name three colours.", **GREEDY),
+        lambda: list(client.responses.create(model=model, input="Name three colours.", stream=True, **GREEDY)),
+    )
     kinds = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert kinds[:4] == [
@@ -92,26 +110,34 @@ def test_streamed_events_are_well_formed_and_spell_the_whole_answer(cluster, mod
 def test_function_tools_round_trip_by_id_or_resent(cluster, model):
     client = cluster.client
     asked = "What is the weather in Oslo?"
-    first = client.responses.create(model=model, input=asked, tools=TOOLS, tool_choice="required", **CALLING)
+    first, events = together(
+        lambda: client.responses.create(model=model, input=asked, tools=TOOLS, tool_choice="required", **CALLING),
+        lambda: list(
+            client.responses.create(
+                model=model, input=asked, tools=TOOLS, tool_choice="required", stream=True, **CALLING
+            )
+        ),
+    )
     calls = [o for o in first.output if o.type == "function_call"]
     assert calls and all(c.name == "get_weather" for c in calls), first.output
     for call in calls:
         jsonschema.validate(json.loads(call.arguments), WEATHER)
-    events = list(
-        client.responses.create(model=model, input=asked, tools=TOOLS, tool_choice="required", stream=True, **CALLING)
-    )
     streamed = [o for o in events[-1].response.output if o.type == "function_call"]
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [e.arguments for e in done] == [c.arguments for c in calls]
     results = [{"type": "function_call_output", "call_id": c.call_id, "output": "12 C, light rain"} for c in calls]
-    by_id = client.responses.create(model=model, previous_response_id=first.id, input=results, tools=TOOLS, **CALLING)
-    resent = client.responses.create(
-        model=model,
-        input=[{"role": "user", "content": asked}, *[c.model_dump() for c in calls], *results],
-        tools=TOOLS,
-        store=False,
-        **CALLING,
+    by_id, resent = together(
+        lambda: client.responses.create(
+            model=model, previous_response_id=first.id, input=results, tools=TOOLS, **CALLING
+        ),
+        lambda: client.responses.create(
+            model=model,
+            input=[{"role": "user", "content": asked}, *[c.model_dump() for c in calls], *results],
+            tools=TOOLS,
+            store=False,
+            **CALLING,
+        ),
     )
     assert by_id.output_text and by_id.output_text == resent.output_text
     assert by_id.usage.input_tokens == resent.usage.input_tokens
@@ -120,17 +146,19 @@ def test_function_tools_round_trip_by_id_or_resent(cluster, model):
 @pytest.mark.parametrize("model", ROUTES)
 def test_typed_output_parses_and_logprobs_come_with_the_text(cluster, model):
     client = cluster.client
-    parsed = client.responses.parse(
-        model=model, input="Name a city and its country.", text_format=City, temperature=0, max_output_tokens=40
+    parsed, r = together(
+        lambda: client.responses.parse(
+            model=model, input="Name a city and its country.", text_format=City, temperature=0, max_output_tokens=40
+        ),
+        lambda: client.responses.create(
+            model=model,
+            input="What is the capital of France?",
+            top_logprobs=3,
+            include=["message.output_text.logprobs"],
+            **GREEDY,
+        ),
     )
     assert isinstance(parsed.output_parsed, City), parsed.output_text
-    r = client.responses.create(
-        model=model,
-        input="What is the capital of France?",
-        top_logprobs=3,
-        include=["message.output_text.logprobs"],
-        **GREEDY,
-    )
     entries = r.output[0].content[0].logprobs
     assert len(entries) in (r.usage.output_tokens, r.usage.output_tokens - 1) and entries  # less a stop token's
     assert "".join(e.token for e in entries).startswith(r.output_text[:1])
