@@ -2,15 +2,24 @@
 (test_decoders_consume_pages, test_prefix_cache_servers, test_sglang_window, test_vllm_window): each
 started once per session, side by side, and shared by every file whose settings agree.
 
-A server starts at its first user, together with every other server the session's remaining
-tests ask for (a start is the better part of a minute of one core: side by side they overlap),
-and stops after the last test that asks for it, so that no more than four are ever alive
-(24 GiB; these files run after the integration cluster is torn down, never beside it).
+A server starts at its first user (or at the first test of a module that calls
+`server_pool.start_now`), together with every other server the session's remaining tests ask
+for, the soonest needed first (a start is the better part of a minute of one core: side by side
+they overlap, and beside the in-process tests before them), and stops after the last test that
+asks for it, so that no more than four are ever alive (24 GiB; these files run after the
+integration cluster is torn down, never beside it). A test asks for a server by its fixture, or
+by naming the fixture in its parameters (test_prefix_cache_servers takes its pair of servers by
+`request.getfixturevalue`, so that each case waits only for its own).
+
+Six starts in all, in two waves (four, then two as the first ones go): vllm_server,
+sglang_server, plain_sglang_server and sglang_cached_server with test_decoders_consume_pages's
+in-process tests; vllm_cached_server once the plain server is done with; vllm_agent_server once the
+SGLang pair of test_prefix_cache_servers is. Each of the second wave starts while tests run.
 
 The servers, and why each is its own:
 
 - `vllm_server`: vLLM, prefix cache off (every prefill computes and exports its pages), chunks
-  of 128 tokens (a 1,029-token prefill takes many steps, so a cancel lands while vLLM still
+  of 128 tokens (a 517-token prefill takes five steps, so a cancel lands while vLLM still
   computes it: test_vllm_window), one thread. Shared by test_decoders_consume_pages,
   test_vllm_window and test_prefix_cache_servers (its conversation with no cache).
 - `sglang_server`: SGLang in its decode role, radix cache off, prefill chunks of 1,024 tokens
@@ -132,9 +141,8 @@ class ServerPool:
         index of the first of them."""
         first: dict[str, int] = {}
         for index, item in enumerate(self.items[after:], after):
-            for name in item.fixturenames:
-                if name in SERVERS:
-                    first.setdefault(name, index)
+            for name in asked(item):
+                first.setdefault(name, index)
         return first
 
     def _start(self, name: str | None, after: int) -> None:
@@ -148,6 +156,12 @@ class ServerPool:
             run_dir = self.run_dir / other
             run_dir.mkdir(parents=True, exist_ok=True)
             self.jobs[other] = self.starter.submit(SERVERS[other], self.model_dir, run_dir)
+
+    def start_now(self, index: int) -> None:
+        """Start, side by side, the servers the tests from `index` on ask for (as many as may be
+        alive), before any of them is needed."""
+        with self.lock:
+            self._start(None, index)
 
     def get(self, name: str, index: int):
         with self.lock:
@@ -176,6 +190,14 @@ class ServerPool:
         self.starter.shutdown(wait=False)
 
 
+def asked(item: pytest.Item) -> list[str]:
+    """The servers a test asks for: its fixtures, and fixture names among its parameters (taken
+    with request.getfixturevalue)."""
+    callspec = getattr(item, "callspec", None)
+    params = [v for v in (callspec.params.values() if callspec else ()) for v in (v if isinstance(v, tuple) else (v,))]
+    return [name for name in [*item.fixturenames, *params] if isinstance(name, str) and name in SERVERS]
+
+
 def close(job: Future) -> None:
     """Stop a server once its start has ended, one way or the other."""
     if job.exception() is None:
@@ -193,6 +215,13 @@ def server_pool(request, smol_dir, tmp_path_factory):
 
 POOL = pytest.StashKey[ServerPool | None]()
 CURRENT = pytest.StashKey[int]()  # the index in the session's items of the test being set up
+
+
+@pytest.fixture(scope="module")
+def servers_start_now(request, server_pool):
+    """For a module whose first tests need no server (usefixtures): the servers of the tests to
+    come start at its first test, beside those that run in process."""
+    server_pool.start_now(request.config.stash.get(CURRENT, 0))
 
 
 def _server_fixture(name: str):

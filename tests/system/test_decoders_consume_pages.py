@@ -23,6 +23,7 @@ Figures go to reports/consume_pages_*.json.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import httpx
@@ -155,23 +156,34 @@ def sampling() -> SamplingParams:
 
 
 # ---- torch and MLX ---------------------------------------------------------------------------
+# The engine servers of the tests after these start with them, side by side (the prefiller agent
+# is gone by then: one process fewer beside four server starts; tests/system/conftest.py).
+@pytest.mark.usefixtures("servers_start_now")
 @pytest.mark.parametrize("decoder", ["torch", "mlx"])
 def test_in_process_decoders_consume_the_pages(engines, handoffs, prompt_ids, decoder):
     """First-step log-probabilities over the imported pages of prompt[:-1] against the decoder's
-    own prefill; greedy output of `decode` (both first-token modes) against its own greedy run."""
+    own prefill; greedy output of `decode` (both first-token modes) against its own greedy run.
+    The four decodes (perturbed and true pages, both modes) go at once: the decoder is exact in a
+    batch (tests/system/test_batching.py)."""
     d, ids = engines[decoder], prompt_ids
     own = own_greedy(d, ids, MAX_TOKENS)
     figures = {"decoder": decoder, "prompt_tokens": len(ids), "perturbed_layer_k": PERTURBED_LAYER}
-    for kind in ("perturbed", "true"):
-        imported, local = run(logits_after_import(d, pages(handoffs[kind, RL]), ids))
-        greedy = {
-            mode.value: run(
+    cases = [(kind, mode) for kind in ("perturbed", "true") for mode in (RL, CF)]
+
+    async def decode_all() -> list[list[int]]:
+        return await asyncio.gather(
+            *(
                 collect(
                     d.decode(EngineRequest(f"{kind}-{mode.value}", ids, sampling(), mode), replay(handoffs[kind, mode]))
                 )
+                for kind, mode in cases
             )
-            for mode in (RL, CF)
-        }
+        )
+
+    outputs = dict(zip(cases, run(decode_all()), strict=True))
+    for kind in ("perturbed", "true"):
+        imported, local = run(logits_after_import(d, pages(handoffs[kind, RL]), ids))
+        greedy = {mode.value: outputs[kind, mode] for mode in (RL, CF)}
         figures[kind] = {
             "logprobs": logprob_diff(top_logprobs(imported), top_logprobs(local)),
             "greedy_equal_by_mode": {m: out == own for m, out in greedy.items()},

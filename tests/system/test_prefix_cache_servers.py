@@ -26,17 +26,23 @@ from .conversation import ANSWER, SYSTEM, TURNS, common_pages, common_prefix, pa
 AGREE_AT_LEAST = {"sglang": ANSWER.max_tokens, "vllm": 21}
 
 
-@pytest.mark.parametrize("server", ["vllm", "sglang"])
-def test_a_later_turn_on_a_server_decoder_imports_only_the_pages_it_lacks(
-    engines, cache_bytes, vllm_server, sglang_server, vllm_cached_server, sglang_cached_server, server
-):
+# each engine's servers: with its cache off (the session's shared one) and on. Named as parameters
+# and taken with getfixturevalue, so that each case waits for its own pair alone
+# (tests/system/conftest.py); SGLang first, as its cached server starts with the session's first
+# wave, and vLLM's while the SGLang case runs.
+PAIRS = {"sglang": ("sglang_server", "sglang_cached_server"), "vllm": ("vllm_server", "vllm_cached_server")}
+
+
+@pytest.mark.parametrize("servers", list(PAIRS.values()), ids=list(PAIRS))
+def test_a_later_turn_on_a_server_decoder_imports_only_the_pages_it_lacks(engines, cache_bytes, request, servers):
     """torch P, vLLM or SGLang D: with the engine's own prefix cache on (vLLM's, SGLang's decode
     radix cache), each turn's decode is told by the engine's plugin how much of the prompt it
     holds, P sends only the pages after it, and every answer is the one of the same conversation
     with no cache (on the same engine with its cache off: the session's shared server, where D is
     its twin started with the cache on, tests/system/conftest.py)."""
     P = engines["torch"]
-    uncached_D, D = {"vllm": (vllm_server, vllm_cached_server), "sglang": (sglang_server, sglang_cached_server)}[server]
+    uncached_D, D = (request.getfixturevalue(name) for name in servers)
+    server = D.name
     assert not uncached_D.prefix_caching and D.prefix_caching
     assert uncached_D.settings == D.settings.model_copy(update={"prefix_caching": False})
     page, mode = D.geometry.page_tokens, D.decoder_modes[0]
@@ -105,6 +111,11 @@ def test_a_later_turn_on_a_server_decoder_imports_only_the_pages_it_lacks(
     assert len(ids) == 3 * page + 1 and counted == [0, 3 * page, 3 * page]
 
 
+# The answers are not compared, only counted (vLLM holds the first one's pages but its last
+# token): a few tokens each.
+ANSWER_TOKENS = 8
+
+
 def test_through_the_panel_a_vllm_decoder_asks_only_for_what_vllm_lacks(smol_dir, tmp_path, vllm_agent_server):
     """torch P (no cache), vLLM D with its prefix cache (the agent's default): turn 2 moves only
     the pages vLLM lacks and reports the rest as cached in `usage`; with P gone, turn 3's held
@@ -128,7 +139,9 @@ def test_through_the_panel_a_vllm_decoder_asks_only_for_what_vllm_lacks(smol_dir
                 p.stop()  # turn 3: the prefiller is gone
             messages.append({"role": "user", "content": question})
             sent = p.status()["totals"]["bytes_sent"] if len(turns) < 2 else 0
-            answer = client.chat.completions.create(model="pd", messages=messages, max_tokens=24, temperature=0)
+            answer = client.chat.completions.create(
+                model="pd", messages=messages, max_tokens=ANSWER_TOKENS, temperature=0
+            )
             turns.append((answer, p.status()["totals"]["bytes_sent"] - sent if len(turns) < 2 else None))
             messages.append({"role": "assistant", "content": answer.choices[0].message.content})
         (first, first_bytes), (second, second_bytes), (third, _) = turns

@@ -35,8 +35,10 @@ from tandem_protocol.sampling import SamplingParams
 from ..conftest import LONG_TEXT, collect, run
 from ..server_engines import counter, server_metrics
 
-PROMPT_TOKENS = 16 * 64 + 5
-PAGES = 17  # the last partly filled
+# Five prefill chunks of 128 tokens (the shared server's): a cancel at the first page out leaves
+# vLLM four steps to compute, and a held export more pages than its window.
+PROMPT_TOKENS = 8 * 64 + 5
+PAGES = 9  # the last partly filled
 WINDOW = 2  # pages of staging window: the bridge reads two pages, then the engine waits
 READ_PAUSE = 0.5  # seconds between pages once it has room again
 GENERATE_TOKENS = 16
@@ -55,7 +57,7 @@ def vllm(vllm_server):
 
 @pytest.fixture(scope="module")
 def prompt_ids(vllm) -> list[int]:
-    ids = vllm.chat_token_ids([{"role": "user", "content": LONG_TEXT * 8}])
+    ids = vllm.chat_token_ids([{"role": "user", "content": LONG_TEXT * 4}])
     assert len(ids) >= PROMPT_TOKENS, len(ids)
     return ids[:PROMPT_TOKENS]
 
@@ -159,7 +161,7 @@ def test_a_cancelled_export_frees_its_blocks(vllm, prompt_ids, when):
     """The handoff ends while the window is full: after vLLM finished the prefill (only the
     connector's blocked write holds its blocks; a prompt of a few pages more than the window) or
     while vLLM still computes it (cancelled as soon as its first page is out: with chunks of 128
-    tokens it has eight steps to go, and its success counter shows it never finished)."""
+    tokens it has four steps to go, and its success counter shows it never finished)."""
     ids = prompt_ids[:ENDED_TOKENS] if when == "after-vllm-finished" else prompt_ids
 
     async def cancelled() -> None:
