@@ -23,14 +23,16 @@ from ..agents import TEST_KEY, TamperProxy, pd_request, tokens_of, wait_for
 from ..conftest import run
 
 PAGE_BYTES = 1_474_560
-WINDOW = 3  # pages of staging budget (was 4)
-# pages of the prompt's KV: 4× the budget (was 16: the same ratio on 3/4 of the prefill). Frozen
-# after two pages, the socket buffers between take up to ~3 more (a 4 MiB send buffer): 12 leaves
-# pages for the window to fill.
-PAGES = 12
-TOKENS = PAGES * 64 - 20
+WINDOW = 2  # pages of staging budget (was 3, 4 before; a window is counted in pages, any >= 1 works)
+# pages of the prompt's KV: 4× the budget (was 12, 16 before: the same ratio on 2/3 of the prefill)
+PAGES = 4 * WINDOW
+# the cancel's prompt: frozen after two pages, the socket buffers between take up to ~3.2 more (a
+# 4 MiB send buffer, a 512 kB receive buffer), so 2 + 3.2 + the window's 2 leave ~4 pages spare
+# for the window to fill (as 12 did beside a window of 3)
+CANCEL_PAGES = 11
 RATE = 8e6  # bytes/s on the proxied link: ~0.2 s a page, slower than any prefiller's pages
-SAMPLING = {"max_tokens": 8, "ignore_eos": True}
+# a wrong page shows in the first tokens (was 8)
+SAMPLING = {"max_tokens": 4, "ignore_eos": True}
 
 # prefiller -> decoder (another agent: the pages cross a real link)
 PAIRS = {"torch": "mlx", "mlx": "torch", "vllm": "torch", "sglang": "torch"}
@@ -74,7 +76,7 @@ class Sampler(threading.Thread):
 @pytest.mark.parametrize("p", list(PAIRS))
 def test_a_prompt_4x_the_staging_budget_streams_through_the_window(cluster, smol_dir, p):
     P, D = cluster[p], cluster[PAIRS[p]]
-    ids = prompt_ids(TOKENS, seed=23, vocab=49152)
+    ids = prompt_ids(PAGES * 64 - 20, seed=23, vocab=49152)
     expected = tokens_of(run(pd_request(P.url, D.url, ids, SAMPLING)))  # the default budget, fast link
     proxy = TamperProxy(P.port)
     proxy.set_faults(rate=RATE)
@@ -100,7 +102,7 @@ def held_full(agent) -> dict | None:
     if not (a["handoffs"] and b["handoffs"] and a["budget"]["staged"] == b["budget"]["staged"] == full):
         return None
     sent = a["handoffs"][0]["pages_sent"]
-    return b if sent == b["handoffs"][0]["pages_sent"] < PAGES else None
+    return b if sent == b["handoffs"][0]["pages_sent"] < CANCEL_PAGES else None
 
 
 async def cancel(agent, handoff_id: str) -> dict:
@@ -114,7 +116,7 @@ async def cancel(agent, handoff_id: str) -> dict:
 @pytest.mark.parametrize("p", list(PAIRS))
 def test_cancel_with_the_window_full_frees_everything(cluster, smol_dir, p):
     P, D = cluster[p], cluster[PAIRS[p]]
-    ids = prompt_ids(TOKENS, seed=24, vocab=49152)
+    ids = prompt_ids(CANCEL_PAGES * 64 - 20, seed=24, vocab=49152)
     proxy = TamperProxy(P.port)
     proxy.set_faults(freeze_at=2 * PAGE_BYTES)  # the link goes silent after two pages
     try:
