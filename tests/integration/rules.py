@@ -46,13 +46,23 @@ async def first_step_logits(prefiller, decoder, ids: list[int]) -> tuple[np.ndar
 async def logits_after_import(decoder, pages: list, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """An in-process decoder's logits for the last prompt token over imported pages of prompt[:-1]
     (recompute-last), and its own logits from a local prefill of the prompt."""
+    return await imported_logits(decoder, pages, ids), await local_logits(decoder, ids)
+
+
+async def imported_logits(decoder, pages: list, ids: list[int]) -> np.ndarray:
+    """An in-process decoder's logits for the last prompt token over imported pages of prompt[:-1]."""
     session = await decoder.on_engine(decoder.new_session, len(ids) + 1)
     for page in pages:
         await decoder.on_engine(decoder.import_kv, session, page.start, page.kv)
     await decoder.on_engine(decoder.set_length, session, len(ids) - 1)
     imported = await decoder.on_engine(decoder.forward, session, ids[-1:])
-    local_session = await decoder.on_engine(decoder.new_session, len(ids))
-    local = await decoder.on_engine(decoder.forward, local_session, ids)
-    for s in (session, local_session):
-        await decoder.on_engine(decoder.release, s)
-    return imported, local
+    await decoder.on_engine(decoder.release, session)
+    return imported
+
+
+async def local_logits(decoder, ids: list[int]) -> np.ndarray:
+    """An in-process decoder's logits for the last prompt token from its own prefill of the prompt."""
+    session = await decoder.on_engine(decoder.new_session, len(ids))
+    local = await decoder.on_engine(decoder.forward, session, ids)
+    await decoder.on_engine(decoder.release, session)
+    return local

@@ -1,9 +1,12 @@
 """Every direction through the panel's OpenAI API: at each of the core issue's prompt lengths (around
 page boundaries) the P/D completion equals the decoder alone (the decoder's node through the same
-panel) and reports its usage; streaming equals not streaming at one length on each side of a page
-boundary (the stream is the same tokens framed differently: every length would only repeat it).
-The chat answer ("Paris", streaming and not) is checked on every direction by
-tests/integration/test_api_fields.py."""
+panel) and reports its usage. At one length, a page exactly, the P/D completion is asked streaming
+(with its usage chunk) instead: the streamed answer equals the decoder alone's whole one there, as
+the whole P/D answers do at the other lengths (the stream is the same tokens framed differently:
+asking both at a length, or at every length, would only repeat it). The chat answer ("Paris",
+streaming equal to not streaming on the same route) is checked on every direction by
+tests/integration/test_api_fields.py, and text completions' streamed tokens equal to whole ones
+by its test_text_completions_report_the_legacy_shape."""
 
 from __future__ import annotations
 
@@ -11,12 +14,11 @@ import functools
 
 import pytest
 
-from ..agents import complete
 from ..conftest import prompt, write_report
 from .cluster import AGENTS, DIRECTIONS, for_each, pair_name
 
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]
-STREAMED = (64, 193)  # lengths also asked for streaming
+STREAMED = 64  # the length asked streaming (the others whole)
 MAX_TOKENS = 16
 
 
@@ -34,29 +36,29 @@ def test_every_pair_and_node_is_listed(cluster):
 
 @pytest.mark.parametrize("p, d", DIRECTIONS, ids=[pair_name(*x) for x in DIRECTIONS])
 def test_pd_equals_the_decoder_alone_at_every_length(cluster, long_ids, alone, p, d):
-    """Into a torch or MLX decoder every length goes at once (they decode a batch exactly as one
-    request: tests/system/test_batching.py); into vLLM and SGLang one at a time."""
+    """Into a torch or MLX decoder every length goes at once, with the decoder alone's answers not
+    yet asked (they decode a batch exactly as one request: tests/system/test_batching.py); into
+    vLLM and SGLang one at a time."""
     client, pair = cluster.client, pair_name(p, d)
 
-    def row(n: int) -> dict:
-        ids = prompt(long_ids, n)
-        answer = client.completions.create(model=pair, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
-        whole, usage = answer.choices[0].text, answer.usage
-        out = {
-            "pd": whole,
-            "alone_equal": whole == alone(d, n),
-            "usage": (usage.prompt_tokens, usage.completion_tokens),
-        }
-        if n in STREAMED:
-            out["streamed_equal"] = complete(client, pair, ids, True, MAX_TOKENS) == whole
-        return out
+    def pd(n: int) -> dict:
+        args = dict(model=pair, prompt=prompt(long_ids, n), max_tokens=MAX_TOKENS, temperature=0)
+        if n == STREAMED:
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+            text, usage = "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+        else:
+            answer = client.completions.create(**args)
+            text, usage = answer.choices[0].text, answer.usage
+        return {"pd": text, "streamed": n == STREAMED, "usage": (usage.prompt_tokens, usage.completion_tokens)}
 
-    rows = dict(zip(LENGTHS, for_each(d, row, LENGTHS), strict=True))
+    asks = [(pd, n) for n in LENGTHS] + [(functools.partial(alone, d), n) for n in LENGTHS]
+    answers = for_each(d, lambda ask: ask[0](ask[1]), asks)
+    rows = dict(zip(LENGTHS, answers[: len(LENGTHS)], strict=True))
+    for n, own in zip(LENGTHS, answers[len(LENGTHS) :], strict=True):
+        rows[n]["alone_equal"] = rows[n]["pd"] == own
     write_report(f"direction_{pair}", rows)
     agree = sum(r["alone_equal"] for r in rows.values())
     print(f"\n{p}->{d}: greedy agreement with {d} alone {agree}/{len(LENGTHS)}")
-    assert all(r["streamed_equal"] for r in rows.values() if "streamed_equal" in r), rows
-    assert sum("streamed_equal" in r for r in rows.values()) == len(STREAMED), rows
     assert all(r["usage"][0] == n and 0 < r["usage"][1] <= MAX_TOKENS for n, r in rows.items()), rows
     assert agree == len(LENGTHS), rows
     cluster.idle(p, d)
