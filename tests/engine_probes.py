@@ -1,7 +1,8 @@
 """Test-only probes into the server engines: the first-step log-probabilities by which the
 cross-engine rules are measured with vLLM or SGLang as the decoder (their APIs expose
 log-probabilities, not logits). They talk to the adapter's own server and bridge directly, which
-no production path does."""
+no production path does. `cache_salt`: the request's prefix-cache namespace (a fresh one: the
+engine's cache serves it nothing), as the adapters pass EngineRequest.cache_salt."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from tandem_protocol.pages import KVPage
 
 
 async def vllm_first_step_logprobs(
-    engine: VLLMAdapter, token_ids: list[int], pages: list[KVPage] | None = None, top: int = 20
+    engine: VLLMAdapter,
+    token_ids: list[int],
+    pages: list[KVPage] | None = None,
+    top: int = 20,
+    cache_salt: str | None = None,
 ) -> dict[int, float]:
     """vLLM's top log-probabilities for the token after `token_ids`: over its own prefill, or
     with prompt[:-1] imported from `pages` (recompute-last)."""
@@ -25,6 +30,8 @@ async def vllm_first_step_logprobs(
         "logprobs": top,
         "return_tokens_as_token_ids": True,
     }
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     room = None
     if pages is not None:
         room = engine._new_room()
@@ -46,7 +53,12 @@ async def vllm_first_step_logprobs(
 
 
 async def sglang_decode_step_logprobs(
-    engine: SGLangAdapter, token_ids: list[int], first_token: int, pages: list[KVPage], top: int = 20
+    engine: SGLangAdapter,
+    token_ids: list[int],
+    first_token: int,
+    pages: list[KVPage],
+    top: int = 20,
+    cache_salt: str | None = None,
 ) -> dict[int, float]:
     """SGLang's top log-probabilities at its first decode step (the token after `first_token`)
     with the whole prompt's KV taken from `pages`."""
@@ -65,6 +77,8 @@ async def sglang_decode_step_logprobs(
         "bootstrap_port": engine.server.bootstrap_port,
         "bootstrap_room": int(room),
     }
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     try:
         async with engine.gate.hold("decode"):
             async with engine.http().post(engine.server.url + "/generate", json=body) as r:

@@ -11,34 +11,35 @@ integration cluster is torn down, never beside it). A test asks for a server by 
 by naming the fixture in its parameters (test_prefix_cache_servers takes its pair of servers by
 `request.getfixturevalue`, so that each case waits only for its own).
 
-Six starts in all, in two waves (four, then two as the first ones go): vllm_server,
-sglang_server, plain_sglang_server and sglang_cached_server with test_decoders_consume_pages's
-in-process tests; vllm_cached_server once the plain server is done with; vllm_agent_server once the
-SGLang pair of test_prefix_cache_servers is. Each of the second wave starts while tests run.
+Four starts in all, in one wave: vllm_server, sglang_server, plain_sglang_server and
+vllm_agent_server with test_decoders_consume_pages's in-process tests.
 
 The servers, and why each is its own:
 
-- `vllm_server`: vLLM, prefix cache off (every prefill computes and exports its pages), chunks
-  of 128 tokens (a 517-token prefill takes five steps, so a cancel lands while vLLM still
-  computes it: test_vllm_window), one thread. Shared by test_decoders_consume_pages,
-  test_vllm_window and test_prefix_cache_servers (its conversation with no cache).
-- `sglang_server`: SGLang in its decode role, radix cache off, prefill chunks of 1,024 tokens
+- `vllm_server`: vLLM, prefix cache on, chunks of 128 tokens (a 517-token prefill takes five
+  steps, so a cancel lands while vLLM still computes it: test_vllm_window), one thread. Shared by
+  test_decoders_consume_pages, test_vllm_window and test_prefix_cache_servers.
+- `sglang_server`: SGLang in its decode role, radix cache on, prefill chunks of 1,024 tokens
   (test_sglang_window's held prompt is one chunk), one thread. test_sglang_window prefills on
   it (the adapter switches the server to its prefill role, in milliseconds, and back for a
   decode). Shared by test_decoders_consume_pages, test_sglang_window and test_prefix_cache_servers.
-- `plain_sglang_server`: SGLang as a user runs it alone (no disaggregation), the reference of
-  test_decoders_consume_pages.
-- `vllm_cached_server`, `sglang_cached_server`: the same two with their prefix caches on, for
-  test_prefix_cache_servers's conversation with a cache (a cache is a start-up option: turning it on
-  restarts a server, which costs as much as starting this one, and would leave the shared one
-  on for the files after it).
+- `plain_sglang_server`: SGLang as a user runs it alone (no disaggregation, radix cache off), the
+  reference of test_decoders_consume_pages.
 - `vllm_agent_server`: a vLLM agent with its prefix cache at the agent's default, for
   test_prefix_cache_servers's test through the panel (counted as one server: it runs its own vLLM).
+
+One server serves both a cache and no cache: vLLM and SGLang key their prefix caches by a
+request's `cache_salt` (EngineRequest.cache_salt, the adapters' request bodies), so a request
+with a salt of its own (`fresh_salt`) is served nothing from the cache and computes everything,
+as with the cache off. Every request of these files that must compute everything carries one;
+only test_prefix_cache_servers's conversation with a cache (and what it then asks of the cache)
+goes without. (A cache is a start-up option: a twin of each server with it on cost two starts.)
 """
 
 from __future__ import annotations
 
 import threading
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,9 +54,9 @@ CONTEXT = 8192  # the model's, as the in-process engines load it: a pair's contr
 # test_prefix_cache_servers); with four, 19.1 GiB at most, for about 30 s more.
 MAX_ALIVE = 4
 
-# every server runs on one thread: several share two cores
-VLLM = EngineSettings(prefix_caching=False, vllm_threads=1, vllm_chunk_tokens=128)
-SGLANG = EngineSettings(prefix_caching=False, sglang_role="decode", sglang_threads=1, sglang_chunk_tokens=1024)
+# every server runs on one thread: several share two cores; caches on, requests salted (above)
+VLLM = EngineSettings(prefix_caching=True, vllm_threads=1, vllm_chunk_tokens=128)
+SGLANG = EngineSettings(prefix_caching=True, sglang_role="decode", sglang_threads=1, sglang_chunk_tokens=1024)
 
 
 class PlainSGLangServer(SGLangProcess):
@@ -95,7 +96,8 @@ def _adapter(engine: str, settings: EngineSettings):
 
 
 def _plain(model_dir: Path, run_dir: Path) -> PlainSGLangServer:
-    server = PlainSGLangServer(model_dir, run_dir / "sglang.log", SGLANG.model_copy(update={"sglang_role": "prefill"}))
+    plain = SGLANG.model_copy(update={"sglang_role": "prefill", "prefix_caching": False})
+    server = PlainSGLangServer(model_dir, run_dir / "sglang.log", plain)
     server.start()
     return server
 
@@ -121,9 +123,13 @@ SERVERS = {
     "vllm_server": _adapter("vllm", VLLM),
     "sglang_server": _adapter("sglang", SGLANG),
     "plain_sglang_server": _plain,
-    "vllm_cached_server": _adapter("vllm", VLLM.model_copy(update={"prefix_caching": True})),
-    "sglang_cached_server": _adapter("sglang", SGLANG.model_copy(update={"prefix_caching": True})),
 }
+
+
+def fresh_salt(tag: str) -> str:
+    """A cache salt no request had before: the engine's prefix cache serves nothing to a
+    request that carries it, so it computes (or imports) every token, as with no cache."""
+    return f"{tag}-{uuid.uuid4().hex}"
 
 
 class ServerPool:

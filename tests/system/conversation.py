@@ -33,16 +33,19 @@ def common_prefix(a: list[int], b: list[int]) -> list[int]:
 
 
 def pair_conversation(
-    prefiller, decoder, tag: str, replay: list[list[int]] | None = None
+    prefiller, decoder, tag: str, replay: list[list[int]] | None = None, salt: str | None = None
 ) -> tuple[list[list[int]], list[list[int]], list[PairStats]]:
     """Each turn of the conversation through the pair: its prompt, its answer, its page figures.
-    `replay`: the prompts of a conversation run before, sent again as they were."""
+    `replay`: the prompts of a conversation run before, sent again as they were. `salt`: each turn
+    gets a cache salt of its own (f"{salt}-{k}"), so the engines' prefix caches serve it nothing,
+    as with no cache."""
     messages, prompts, answers, stats = [{"role": "system", "content": SYSTEM}], [], [], []
     for k, turn in enumerate(TURNS):
         messages.append({"role": "user", "content": turn})
         ids = replay[k] if replay else decoder.chat_token_ids(messages)
         stats.append(PairStats())
-        answers.append(run(collect(run_pair(prefiller, decoder, ids, ANSWER, stats=stats[-1]))))
+        turn_salt = None if salt is None else f"{salt}-{k}"
+        answers.append(run(collect(run_pair(prefiller, decoder, ids, ANSWER, stats=stats[-1], cache_salt=turn_salt))))
         prompts.append(ids)
         messages.append({"role": "assistant", "content": decoder.detokenize(answers[-1])})
     return prompts, answers, stats

@@ -43,6 +43,7 @@ from ..conftest import collect, own_greedy, run, write_report
 from ..engine_probes import sglang_decode_step_logprobs, vllm_first_step_logprobs
 from ..integration.rules import LOGIT_TOLERANCE, logits_after_import
 from ..server_engines import counter, server_metrics
+from .conftest import fresh_salt
 
 RL, CF = FirstTokenMode.RECOMPUTE_LAST, FirstTokenMode.COMMIT_FIRST
 PERTURB = {"TANDEM_FAILPOINTS": "perturb_k@1,perturb_k@2"}  # the prefiller's first two handoffs
@@ -196,9 +197,10 @@ def test_in_process_decoders_consume_the_pages(engines, handoffs, prompt_ids, de
 # ---- vLLM and SGLang -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def servers(vllm_server, sglang_server, plain_sglang_server):
-    """A vLLM adapter, an SGLang adapter in its decode role and a plain SGLang server, prefix
-    caches off (every page computed and sent, every run), one thread each: the session's shared
-    servers (tests/system/conftest.py), started side by side."""
+    """A vLLM adapter, an SGLang adapter in its decode role and a plain SGLang server (radix cache
+    off), one thread each: the session's shared servers (tests/system/conftest.py), started side
+    by side. vLLM's and SGLang's prefix caches are on: every request to them below carries a cache
+    salt of its own (fresh_salt), so every page is computed and sent, every run."""
     return {"vllm": vllm_server, "sglang": sglang_server, "plain": plain_sglang_server}
 
 
@@ -231,19 +233,20 @@ def test_vllm_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
         return grown(lambda: server_metrics(v.server.url), before, name, "source", sources, len(ids))
 
     before = server_metrics(v.server.url)
-    alone = run(collect(v.generate(EngineRequest("alone", ids, sampling()))))
+    alone = run(collect(v.generate(EngineRequest("alone", ids, sampling(), cache_salt=fresh_salt("alone")))))
     figures = {
         "decoder": "vllm",
         "prompt_tokens": len(ids),
         "perturbed_layer_k": PERTURBED_LAYER,
         "alone": {"prompt_tokens_by_source": by_source(before)},
     }
-    reference = run(vllm_first_step_logprobs(v, ids))
+    reference = run(vllm_first_step_logprobs(v, ids, cache_salt=fresh_salt("reference")))
     for kind in ("perturbed", "true"):
         items = handoffs[kind, RL]
-        logprobs = run(vllm_first_step_logprobs(v, ids, pages(items)))
+        logprobs = run(vllm_first_step_logprobs(v, ids, pages(items), cache_salt=fresh_salt(f"{kind}-logprobs")))
         before = server_metrics(v.server.url)
-        out = run(collect(v.decode(EngineRequest(kind, ids, sampling(), RL), replay(items))))
+        req = EngineRequest(kind, ids, sampling(), RL, cache_salt=fresh_salt(kind))
+        out = run(collect(v.decode(req, replay(items))))
         figures[kind] = {
             "logprobs": logprob_diff(logprobs, reference),
             "greedy_equal": out == alone,
@@ -296,11 +299,13 @@ def test_sglang_decoder_consumes_the_pages(servers, handoffs, prompt_ids):
     for kind in ("perturbed", "true"):
         items = handoffs[kind, CF]
         first = items[-1].first_token
-        logprobs = run(sglang_decode_step_logprobs(s, ids, first, pages(items)))
+        salt = fresh_salt(f"{kind}-logprobs")
+        logprobs = run(sglang_decode_step_logprobs(s, ids, first, pages(items), cache_salt=salt))
         steps = plain_generate(plain, ids + [first], 1, TOP)["meta_info"]["output_top_logprobs"]
         reference = {int(token): float(logprob) for logprob, token, *_ in steps[0]}
         before = server_metrics(s.server.url)
-        out = run(collect(s.decode(EngineRequest(kind, ids, sampling(), CF), replay(items))))
+        req = EngineRequest(kind, ids, sampling(), CF, cache_salt=fresh_salt(kind))
+        out = run(collect(s.decode(req, replay(items))))
         figures[kind] = {
             "logprobs": logprob_diff(logprobs, reference),
             "greedy_equal": out == alone,
@@ -339,6 +344,8 @@ def test_broken_page_streams_inside_the_adapter_release_sglangs_slots(sglang_ser
                 yield x
 
         with pytest.raises(FrameError, match=expect):
-            run(collect(sglang_server.decode(EngineRequest(name, ids, SamplingParams(max_tokens=4)), feed())))
+            req = EngineRequest(name, ids, SamplingParams(max_tokens=4), cache_salt=fresh_salt(name))
+            run(collect(sglang_server.decode(req, feed())))
+        # SGLang's used tokens leave out what its radix cache keeps unlocked: 0 once no request holds slots
         wait_for(lambda: not run(sglang_server.engine_stats())["kv_tokens_used"], 20, step=0.1)
         assert sglang_server.active_requests == 0

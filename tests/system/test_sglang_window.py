@@ -22,6 +22,7 @@ from tandem_protocol.sampling import SamplingParams
 
 from ..conftest import SGLANG_CPU_PYTHON, write_report
 from ..prerequisites import requires
+from .conftest import fresh_salt
 
 pytestmark = requires(SGLANG_CPU_PYTHON.exists(), "SGLang's CPU test environment (make sglang-cpu-test)")
 
@@ -35,10 +36,11 @@ DELAY = 0.5  # seconds a page holds the window before it is given back
 
 @pytest.fixture(scope="module")
 def sglang(sglang_server):
-    """The session's shared SGLang (tests/system/conftest.py), radix cache off (every prefill
-    computes), prefill chunks of CHUNK tokens, one thread. It starts in its decode role: the
-    adapter switches it to its prefill role for these prefills (in milliseconds, once idle)."""
-    assert not sglang_server.settings.prefix_caching and sglang_server.settings.sglang_chunk_tokens == CHUNK
+    """The session's shared SGLang (tests/system/conftest.py), radix cache on but every request
+    here with a cache salt of its own (`request`: every prefill computes), prefill chunks of
+    CHUNK tokens, one thread. It starts in its decode role: the adapter switches it to its
+    prefill role for these prefills (in milliseconds, once idle)."""
+    assert sglang_server.settings.sglang_chunk_tokens == CHUNK
     return sglang_server
 
 
@@ -47,7 +49,9 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 def request(name: str, token_ids: list[int], window: int | None = None) -> EngineRequest:
-    req = EngineRequest(name, token_ids, SamplingParams(max_tokens=1, temperature=0), FirstTokenMode.COMMIT_FIRST)
+    """A prefill SGLang's radix cache serves nothing (a cache salt of its own): it computes every token."""
+    sampling, mode = SamplingParams(max_tokens=1, temperature=0), FirstTokenMode.COMMIT_FIRST
+    req = EngineRequest(name, token_ids, sampling, mode, cache_salt=fresh_salt(name))
     req.window = PageWindow(window) if window else None
     return req
 
@@ -81,7 +85,7 @@ def cpu_seconds(pid: int) -> float:
 
 async def slots_freed(adapter, baseline: int) -> dict:
     """SGLang's pool back at `baseline` tokens in use and no prefill in flight (its metrics lag a
-    little behind)."""
+    little behind; its used tokens leave out what the radix cache keeps unlocked)."""
     deadline = time.monotonic() + 10
     while True:
         stats = await adapter.engine_stats()

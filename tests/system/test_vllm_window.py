@@ -15,7 +15,8 @@ While the export is held:
   the room's connection: the connector's blocked write fails) and a cancel while vLLM still
   computes it (vLLM aborts the request too).
 
-After each, vLLM's KV pool is empty again (its `kv_cache_usage` gauge, the adapter's engine_stats).
+After each, vLLM's KV pool is empty again (its `kv_cache_usage` gauge, the adapter's engine_stats:
+the blocks its prefix cache keeps are free ones to it).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tandem_protocol.sampling import SamplingParams
 
 from ..conftest import LONG_TEXT, collect, run
 from ..server_engines import counter, server_metrics
+from .conftest import fresh_salt
 
 # Five prefill chunks of 128 tokens (the shared server's): a cancel at the first page out leaves
 # vLLM four steps to compute, and a held export more pages than its window.
@@ -48,10 +50,11 @@ ENDED_TOKENS = 4 * 64 + 5  # a cancel after vLLM finished needs only more pages 
 
 @pytest.fixture(scope="module")
 def vllm(vllm_server):
-    """The session's shared vLLM (tests/system/conftest.py): prefix cache off, so every prefill
-    computes and exports its pages; chunks of 128 tokens, so a prefill takes many steps and a
-    cancel lands while vLLM still computes it; one thread."""
-    assert not vllm_server.prefix_caching and vllm_server.settings.vllm_chunk_tokens == 128
+    """The session's shared vLLM (tests/system/conftest.py): prefix cache on, but every request
+    here carries a cache salt of its own (`request`), so every prefill computes and exports its
+    pages; chunks of 128 tokens, so a prefill takes many steps and a cancel lands while vLLM still
+    computes it; one thread."""
+    assert vllm_server.settings.vllm_chunk_tokens == 128
     return vllm_server
 
 
@@ -63,7 +66,9 @@ def prompt_ids(vllm) -> list[int]:
 
 
 def request(name: str, ids: list[int], max_tokens: int = 1) -> EngineRequest:
-    return EngineRequest(name, list(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    """A request vLLM's prefix cache serves nothing (a cache salt of its own): it computes every token."""
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return EngineRequest(name, list(ids), sampling, cache_salt=fresh_salt(name))
 
 
 async def stats(adapter) -> dict:
