@@ -186,6 +186,10 @@ def panel(
     config = uvicorn.Config(
         web,
         log_level="warning",
+        # past the idle time OpenAI's SDK (httpx: 5 s) keeps a connection to reuse: at uvicorn's
+        # default, also 5 s, a client's next request could meet the panel's close on its way
+        # ("Server disconnected without sending a response"); the agent keeps them 75 s too
+        timeout_keep_alive=75,
         timeout_graceful_shutdown=5,
         http=http,
         limit_concurrency=MAX_CONNECTIONS,

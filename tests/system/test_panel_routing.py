@@ -3,8 +3,10 @@ migrations and restarts."""
 
 from __future__ import annotations
 
+import http.client
 import time
 
+import httpx
 import openai
 import pytest
 import sqlalchemy as sa
@@ -35,6 +37,25 @@ def cluster(smol_dir, tmp_path_factory):
                 "home": home,
                 "client": openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0),
             }
+
+
+def test_a_connection_idle_past_the_sdks_expiry_still_takes_a_request(cluster):
+    """OpenAI's SDK keeps an idle connection 5 s (httpx's keepalive_expiry) and then sends on it:
+    a panel that closed its side after uvicorn's default 5 s raced that request, which failed with
+    "Server disconnected without sending a response" (a test of the directions met it). The panel
+    keeps an idle connection 75 s, as the agents do: one idle 6 s still takes the next request."""
+    panel = cluster["panel"]
+    url = httpx.URL(panel.url)
+    conn = http.client.HTTPConnection(url.host, url.port, timeout=30)
+    headers = {"Authorization": f"Bearer {panel.api_key}"}
+    try:
+        for idle in (6, 0):  # past the SDK's 5 s, then the next request on the same connection
+            conn.request("GET", "/v1/models", headers=headers)
+            r = conn.getresponse()
+            assert r.status == 200 and r.read()
+            time.sleep(idle)
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("n", [1, 2])
