@@ -21,32 +21,49 @@ from ..agents import (
     tokens_of,
     wait_for,
 )
-from ..conftest import make_tiny_checkpoint, prompt, run
+from ..conftest import LONG_TEXT, prompt, run
+from .tiny_model import tiny_model
 
-TOKEN_BYTES = 23_040  # SmolLM2's canonical KV a token
-KV_BYTES = 8 << 20  # 364 tokens of prompt plus max_tokens
-# Waiters must get in within WAIT: one round of two 8-token requests, 21 s measured with the
-# load average at 7 on two cores (4 s was waited past beside other tests). The 429 test's holders
-# hold for as long as it says, so its agent waits 1 s.
+# Both agents serve the tiny random-weight Llama (tests/system/tiny_model.py): what is asserted is
+# admission's arithmetic and order and each request's answer against the same engine alone, none
+# of which depends on the weights. Its canonical KV a token, FP16: 4 layers x K and V x 1 head x 64.
+TOKEN_BYTES = 4 * 2 * 64 * 2
+KV_BYTES = 364 * TOKEN_BYTES  # 364 tokens of prompt plus max_tokens (372,736 bytes)
+# Waiters must get in within WAIT: one round of two requests, which took 21 s on SmolLM2 (8 tokens
+# each) with the load average at 7 on two cores (4 s was waited past beside other tests). The 429
+# test's holders hold for as long as it says, so its agent waits 1 s.
 WAIT, SHORT_WAIT = 120.0, 1.0
 SHORT = {"max_tokens": 8, "ignore_eos": True}
+# A round of the tiny model's 8-token requests passes between two polls of the status: a round of
+# 128 tokens (~0.4 s) is seen running two and with others waiting. Two of them fit the KV.
+ROUND = {"max_tokens": 128, "ignore_eos": True}
 CAPPED = ("--max-sequences", "2", "--decode-kv-bytes", str(KV_BYTES))
 
 
 @pytest.fixture(scope="module")
 def capped(smol_dir, tmp_path_factory):
-    """Two torch agents that run two requests at once, in 8 MiB of decode KV: `narrow` (SmolLM2)
-    lets others wait 120 s, `impatient` (a tiny random-weight model) 1 s. Started side by side."""
+    """Two torch agents of the tiny model that run two requests at once, in 364 tokens of decode
+    KV: `narrow` lets others wait 120 s, `impatient` 1 s. Started side by side."""
     home = tmp_path_factory.mktemp("admission")
-    tiny = make_tiny_checkpoint(home / "tiny", "llama", smol_dir)
+    tiny = tiny_model(home / "tiny", smol_dir)
     # one compute thread each, as tests/system/test_bad_input.py found: OpenMP threads that
     # spin-wait on a busy core make every forward pass several times slower
     env = {"OMP_NUM_THREADS": "1"}
     with side_by_side(
-        lambda: AgentProcess("torch", smol_dir, home / "narrow", *CAPPED, "--admission-wait", str(WAIT), env=env),
+        lambda: AgentProcess("torch", tiny, home / "narrow", *CAPPED, "--admission-wait", str(WAIT), env=env),
         lambda: AgentProcess("torch", tiny, home / "impatient", *CAPPED, "--admission-wait", str(SHORT_WAIT), env=env),
     ) as agents:
         yield agents
+
+
+@pytest.fixture(scope="module")
+def long_ids(capped) -> list[int]:
+    """The suite's long chat prompt (tests/conftest.py's `long_ids`), tokenized by an agent: the
+    tiny model has SmolLM2's tokenizer, and no engine need load in this process."""
+    with capped[0].client() as c:
+        r = c.post("/v1/tokenize", json={"messages": [{"role": "user", "content": LONG_TEXT}]})
+    r.raise_for_status()
+    return r.json()["token_ids"]
 
 
 @pytest.fixture
@@ -75,12 +92,12 @@ def settled(agent: AgentProcess) -> None:
 
 
 def test_a_request_that_can_never_fit_is_refused_before_any_compute(narrow, long_ids):
-    ids = prompt(long_ids, 193)  # 193 + 200 tokens: 9.05 MB > 8 MiB
+    ids = prompt(long_ids, 193)  # 193 + 200 tokens: 393 > 364 tokens of KV
     before = narrow.status()["totals"]
     for call in (generate_request, lambda url, ids, s: pd_request(url, url, ids, s)):
         with pytest.raises(AgentHTTPError) as e:
             run(call(narrow.url, ids, {"max_tokens": 200}))
-        assert e.value.status == 400 and "whole KV budget is 8,388,608 bytes" in str(e.value), e.value
+        assert e.value.status == 400 and f"whole KV budget is {KV_BYTES:,} bytes" in str(e.value), e.value
     after = narrow.status()["totals"]
     assert after["prefills_started"] == before["prefills_started"]
     assert after["generated_tokens"] == before["generated_tokens"]
@@ -91,7 +108,7 @@ def test_past_the_cap_requests_wait_their_turn_and_get_their_own_answers(narrow,
     # four at once past a cap of two: the last two wait one round, inside the wait (with a
     # 4 s wait, six requests in three rounds waited past it in 2 of 7 runs beside other tests)
     prompts = [prompt(long_ids, n) for n in (40, 41, 42, 43)]
-    alone = [tokens_of(run(generate_request(narrow.url, ids, SHORT))) for ids in prompts]
+    alone = [tokens_of(run(generate_request(narrow.url, ids, ROUND))) for ids in prompts]
     assert len({tuple(a) for a in alone}) > 1
 
     async def at_once():
@@ -105,7 +122,7 @@ def test_past_the_cap_requests_wait_their_turn_and_get_their_own_answers(narrow,
         watcher = asyncio.ensure_future(watch())
         try:
             t0 = time.monotonic()
-            lines = await asyncio.gather(*[generate_request(narrow.url, ids, SHORT) for ids in prompts])
+            lines = await asyncio.gather(*[generate_request(narrow.url, ids, ROUND) for ids in prompts])
             print(f"\nfour requests past a cap of two in {time.monotonic() - t0:.2f} s")
             return lines, seen
         finally:

@@ -15,7 +15,8 @@ from tandem_protocol.pages import PageGeometry
 from tandem_protocol.wire import PeerError
 
 from ..agents import TEST_KEY, AgentProcess, generate_request, pd_request, side_by_side, tokens_of, wait_for
-from ..conftest import prompt, run
+from ..conftest import LONG_TEXT, prompt, run
+from .tiny_model import tiny_model
 
 PAGE = 1_474_560
 GEOMETRY = PageGeometry(30, 3, 64)
@@ -36,6 +37,16 @@ def small(smol_dir, tmp_path_factory):
         env=ONE_THREAD,
     ) as agent:
         yield agent
+
+
+@pytest.fixture(scope="module")
+def long_ids(small) -> list[int]:
+    """The suite's long chat prompt (tests/conftest.py's `long_ids`), tokenized by the agent: no
+    engine need load in this process."""
+    with small.client() as c:
+        r = c.post("/v1/tokenize", json={"messages": [{"role": "user", "content": LONG_TEXT}]})
+    r.raise_for_status()
+    return r.json()["token_ids"]
 
 
 def idle(agent: AgentProcess) -> None:
@@ -187,35 +198,26 @@ def test_unread_handoff_expires(small, long_ids):
         assert 'tandem_handoffs_finished_total{outcome="expired"}' in c.get("/metrics").text
 
 
-def test_a_prefill_longer_than_the_lease_is_read_to_the_end(small, smol_dir, tmp_path, long_ids):
-    """The lease expires pages nobody reads; once the decoder reads, a prefill that outlasts it
-    (here 1,500 tokens against a 0.5 s lease) still streams to the end. The decoder is another
-    agent: one agent as both would hold its one engine with the prefill before it could read."""
-    with AgentProcess("torch", smol_dir, tmp_path, "--handoff-ttl", "0.5", env=ONE_THREAD) as agent:
-        ids = (list(long_ids) * 7)[:1500]
-        lines = run(pd_request(agent.url, small.url, ids, {"max_tokens": 2}))
-        assert lines[-1].get("done"), lines[-1]
-        print(f"\n1,500-token prefill against a 0.5 s lease: {lines[-1]['prefill_seconds']:.2f} s")
-        assert lines[-1]["prefill_seconds"] > 0.5, lines[-1]  # it did outlast the lease
-        assert tokens_of(lines) == tokens_of(run(generate_request(agent.url, ids, {"max_tokens": 2})))
-        idle(agent)
-        idle(small)
-
-
-def test_a_prefill_chunk_longer_than_the_stall_timeout_is_no_stall(smol_dir, tmp_path, long_ids):
+def test_a_prefill_longer_than_the_stall_timeout_and_the_lease_is_read_to_the_end(smol_dir, tmp_path, long_ids):
     """A prefiller that computes longer than the decoder's stall timeout without a page to send
     (here its first chunk takes 8 s more, the decoder gives up after 3 s of silence) sends
-    heartbeats: the request completes P/D. A silent link still stalls (tests/integration/test_faults)."""
+    heartbeats; its lease (0.5 s) expires pages nobody reads, and the decoder reads from the start:
+    a prefill that outlasts both is read to the end, the request completes P/D. The decoder is
+    another agent: one agent as both would hold its one engine with the prefill before it could
+    read. A silent link still stalls (tests/integration/test_faults). Both serve the tiny model
+    (tests/system/tiny_model.py): the failpoint, not the weights, makes the prefill long, and the
+    answer is compared with the same engine's."""
+    tiny = tiny_model(tmp_path / "tiny", smol_dir)
+    slow = {"TANDEM_FAILPOINTS": "slow_prefill_chunk@1", **ONE_THREAD}
     with side_by_side(
-        lambda: AgentProcess(
-            "torch", smol_dir, tmp_path / "p", env={"TANDEM_FAILPOINTS": "slow_prefill_chunk@1", **ONE_THREAD}
-        ),
-        lambda: AgentProcess("torch", smol_dir, tmp_path / "d", "--stall-timeout", "3", env=ONE_THREAD),
+        lambda: AgentProcess("torch", tiny, tmp_path / "p", "--handoff-ttl", "0.5", env=slow),
+        lambda: AgentProcess("torch", tiny, tmp_path / "d", "--stall-timeout", "3", env=ONE_THREAD),
     ) as (p, d):
-        ids = prompt(long_ids, 130)
+        ids = prompt(long_ids, 193)  # two chunks (the last page's own): pages follow the slow one
         lines = run(pd_request(p.url, d.url, ids, {"max_tokens": 4}))
         assert lines[-1].get("done"), lines[-1]
-        assert lines[-1]["prefill_seconds"] >= SLOW_CHUNK_SECONDS, lines[-1]  # it did outlast the timeout
+        # it did outlast the stall timeout and the lease
+        assert lines[-1]["prefill_seconds"] >= SLOW_CHUNK_SECONDS, lines[-1]
         assert tokens_of(lines) == tokens_of(run(generate_request(d.url, ids, {"max_tokens": 4})))
         idle(p)
         idle(d)

@@ -1,7 +1,8 @@
 """Two agents on two hosts find each other by mDNS, and a panel follows an agent that moves.
 
 The hosts are network namespaces this test creates and deletes, joined by a veth pair; all
-traffic, multicast included, stays inside them.
+traffic, multicast included, stays inside them. The agents serve the tiny random-weight Llama
+(tests/system/tiny_model.py): what is asserted is what they announce and where, not what they say.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import secrets
 import sqlite3
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -19,6 +21,7 @@ from tandem_protocol.discovery import ANNOUNCED_KEYS, Announcer
 
 from ..agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, side_by_side, wait_for
 from ..netns import needs_netns, sh
+from .tiny_model import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,11 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(smol_dir, tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", smol_dir)
+
+
 def browse_in(ns: str, addr: str, seconds: float = 4.0) -> list[dict]:
     code = (
         "import asyncio, json; from tandem_protocol.discovery import browse; "
@@ -59,15 +67,30 @@ def browse_in(ns: str, addr: str, seconds: float = 4.0) -> list[dict]:
 
 
 @needs_netns
-def test_agents_find_each_other(two_hosts, smol_dir, tmp_path):
+def test_agents_find_each_other(two_hosts, tiny_dir, tmp_path):
     (ns_a, _, addr_a), (ns_b, _, addr_b) = two_hosts["a"], two_hosts["b"]
     mdns = ("--mdns", "--mdns-interface")
     with side_by_side(
-        lambda: AgentProcess("torch", smol_dir, tmp_path / "a", *mdns, addr_a, host=addr_a, netns=ns_a),
-        lambda: AgentProcess("mlx", smol_dir, tmp_path / "b", *mdns, addr_b, host=addr_b, netns=ns_b),
+        lambda: AgentProcess("torch", tiny_dir, tmp_path / "a", *mdns, addr_a, host=addr_a, netns=ns_a),
+        lambda: AgentProcess("mlx", tiny_dir, tmp_path / "b", *mdns, addr_b, host=addr_b, netns=ns_b),
     ) as (a, b):
-        seen_from_a = {p["properties"]["name"]: p for p in browse_in(ns_a, addr_a)}
-        seen_from_b = {p["properties"]["name"]: p for p in browse_in(ns_b, addr_b)}
+
+        def peers_cli() -> str:
+            """`tandem agent peers` on host a: the peers it finds, with a measured round-trip time."""
+            return subprocess.run(
+                ["ip", "netns", "exec", ns_a, TANDEM, "agent", "peers", "--seconds", "3", "--interface", addr_a],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**os.environ, "COLUMNS": "200", "TANDEM_CLUSTER_KEY": TEST_KEY},
+            ).stdout
+
+        # the three listen at once: each waits seconds for answers, not for the others
+        with ThreadPoolExecutor(3) as pool:
+            browsing = pool.submit(browse_in, ns_a, addr_a), pool.submit(browse_in, ns_b, addr_b)
+            listing = pool.submit(peers_cli)
+            seen_from_a, seen_from_b = ({p["properties"]["name"]: p for p in f.result()} for f in browsing)
+            out = listing.result()
         peer_b, peer_a = seen_from_a["mlx-b"], seen_from_b["torch-a"]
         assert peer_b["addresses"] == [addr_b] and peer_b["port"] == b.port
         assert peer_a["addresses"] == [addr_a] and peer_a["port"] == a.port
@@ -77,13 +100,6 @@ def test_agents_find_each_other(two_hosts, smol_dir, tmp_path):
             assert set(peer["properties"]) <= set(ANNOUNCED_KEYS)
             assert TEST_KEY not in json.dumps(peer)  # no secret on the LAN
         # the CLI shows the peer with a measured round-trip time over the veth link
-        out = subprocess.run(
-            ["ip", "netns", "exec", ns_a, TANDEM, "agent", "peers", "--seconds", "3", "--interface", addr_a],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "COLUMNS": "200", "TANDEM_CLUSTER_KEY": TEST_KEY},
-        ).stdout
         assert "mlx-b" in out and " ms" in out, out
         b.stop()  # withdrawn on shutdown
         assert "mlx-b" not in {p["properties"]["name"] for p in browse_in(ns_a, addr_a, 3.0)}
@@ -95,11 +111,11 @@ def test_announcer_refuses_unexpected_properties():
 
 
 @needs_netns
-def test_the_panel_follows_a_node_that_comes_back_elsewhere(two_hosts, smol_dir, tmp_path):
+def test_the_panel_follows_a_node_that_comes_back_elsewhere(two_hosts, tiny_dir, tmp_path):
     """An agent restarted on a new port announces itself there; the panel checks its identity at
     that address and moves the node: one row, the same model name, and it answers."""
     (ns_a, _, addr_a), (ns_b, _, addr_b) = two_hosts["a"], two_hosts["b"]
-    agent_args = ("torch", smol_dir, tmp_path / "b", "--mdns", "--mdns-interface", addr_b)
+    agent_args = ("torch", tiny_dir, tmp_path / "b", "--mdns", "--mdns-interface", addr_b)
     with AgentProcess(*agent_args, host=addr_b, netns=ns_b) as first:
         first_url = first.url
         node_id = (tmp_path / "b" / "node-ids" / "torch-b").read_text().strip()  # its own, lasting id

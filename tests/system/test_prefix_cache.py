@@ -4,10 +4,10 @@ computes only what is new, and answers token for token as it would with no cache
 sends the same pages from its cache as it computed.
 
 An engine with a cache against the same engine without one is the engine against itself bit for
-bit: the conversations and the eviction run on the tiny random-weight Llama (`tiny_engines`),
-whose answers, like SmolLM2's, differ from turn to turn. The prefiller's pages (a last token
-within a calibrated rounding bound, then P/D against the other engine alone), the empty cache
-and the turn through the panel run on the embedded model."""
+bit: the conversations, the eviction and the empty cache run on the tiny random-weight Llama
+(`tiny_engines`), whose answers, like SmolLM2's, differ from turn to turn. The prefiller's pages
+(a last token within a calibrated rounding bound, then P/D against the other engine alone) and
+the turn through the panel (whose answers go back as text) run on the embedded model."""
 
 from __future__ import annotations
 
@@ -141,8 +141,8 @@ def test_an_eviction_during_a_handoff_leaves_the_request_whole(
     assert stats.have_pages == len(ids) // D.geometry.page_tokens and D.prefix_cache.bytes == 0
 
 
-def test_a_cache_of_no_bytes_keeps_nothing(engines, cache_bytes, long_ids):
-    adapter = engines["torch"]
+def test_a_cache_of_no_bytes_keeps_nothing(tiny_engines, cache_bytes, long_ids):
+    adapter = tiny_engines["torch"]
     cache_bytes(adapter, GiB)
     run(collect(adapter.generate(EngineRequest("fill", long_ids, ANSWER))))
     assert adapter.prefix_cache.bytes > 0
@@ -181,11 +181,13 @@ def test_through_the_panel_a_second_turn_moves_only_the_delta(smol_dir, tmp_path
     only the pages D lacks, and a budget of 0 set by /v1/config empties the cache."""
     import openai
 
-    from ..agents import AgentProcess, PanelProcess, settle
+    from ..agents import AgentProcess, PanelProcess, settle, side_by_side
 
     with (
-        AgentProcess("torch", smol_dir, tmp_path / "p", prefix_cache="default") as p,
-        AgentProcess("mlx", smol_dir, tmp_path / "d", prefix_cache="default") as d,
+        side_by_side(
+            lambda: AgentProcess("torch", smol_dir, tmp_path / "p", prefix_cache="default"),
+            lambda: AgentProcess("mlx", smol_dir, tmp_path / "d", prefix_cache="default"),
+        ) as (p, d),
         PanelProcess(tmp_path / "panel", "--pair", f"pd={p.url},{d.url},threshold=1") as panel,
     ):
         client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0)
@@ -194,7 +196,7 @@ def test_through_the_panel_a_second_turn_moves_only_the_delta(smol_dir, tmp_path
         for question in TURNS[:2]:
             messages.append({"role": "user", "content": question})
             sent = p.status()["totals"]["bytes_sent"]
-            answer = client.chat.completions.create(model="pd", messages=messages, max_tokens=24, temperature=0)
+            answer = client.chat.completions.create(model="pd", messages=messages, max_tokens=8, temperature=0)
             turns.append((answer.usage, p.status()["totals"]["bytes_sent"] - sent))
             messages.append({"role": "assistant", "content": answer.choices[0].message.content})
         settle(p, d)

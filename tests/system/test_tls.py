@@ -1,6 +1,8 @@
 """TLS on by default, agents' certificates pinned: what an eavesdropper or a man in the middle on
 the LAN gets. Agents serve HTTPS with their own certificate (as `tandem agent serve` does unless
-told `--insecure-http`); the panel pins each at pairing, and tells a decoder its prefiller's."""
+told `--insecure-http`); the panel pins each at pairing, and tells a decoder its prefiller's.
+The agents serve the tiny random-weight Llama (tests/system/tiny_model.py): what crosses the wire
+and who may read it do not depend on the weights."""
 
 from __future__ import annotations
 
@@ -25,13 +27,19 @@ from tandem_protocol.tls import certificate_fingerprint, client_context, ensure_
 from tests.agents import TEST_KEY, AgentProcess, PanelProcess, TamperProxy, log_rows, pd_request, tokens_of, wait_for
 from tests.netns import host_namespace, needs_netns
 from tests.system.test_security import csrf_of, log_in
+from tests.system.tiny_model import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Name three rivers that cross the city of Wrocław."
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(smol_dir, tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", smol_dir)
+
+
 @pytest.fixture(scope="module", params=["tls", "plain"])
-def recorded_cluster(request, smol_dir, tmp_path_factory):
+def recorded_cluster(request, tiny_dir, tmp_path_factory):
     """A torch prefiller and an MLX decoder, each behind a recording TCP proxy, paired by a panel
     at the proxies' addresses (the agents advertise them, so they prove their identity there):
     every byte between panel and agents, and between the two agents, crosses a proxy. One
@@ -41,10 +49,10 @@ def recorded_cluster(request, smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp(request.param)
     ports = {name: free_port() for name in ("p", "d", "relay")}
     p = AgentProcess(
-        "torch", smol_dir, home / "p", "--advertise-address", f"127.0.0.1:{ports['p']}",
+        "torch", tiny_dir, home / "p", "--advertise-address", f"127.0.0.1:{ports['p']}",
         "--advertise-address", f"127.0.0.1:{ports['relay']}", tls=tls,
     )  # fmt: skip
-    d = AgentProcess("mlx", smol_dir, home / "d", "--advertise-address", f"127.0.0.1:{ports['d']}", tls=tls)
+    d = AgentProcess("mlx", tiny_dir, home / "d", "--advertise-address", f"127.0.0.1:{ports['d']}", tls=tls)
     with p, d:
         scheme = "https" if tls else "http"
         proxies = {n: TamperProxy(a.port, port=ports[n], scheme=scheme) for n, a in (("p", p), ("d", d))}
@@ -237,14 +245,14 @@ def test_a_page_stream_opens_only_to_its_handoffs_read_token(recorded_cluster):
 
 
 @needs_netns
-def test_a_fake_agent_announced_by_mdns_gets_nothing_from_pairing(smol_dir, tmp_path):
+def test_a_fake_agent_announced_by_mdns_gets_nothing_from_pairing(tiny_dir, tmp_path):
     """In a test host (a namespace, mDNS inside it), a fake agent announces itself as a new node
     and relays everything to a real agent: the user pairs it with the right key. The pairing fails
     and says why; everything the fake read holds no credential. The real agent pairs, its page
     showing the fingerprint its own machine prints."""
     with host_namespace() as host:
         mdns = ("--mdns", "--mdns-interface", host.mdns_addr)
-        real = AgentProcess("torch", smol_dir, tmp_path / "real", *mdns, host=host.addr, netns=host.ns, tls=True)
+        real = AgentProcess("torch", tiny_dir, tmp_path / "real", *mdns, host=host.addr, netns=host.ns, tls=True)
         with real:
             record = tmp_path / "fake.bin"
             fake = subprocess.Popen(
