@@ -297,6 +297,15 @@ RELEASE_PIECE = 1 << 20  # bytes a held stream's release writes at a time
 UPSTREAM_RCVBUF = 1 << 18  # a frozen link's receive buffer (the kernel doubles it)
 
 
+def reserved_port() -> socket.socket:
+    """A loopback port held from now on, bound but not listening, for a proxy to listen on later
+    (TamperProxy(sock=...)): a port only picked (free_port) was free when picked, and the other
+    lane's agents, panels and servers starting meanwhile could be handed it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
 class TamperProxy:
     """A TCP proxy that damages what the upstream sends back: flip one bit at byte `flip_at`,
     cut the connection after `cut_at` bytes, go silent after `freeze_at` bytes (a pulled cable:
@@ -319,6 +328,7 @@ class TamperProxy:
         port: int = 0,
         replace: list[tuple[bytes, bytes]] = (),
         scheme: str = "http",
+        sock: socket.socket | None = None,
     ):
         assert all(len(old) == len(new) for old, new in replace), "a rewrite keeps the Content-Length"
         self.scheme, self.recorded = scheme, bytearray()
@@ -327,6 +337,9 @@ class TamperProxy:
         self.rate: float | None = None
         self._held: asyncio.Event | None = None  # set: the held page streams go on
         self.upstream_host, self.host, self.port = upstream_host, host, port
+        self.sock = sock  # a socket bound earlier (reserved_port): it listens on that
+        if sock is not None:
+            self.host, self.port = sock.getsockname()[:2]
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._failed: BaseException | None = None  # why the listening socket could not be opened
@@ -344,7 +357,8 @@ class TamperProxy:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, self.host, self.port))
+            where = {"sock": self.sock} if self.sock is not None else {"host": self.host, "port": self.port}
+            self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, **where))
         except BaseException as e:  # e.g. EADDRINUSE
             self._failed = e
             self._ready.set()

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import openai
 
-from engine_adapters.server_process import free_port
-
-from ..agents import AgentProcess, PanelProcess, TamperProxy, complete, log_rows, settle, wait_for
+from ..agents import AgentProcess, PanelProcess, TamperProxy, complete, log_rows, reserved_port, settle, wait_for
 
 # A page stream silent this long is broken (the agents' --stall-timeout). Heartbeats cover a
 # prefiller's compute between pages; this also bounds how long a decoder may leave queued pages
@@ -76,9 +74,10 @@ class Cluster:
         # equal thread counts: same-engine outputs comparable bit for bit
         os.environ.setdefault("TANDEM_VLLM_THREADS", "1")
         os.environ.setdefault("TANDEM_SGLANG_THREADS", "1")
-        # each fault pair's prefiller is reached through a proxy on a port picked now: the agent
-        # advertises it, so it can prove its identity to the panel there
-        proxy_ports = {pair: free_port() for pair in FAULT_PAIRS}
+        # each fault pair's prefiller is reached through a proxy on a port held from now on: the
+        # agent advertises it, so it can prove its identity to the panel there
+        reserved = {pair: reserved_port() for pair in FAULT_PAIRS}
+        proxy_ports = {pair: sock.getsockname()[1] for pair, sock in reserved.items()}
         started = {}
         for name, (engine, env) in AGENTS.items():  # all at once: server engines take most of a minute
             advertised = [
@@ -96,7 +95,7 @@ class Cluster:
         self.agents = started
         self.proxies: dict[tuple[str, str], TamperProxy] = {}
         for p, d in FAULT_PAIRS:
-            self.proxies[(p, d)] = TamperProxy(self[p].port, port=proxy_ports[(p, d)])
+            self.proxies[(p, d)] = TamperProxy(self[p].port, sock=reserved[(p, d)])
             stack.callback(self.proxies[(p, d)].close)
         self.start_panel(*self.pair_args(DIRECTIONS))
         stack.callback(lambda: self.panel.stop())  # whichever panel runs by then (see the restart)

@@ -24,7 +24,17 @@ from control_panel.services import PanelError, add_node
 from engine_adapters.server_process import free_port
 from tandem_protocol.client import AgentClient, AgentHTTPError
 from tandem_protocol.tls import certificate_fingerprint, client_context, ensure_certificate, server_context, spaced
-from tests.agents import TEST_KEY, AgentProcess, PanelProcess, TamperProxy, log_rows, pd_request, tokens_of, wait_for
+from tests.agents import (
+    TEST_KEY,
+    AgentProcess,
+    PanelProcess,
+    TamperProxy,
+    log_rows,
+    pd_request,
+    reserved_port,
+    tokens_of,
+    wait_for,
+)
 from tests.netns import host_namespace, needs_netns
 from tests.system.test_security import csrf_of, log_in
 from tests.system.tiny_model import tiny_model
@@ -47,7 +57,8 @@ def recorded_cluster(request, tiny_dir, tmp_path_factory):
     shows that the recording sees what an eavesdropper would."""
     tls = request.param == "tls"
     home = tmp_path_factory.mktemp(request.param)
-    ports = {name: free_port() for name in ("p", "d", "relay")}
+    held = {name: reserved_port() for name in ("p", "d")}  # the proxies' ports, held until they listen
+    ports = {"relay": free_port(), **{name: sock.getsockname()[1] for name, sock in held.items()}}
     p = AgentProcess(
         "torch", tiny_dir, home / "p", "--advertise-address", f"127.0.0.1:{ports['p']}",
         "--advertise-address", f"127.0.0.1:{ports['relay']}", tls=tls,
@@ -55,7 +66,7 @@ def recorded_cluster(request, tiny_dir, tmp_path_factory):
     d = AgentProcess("mlx", tiny_dir, home / "d", "--advertise-address", f"127.0.0.1:{ports['d']}", tls=tls)
     with p, d:
         scheme = "https" if tls else "http"
-        proxies = {n: TamperProxy(a.port, port=ports[n], scheme=scheme) for n, a in (("p", p), ("d", d))}
+        proxies = {n: TamperProxy(a.port, sock=held[n], scheme=scheme) for n, a in (("p", p), ("d", d))}
         panel = PanelProcess(home / "panel", "--pair", f"m={proxies['p'].url},{proxies['d'].url},threshold=1")
         try:
             client = openai.OpenAI(base_url=panel.url + "/v1", api_key=panel.api_key, max_retries=0, timeout=120)
