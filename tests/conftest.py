@@ -225,20 +225,23 @@ TINY_LLAMA = dict(
 
 
 @pytest.fixture(scope="session")
-def tiny_engines(smol_dir, tmp_path_factory):
-    """Both in-process engines on one tiny random-weight Llama (TINY_LLAMA, SmolLM2's tokenizer),
-    loaded once per session: for the tests whose assertion is one engine equal to itself bit for
-    bit (same-engine P/D, prefix caches), which depends on the page plumbing, not on the weights.
-    A SmolLM2 token costs 30 layers of 3 KV heads; this one, 4 of 1."""
-    path = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("tiny-engines") / "tiny",
-        "llama",
-        smol_dir,
-        seed=5,
-        max_position_embeddings=2048,
-        **TINY_LLAMA,
+def tiny_dir(smol_dir, tmp_path_factory) -> Path:
+    """One tiny random-weight Llama (TINY_LLAMA, SmolLM2's tokenizer and chat template), seeded:
+    the same weights, so the same answers, every run. A SmolLM2 token costs 30 layers of 3 KV
+    heads; this one, 4 of 1. For tests whose assertions hold whatever the weights (no text, no
+    calibrated tolerance, no timing of the model's own compute): `tiny_engines` in process, and
+    the agents of system tests that assert routes, bytes on the wire, pins and budgets."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "tiny", "llama", smol_dir, seed=5, max_position_embeddings=2048, **TINY_LLAMA
     )
-    yield from in_process_engines(path, context_length=2048)
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny_dir):
+    """Both in-process engines on `tiny_dir`, loaded once per session: for the tests whose
+    assertion is one engine equal to itself bit for bit (same-engine P/D, prefix caches), which
+    depends on the page plumbing, not on the weights."""
+    yield from in_process_engines(tiny_dir, context_length=2048)
 
 
 def make_tiny_checkpoint(path: Path, model_type: str, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:

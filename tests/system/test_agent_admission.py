@@ -22,9 +22,8 @@ from ..agents import (
     wait_for,
 )
 from ..conftest import LONG_TEXT, prompt, run
-from .tiny_model import tiny_model
 
-# Both agents serve the tiny random-weight Llama (tests/system/tiny_model.py): what is asserted is
+# Both agents serve the tiny random-weight Llama (`tiny_dir`, tests/conftest.py): what is asserted is
 # admission's arithmetic and order and each request's answer against the same engine alone, none
 # of which depends on the weights. Its canonical KV a token, FP16: 4 layers x K and V x 1 head x 64.
 TOKEN_BYTES = 4 * 2 * 64 * 2
@@ -41,17 +40,18 @@ CAPPED = ("--max-sequences", "2", "--decode-kv-bytes", str(KV_BYTES))
 
 
 @pytest.fixture(scope="module")
-def capped(smol_dir, tmp_path_factory):
+def capped(tiny_dir, tmp_path_factory):
     """Two torch agents of the tiny model that run two requests at once, in 364 tokens of decode
     KV: `narrow` lets others wait 120 s, `impatient` 1 s. Started side by side."""
     home = tmp_path_factory.mktemp("admission")
-    tiny = tiny_model(home / "tiny", smol_dir)
     # one compute thread each, as tests/system/test_bad_input.py found: OpenMP threads that
     # spin-wait on a busy core make every forward pass several times slower
     env = {"OMP_NUM_THREADS": "1"}
     with side_by_side(
-        lambda: AgentProcess("torch", tiny, home / "narrow", *CAPPED, "--admission-wait", str(WAIT), env=env),
-        lambda: AgentProcess("torch", tiny, home / "impatient", *CAPPED, "--admission-wait", str(SHORT_WAIT), env=env),
+        lambda: AgentProcess("torch", tiny_dir, home / "narrow", *CAPPED, "--admission-wait", str(WAIT), env=env),
+        lambda: AgentProcess(
+            "torch", tiny_dir, home / "impatient", *CAPPED, "--admission-wait", str(SHORT_WAIT), env=env
+        ),
     ) as agents:
         yield agents
 

@@ -16,7 +16,6 @@ from tandem_protocol.wire import PeerError
 
 from ..agents import TEST_KEY, AgentProcess, generate_request, pd_request, side_by_side, tokens_of, wait_for
 from ..conftest import LONG_TEXT, prompt, run
-from .tiny_model import tiny_model
 
 PAGE = 1_474_560
 GEOMETRY = PageGeometry(30, 3, 64)
@@ -198,20 +197,19 @@ def test_unread_handoff_expires(small, long_ids):
         assert 'tandem_handoffs_finished_total{outcome="expired"}' in c.get("/metrics").text
 
 
-def test_a_prefill_longer_than_the_stall_timeout_and_the_lease_is_read_to_the_end(smol_dir, tmp_path, long_ids):
+def test_a_prefill_longer_than_the_stall_timeout_and_the_lease_is_read_to_the_end(tiny_dir, tmp_path, long_ids):
     """A prefiller that computes longer than the decoder's stall timeout without a page to send
     (here its first chunk takes 8 s more, the decoder gives up after 3 s of silence) sends
     heartbeats; its lease (0.5 s) expires pages nobody reads, and the decoder reads from the start:
     a prefill that outlasts both is read to the end, the request completes P/D. The decoder is
     another agent: one agent as both would hold its one engine with the prefill before it could
     read. A silent link still stalls (tests/integration/test_faults). Both serve the tiny model
-    (tests/system/tiny_model.py): the failpoint, not the weights, makes the prefill long, and the
+    (`tiny_dir`): the failpoint, not the weights, makes the prefill long, and the
     answer is compared with the same engine's."""
-    tiny = tiny_model(tmp_path / "tiny", smol_dir)
     slow = {"TANDEM_FAILPOINTS": "slow_prefill_chunk@1", **ONE_THREAD}
     with side_by_side(
-        lambda: AgentProcess("torch", tiny, tmp_path / "p", "--handoff-ttl", "0.5", env=slow),
-        lambda: AgentProcess("torch", tiny, tmp_path / "d", "--stall-timeout", "3", env=ONE_THREAD),
+        lambda: AgentProcess("torch", tiny_dir, tmp_path / "p", "--handoff-ttl", "0.5", env=slow),
+        lambda: AgentProcess("torch", tiny_dir, tmp_path / "d", "--stall-timeout", "3", env=ONE_THREAD),
     ) as (p, d):
         ids = prompt(long_ids, 193)  # two chunks (the last page's own): pages follow the slow one
         lines = run(pd_request(p.url, d.url, ids, {"max_tokens": 4}))

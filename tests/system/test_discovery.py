@@ -2,7 +2,7 @@
 
 The hosts are network namespaces this test creates and deletes, joined by a veth pair; all
 traffic, multicast included, stays inside them. The agents serve the tiny random-weight Llama
-(tests/system/tiny_model.py): what is asserted is what they announce and where, not what they say.
+(`tiny_dir`, tests/conftest.py): what is asserted is what they announce and where, not what they say.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from tandem_protocol.discovery import ANNOUNCED_KEYS, Announcer
 
 from ..agents import TANDEM, TEST_KEY, AgentProcess, PanelProcess, side_by_side, wait_for
 from ..netns import needs_netns, sh
-from .tiny_model import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +42,6 @@ def two_hosts():
     finally:
         for ns, _, _ in hosts.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(smol_dir, tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", smol_dir)
 
 
 def browse_in(ns: str, addr: str, seconds: float = 4.0) -> list[dict]:

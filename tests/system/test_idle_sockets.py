@@ -19,7 +19,7 @@ closed by the server: at the deadline, or before it on the agent, to make room, 
 This file starts its own agent and panel: the attack fills their connection tables (on the old
 code it takes the agent off the network, which no shared cluster may suffer), and what is
 measured is when the servers close sockets that no other test may share. The agent serves the
-tiny random-weight Llama (tests/system/tiny_model.py): the completion need only be answered.
+tiny random-weight Llama (`tiny_dir`, tests/conftest.py): the completion need only be answered.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from tandem_protocol.tls import certificate_fingerprint, client_context
 
 from ..agents import AgentProcess, PanelProcess
 from ..unit.test_http_server import client_hello, closed, insecure
-from .tiny_model import tiny_model
 
 KEY = "tdm_idle-sockets-cluster-key-5d07"
 MODEL = "node/torch-agent"  # the agent's name: its engine and its home's name
@@ -56,10 +55,9 @@ TRICKLED = b"GET / HTTP/1.1\r\nHost: x\r\n"  # a header, a byte at a time (a bad
 
 
 @pytest.fixture(scope="module")
-def servers(smol_dir, tmp_path_factory):
+def servers(tiny_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("idle")
-    tiny = tiny_model(home / "tiny", smol_dir)
-    with AgentProcess("torch", tiny, home / "agent", key=KEY, tls=True, env={"OMP_NUM_THREADS": "1"}) as agent:
+    with AgentProcess("torch", tiny_dir, home / "agent", key=KEY, tls=True, env={"OMP_NUM_THREADS": "1"}) as agent:
         with PanelProcess(home, "--tls", "--node", agent.url, key=KEY) as panel:
             pin = client_context(certificate_fingerprint(home / "panel" / "tls" / "panel.pem"))
             headers = {"Authorization": f"Bearer {panel.api_key}"}

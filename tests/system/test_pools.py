@@ -4,7 +4,7 @@ Sixteen conversations at once spread over both decoders and each stays on its de
 new turn runs on its decoder alone, a long fresh prompt goes P/D (the pool's threshold); when one
 decoder dies, its conversations' next turns move to the other and nothing fails.
 
-The nodes serve the tiny random-weight Llama (tests/system/tiny_model.py): routes follow the
+The nodes serve the tiny random-weight Llama (`tiny_dir`, tests/conftest.py): routes follow the
 pool's threshold in tokens and the decoders' caches, not the weights, and the one answer compared
 is a decoder's against itself.
 """
@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from ..agents import AgentProcess, PanelProcess, log_rows, settle, side_by_side
-from .tiny_model import tiny_model
 
 CONVERSATIONS = 16
 THRESHOLD = 256
@@ -30,15 +29,14 @@ def system_prompt(k: int) -> str:
     return f"Conversation {k}. You are assistant number {k}. Remember these words: " + " ".join(words)
 
 
-def test_a_pool_of_three_spreads_conversations_keeps_them_and_survives_a_decoder(smol_dir, tmp_path):
+def test_a_pool_of_three_spreads_conversations_keeps_them_and_survives_a_decoder(tiny_dir, tmp_path):
     import openai
 
-    tiny = tiny_model(tmp_path / "tiny", smol_dir)
     with (
         side_by_side(
-            lambda: AgentProcess("torch", tiny, tmp_path / "p", prefix_cache="default"),
-            lambda: AgentProcess("mlx", tiny, tmp_path / "d1", prefix_cache="default"),
-            lambda: AgentProcess("mlx", tiny, tmp_path / "d2", prefix_cache="default"),
+            lambda: AgentProcess("torch", tiny_dir, tmp_path / "p", prefix_cache="default"),
+            lambda: AgentProcess("mlx", tiny_dir, tmp_path / "d1", prefix_cache="default"),
+            lambda: AgentProcess("mlx", tiny_dir, tmp_path / "d2", prefix_cache="default"),
         ) as (p, d1, d2),
         PanelProcess(tmp_path, "--pair", f"pool={p.url},{d1.url}+{d2.url},threshold={THRESHOLD}") as panel,
     ):

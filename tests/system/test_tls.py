@@ -1,7 +1,7 @@
 """TLS on by default, agents' certificates pinned: what an eavesdropper or a man in the middle on
 the LAN gets. Agents serve HTTPS with their own certificate (as `tandem agent serve` does unless
 told `--insecure-http`); the panel pins each at pairing, and tells a decoder its prefiller's.
-The agents serve the tiny random-weight Llama (tests/system/tiny_model.py): what crosses the wire
+The agents serve the tiny random-weight Llama (`tiny_dir`, tests/conftest.py): what crosses the wire
 and who may read it do not depend on the weights."""
 
 from __future__ import annotations
@@ -37,15 +37,9 @@ from tests.agents import (
 )
 from tests.netns import host_namespace, needs_netns
 from tests.system.test_security import csrf_of, log_in
-from tests.system.tiny_model import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Name three rivers that cross the city of Wrocław."
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(smol_dir, tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", smol_dir)
 
 
 @pytest.fixture(scope="module", params=["tls", "plain"])
