@@ -33,6 +33,7 @@ class PairStats:
     prefill_seconds: float = 0.0
     ttft_seconds: float | None = None
     page_arrivals: list[float] = field(default_factory=list)  # perf_counter() as each page was imported
+    token_logprobs: list = field(default_factory=list)  # the decoder's, where `sampling.logprobs` asks
 
 
 async def run_pair(
@@ -62,6 +63,7 @@ async def run_pair(
     # Distinct ids per role: one engine may serve both roles of a pair.
     p_req = EngineRequest(f"{request_id}-p", list(token_ids), sampling, mode, cache_salt=cache_salt)
     d_req = EngineRequest(f"{request_id}-d", list(token_ids), sampling, mode, cache_salt=cache_salt)
+    d_req.token_logprobs = stats.token_logprobs
     wire: asyncio.Queue = asyncio.Queue(_QUEUE_PAGES)
     t0 = time.perf_counter()
     await decoder.hold_prefix(d_req)  # a delta handoff: P sends only the pages D lacks
