@@ -54,7 +54,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-.PHONY: run test test-unit lint setup system-deps forget-sglang-stand-in test-deps bench clean vllm sglang \
+.PHONY: run test test-unit lint setup system-deps forget-sglang-stand-in bench clean vllm sglang \
 	sglang-cpu-test lock
 
 run: setup
@@ -62,15 +62,14 @@ run: setup
 	$(BIN)/tandem up
 
 # The three environments install side by side (a clean clone's setup here: 105 s with uv on a
-# loaded machine; pip took 189 s); apt stays serial (test-deps first, then system-deps alone
-# inside the parallel step).
+# loaded machine; pip took 189 s), and beside them one apt call for what the machine lacks
+# (system-deps, with the browser for the tests: BROWSER=1).
 # pytest runs through tests/suite.py: two lanes (the engine servers' and the rest), then the tests
 # that time the machine alone, then seconds per file and the whole wall clock, set-up included
 # (reports/: JUnit XML, started).
 test:
 	@mkdir -p reports && date +%s > reports/started
-	$(MAKE) --no-print-directory test-deps
-	$(MAKE) --no-print-directory -j3 --output-sync=target setup vllm $(SGLANG_TEST)
+	$(MAKE) --no-print-directory -j4 --output-sync=target setup vllm $(SGLANG_TEST) BROWSER=1
 	$(MAKE) --no-print-directory lint
 	$(BIN)/tandem model fetch
 	$(BIN)/python -m tests.suite
@@ -95,20 +94,15 @@ forget-sglang-stand-in:
 		rm -rf $(SGLANG_VENV); \
 	fi
 
-# mlx on Linux CPU needs Debian's OpenBLAS to be fast (engine_adapters/mlx_adapter.py).
+# mlx on Linux CPU needs Debian's OpenBLAS to be fast (engine_adapters/mlx_adapter.py); the
+# browser tests (BROWSER=1, `make test`) drive Debian's Chromium through Playwright (never
+# `playwright install`). One apt call for both: two would wait on each other's dpkg lock.
+APT_NEEDS = $(if $(filter x86_64,$(shell uname -m)),$(if $(wildcard $(OPENBLAS)),,libopenblas0-pthread)) $(if $(BROWSER),$(if $(wildcard /usr/bin/chromium),,chromium))
 system-deps:
-	@if [ "$$(uname -s)" = Linux ] && [ "$$(uname -m)" = x86_64 ] && [ ! -e $(OPENBLAS) ] && command -v apt-get >/dev/null; then \
-		echo "installing Debian's OpenBLAS for mlx (libopenblas0-pthread)"; \
+	@if [ "$$(uname -s)" = Linux ] && [ -n "$(strip $(APT_NEEDS))" ] && command -v apt-get >/dev/null; then \
+		echo "installing from Debian: $(strip $(APT_NEEDS))"; \
 		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopenblas0-pthread; \
-	fi
-
-# Browser tests drive Debian's Chromium through Playwright (never `playwright install`).
-test-deps:
-	@if [ "$$(uname -s)" = Linux ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
-		echo "installing Debian's Chromium for the browser tests"; \
-		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $(APT_NEEDS); \
 	fi
 
 $(STAMP): $(LOCK) pyproject.toml | $(UV)

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 # Before torch loads (here, and in every agent and engine server the tests start, which inherit
@@ -75,6 +76,27 @@ APART_FILES = {
 CLUSTER_LOCK = Path(tempfile.gettempdir()) / f"tandem-test-cluster-{os.getuid()}.lock"
 _apart_lock = None  # this process's shared hold on CLUSTER_LOCK, once it runs an apart file
 
+# The engine-server lane is the suite's critical path; the other lane has minutes to spare (it
+# waits out the cluster before APART_FILES). While the engine-server lane runs a step that keeps
+# both cores busy (the cluster's start, four engine servers loading at once: 88 s on a quiet
+# machine, 195 s beside the other lane's tests; test_directions's and test_agreement's decoders
+# asked side by side), it holds FIRST_LOCK, and the other lane starts no new test meanwhile. Only
+# as many steps as the other lane's spare time covers.
+FIRST_LOCK = Path(tempfile.gettempdir()) / f"tandem-test-first-{os.getuid()}.lock"
+
+
+@contextmanager
+def lane_first():
+    """The block runs with the other lane between tests (see FIRST_LOCK)."""
+    with FIRST_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file lets go
+
+
+def wait_while_a_lane_goes_first() -> None:
+    with FIRST_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # blocks while lane_first() holds it; let go at once
+
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in APART_FILES)  # stable: otherwise as collected
@@ -83,6 +105,8 @@ def pytest_collection_modifyitems(items):
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # outside pytest-timeout's wrapper: the wait is not the test's
 def pytest_runtest_protocol(item, nextitem):
     global _apart_lock
+    if lane_of(item.nodeid.split("::", 1)[0]) != ENGINE_SERVER_LANE:
+        wait_while_a_lane_goes_first()
     if _apart_lock is None and item.nodeid.split("::", 1)[0] in APART_FILES:
         _apart_lock = CLUSTER_LOCK.open("a")
         fcntl.flock(_apart_lock, fcntl.LOCK_SH)  # blocks while a cluster is up; held until this process ends

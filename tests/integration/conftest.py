@@ -11,7 +11,7 @@ from engine_adapters.settings import EngineSettings
 from engine_adapters.sglang_adapter import sglang_environment
 from engine_adapters.vllm_adapter import vllm_python
 
-from ..conftest import CLUSTER_LOCK
+from ..conftest import CLUSTER_LOCK, lane_first
 from .cluster import Cluster
 
 # a failed test's report carries this section; tests/conftest.py repeats it at the end of the run
@@ -40,4 +40,6 @@ def cluster(smol_dir, tmp_path_factory):
             pytest.fail(f"{name} is part of `make test`: {e}")
     with CLUSTER_LOCK.open("a") as lock, ExitStack() as stack:  # the cluster stops, then the lock goes
         fcntl.flock(lock, fcntl.LOCK_EX)  # the memory-heavy files wait while the cluster is up
-        yield Cluster(smol_dir, tmp_path_factory.mktemp("cluster"), stack)
+        with lane_first():  # both cores for the start (tests/conftest.py FIRST_LOCK)
+            cluster = Cluster(smol_dir, tmp_path_factory.mktemp("cluster"), stack)
+        yield cluster

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ..agents import generate_request, pd_request, prefill_of, tokens_of
-from ..conftest import max_abs_diff, run, write_report
+from ..conftest import lane_first, max_abs_diff, run, write_report
 from .cluster import EXACT
 from .rules import MEASURED_MAX, PROMPTS, imported_logits, local_logits, tolerance
 
@@ -162,7 +162,8 @@ def answers(cluster, engines) -> dict:
             for key, value in part.items()
         }
 
-    return run(main())
+    with lane_first():  # four decoders at once: both cores (tests/conftest.py FIRST_LOCK)
+        return run(main())
 
 
 @pytest.mark.parametrize("p, d", DIRECTIONS, ids=[f"{p}->{d}" for p, d in DIRECTIONS])

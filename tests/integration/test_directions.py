@@ -10,22 +10,16 @@ by its test_text_completions_report_the_legacy_shape."""
 
 from __future__ import annotations
 
-import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ..conftest import prompt, write_report
+from ..conftest import lane_first, prompt, write_report
 from .cluster import AGENTS, DIRECTIONS, for_each, pair_name
 
 LENGTHS = [64, 65, 66, 128, 129, 130, 193]
 STREAMED = 64  # the length asked streaming (the others whole)
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def alone(cluster, long_ids):
-    """The decoder's own answer at a length, asked once per decoder and length."""
-    return functools.cache(lambda decoder, n: cluster.alone(decoder, prompt(long_ids, n)))
 
 
 def test_every_pair_and_node_is_listed(cluster):
@@ -34,14 +28,16 @@ def test_every_pair_and_node_is_listed(cluster):
     assert {pair_name(*x) for x in DIRECTIONS} | nodes <= names, names
 
 
-@pytest.mark.parametrize("p, d", DIRECTIONS, ids=[pair_name(*x) for x in DIRECTIONS])
-def test_pd_equals_the_decoder_alone_at_every_length(cluster, long_ids, alone, p, d):
-    """Into a torch or MLX decoder every length goes at once, with the decoder alone's answers not
-    yet asked (they decode a batch exactly as one request: tests/system/test_batching.py); into
-    vLLM and SGLang one at a time."""
-    client, pair = cluster.client, pair_name(p, d)
+@pytest.fixture(scope="module")
+def answers(cluster, long_ids) -> dict:
+    """Every direction's P/D answers at every length, and each decoder's own, asked per decoder:
+    into a torch or MLX decoder all at once (they decode a batch as one request: the load test's
+    64 streams), into vLLM and SGLang one at a time (their CPU kernels depend on the batch). The
+    decoders are asked side by side, with both cores (tests/conftest.py FIRST_LOCK).
+    {(p, d): {length: {"pd", "streamed", "usage", "alone_equal"}}}"""
+    client = cluster.client
 
-    def pd(n: int) -> dict:
+    def pd(pair: str, n: int) -> dict:
         args = dict(model=pair, prompt=prompt(long_ids, n), max_tokens=MAX_TOKENS, temperature=0)
         if n == STREAMED:
             chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
@@ -51,11 +47,28 @@ def test_pd_equals_the_decoder_alone_at_every_length(cluster, long_ids, alone, p
             text, usage = answer.choices[0].text, answer.usage
         return {"pd": text, "streamed": n == STREAMED, "usage": (usage.prompt_tokens, usage.completion_tokens)}
 
-    asks = [(pd, n) for n in LENGTHS] + [(functools.partial(alone, d), n) for n in LENGTHS]
-    answers = for_each(d, lambda ask: ask[0](ask[1]), asks)
-    rows = dict(zip(LENGTHS, answers[: len(LENGTHS)], strict=True))
-    for n, own in zip(LENGTHS, answers[len(LENGTHS) :], strict=True):
-        rows[n]["alone_equal"] = rows[n]["pd"] == own
+    def into(d: str) -> dict:
+        directions = [(p, x) for p, x in DIRECTIONS if x == d]
+        asks = [(pair_name(p, d), n) for p, _ in directions for n in LENGTHS] + [(None, n) for n in LENGTHS]
+        got = for_each(
+            d, lambda ask: pd(*ask) if ask[0] else cluster.alone(d, prompt(long_ids, ask[1]), MAX_TOKENS), asks
+        )
+        own = dict(zip(LENGTHS, got[-len(LENGTHS) :], strict=True))
+        rows = {}
+        for k, direction in enumerate(directions):
+            rows[direction] = dict(zip(LENGTHS, got[k * len(LENGTHS) : (k + 1) * len(LENGTHS)], strict=True))
+            for n, row in rows[direction].items():
+                row["alone_equal"] = row["pd"] == own[n]
+        return rows
+
+    decoders = sorted({d for _, d in DIRECTIONS})
+    with lane_first(), ThreadPoolExecutor(len(decoders)) as pool:
+        return {k: v for part in pool.map(into, decoders) for k, v in part.items()}
+
+
+@pytest.mark.parametrize("p, d", DIRECTIONS, ids=[pair_name(*x) for x in DIRECTIONS])
+def test_pd_equals_the_decoder_alone_at_every_length(cluster, answers, p, d):
+    rows, pair = answers[p, d], pair_name(p, d)
     write_report(f"direction_{pair}", rows)
     agree = sum(r["alone_equal"] for r in rows.values())
     print(f"\n{p}->{d}: greedy agreement with {d} alone {agree}/{len(LENGTHS)}")
