@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -80,22 +81,30 @@ _apart_lock = None  # this process's shared hold on CLUSTER_LOCK, once it runs a
 # waits out the cluster before APART_FILES). While the engine-server lane runs a step that keeps
 # both cores busy (the cluster's start, four engine servers loading at once: 88 s on a quiet
 # machine, 195 s beside the other lane's tests; test_directions's and test_agreement's decoders
-# asked side by side), it holds FIRST_LOCK, and the other lane starts no new test meanwhile. Only
-# as many steps as the other lane's spare time covers.
-FIRST_LOCK = Path(tempfile.gettempdir()) / f"tandem-test-first-{os.getuid()}.lock"
+# asked side by side; test_load's loads with a cut budget; test_faults's pairs damaged, slowed or
+# crashed at once), it holds FIRST_LOCK, and the other
+# lane starts no new test meanwhile. Only as many steps as the other lane's spare time covers
+# (make test's summary says when each lane ended).
+# One lock per run (xdist's run id): another run's lanes, or a test run by hand beside them, never wait.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+FIRST_LOCK = Path(tempfile.gettempdir()) / f"tandem-test-first-{os.getuid()}-{_RUN}.lock" if _RUN else None
 
 
 @contextmanager
 def lane_first():
-    """The block runs with the other lane between tests (see FIRST_LOCK)."""
+    """The block runs with the other lane between tests (see FIRST_LOCK); outside xdist, as is."""
+    if FIRST_LOCK is None:
+        yield
+        return
     with FIRST_LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield  # closing the file lets go
 
 
 def wait_while_a_lane_goes_first() -> None:
-    with FIRST_LOCK.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_SH)  # blocks while lane_first() holds it; let go at once
+    if FIRST_LOCK is not None:
+        with FIRST_LOCK.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)  # blocks while lane_first() holds it; let go at once
 
 
 def pytest_collection_modifyitems(items):
@@ -163,6 +172,15 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_report_header(config):
     return f"fuzz seed: {run_seed()} (FUZZ_SEED={run_seed()} reproduces this run)"
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """When each test ended, per xdist worker (reports/lane-gw0.log …): tests/suite.py's summary
+    tells from them when each lane ended, so how far apart the lanes finished."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and REPORTS.is_dir():
+        with (REPORTS / f"lane-{worker}.log").open("a") as log:
+            log.write(f"{time.time():.1f} {nodeid}\n")
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up

@@ -7,7 +7,8 @@
    has two cores; each engine computes on one thread there (ONE_THREAD).
 2. The serial pass: `pytest -m quiet`, the tests that time the machine itself, alone.
 3. A summary from both passes' JUnit XML (reports/): seconds per file and per tier, the slowest
-   files, and the wall clock since `make test` began (reports/started, written by the Makefile).
+   files, when each lane ended (reports/lane-*.log, tests/conftest.py), and the wall clock since
+   `make test` began (reports/started, written by the Makefile).
 
 Both passes run whatever the first gave; the exit status is non-zero if either failed. Arguments
 go to both pytest runs (e.g. `python -m tests.suite tests/system/test_cli.py`).
@@ -80,6 +81,15 @@ def summary(reports: list[Path], started: float) -> str:
     lines.append(
         "Seconds per tier: " + ", ".join(f"{t} {s:.0f} s ({int(n)} tests)" for t, (s, n) in sorted(tiers.items()))
     )
+    ends = []
+    for log in sorted(REPORTS.glob("lane-*.log")):
+        rows = [line.split(" ", 1) for line in log.read_text().splitlines()]
+        cluster = " (the cluster's)" if any(nodeid.startswith("tests/integration/") for _, nodeid in rows) else ""
+        ends.append(
+            f"{log.stem.removeprefix('lane-')}{cluster} {float(rows[-1][0]) - started:.0f} s ({len(rows)} tests)"
+        )
+    if ends:
+        lines.append("Lanes ended (since make test began): " + ", ".join(ends))
     wall = time.time() - started
     lines.append(f"make test: {wall / 60:.1f} minutes wall clock ({wall:.0f} s), set-up included")
     return "\n".join(lines)
@@ -95,7 +105,7 @@ def main(args: list[str]) -> int:
     started = float(stamp.read_text()) if stamp.is_file() else time.time()
     os.environ.setdefault("FUZZ_SEED", str(run_seed()))  # one seed for both passes
     lanes, quiet = REPORTS / "lanes.xml", REPORTS / "quiet.xml"
-    for stale in (lanes, quiet):
+    for stale in (lanes, quiet, *REPORTS.glob("lane-*.log")):
         stale.unlink(missing_ok=True)
     first = pytest("-n", LANES, "--dist", "loadscope", "-m", "not quiet", f"--junitxml={lanes}", *args, env=ONE_THREAD)
     second = pytest("-n", "0", "-m", "quiet", f"--junitxml={quiet}", *args)
