@@ -81,10 +81,11 @@ _apart_lock = None  # this process's shared hold on CLUSTER_LOCK, once it runs a
 # waits out the cluster before APART_FILES). While the engine-server lane runs a step that keeps
 # both cores busy (the cluster's start, four engine servers loading at once: 88 s on a quiet
 # machine, 195 s beside the other lane's tests; test_directions's and test_agreement's decoders
-# asked side by side; test_load's loads with a cut budget; test_faults's pairs damaged, slowed or
-# crashed at once), it holds FIRST_LOCK, and the other
-# lane starts no new test meanwhile. Only as many steps as the other lane's spare time covers
-# (make test's summary says when each lane ended).
+# asked side by side), it holds FIRST_LOCK, and the other lane starts no new test meanwhile. Only
+# these: each wait moves the other lane's files later, and 24 GiB holds the cluster, test_faults's
+# peer kills (two more agents of the embedded model) and one such file of the other lane, not
+# two: a run that held test_load's and test_faults's steps too overlapped them and the machine
+# stalled for 5 minutes. make test's summary says when each lane ended.
 # One lock per run (xdist's run id): another run's lanes, or a test run by hand beside them, never wait.
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 FIRST_LOCK = Path(tempfile.gettempdir()) / f"tandem-test-first-{os.getuid()}-{_RUN}.lock" if _RUN else None

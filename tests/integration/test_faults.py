@@ -36,7 +36,7 @@ from ..agents import (
     wait_for,
     wait_until_streaming,
 )
-from ..conftest import lane_first, prompt, run, write_report
+from ..conftest import prompt, run, write_report
 from .cluster import FAULT_PAIRS, ask_in_thread, kill_engine_server, pair_name, streaming_chunks
 
 VOCAB = 49152
@@ -96,7 +96,7 @@ def falls_back(cluster, ids: list[int], p: str, d: str, damage: dict) -> tuple[s
 )
 def test_damaged_stream_through_the_panel_falls_back(cluster, long_ids, damage, reason):
     """On every fault pair at once (they share no agent, and each proxy damages its own link)."""
-    with lane_first(), ThreadPoolExecutor(len(FAULT_PAIRS)) as pool:
+    with ThreadPoolExecutor(len(FAULT_PAIRS)) as pool:
         answers = list(pool.map(lambda pd: falls_back(cluster, prompt(long_ids, 130), *pd, damage), FAULT_PAIRS))
     for (p, d), (text, expected) in zip(FAULT_PAIRS, answers, strict=True):
         assert text == expected, (p, d, text, expected)
@@ -180,7 +180,7 @@ def test_a_slow_link_holds_memory_flat(cluster, rate=4e6):
     memory (the agent and its engine server's processes) grows with the backed-up stream (the
     prefiller holds what it reserved, the decoder a few pages). A first request of the same
     length, at full speed, warms both up. (Their text is not compared: 2 tokens each, was 16.)"""
-    with lane_first(), ThreadPoolExecutor(len(FAULT_PAIRS)) as pool:
+    with ThreadPoolExecutor(len(FAULT_PAIRS)) as pool:
         figures = list(pool.map(lambda pd: slow_link(cluster, *pd, rate), FAULT_PAIRS))
     for (p, d), f in zip(FAULT_PAIRS, figures, strict=True):
         row, grew = f["row"], f["grew"]
@@ -300,7 +300,7 @@ def test_a_server_engine_crash_while_prefilling_falls_back_and_the_engine_recove
     tokens: at 193 vLLM's prefill was over (TTFT 0.74 s in a make test run) before the kill,
     which then met no request."""
     ids = prompt(long_ids, 193) * 3
-    with lane_first(), ThreadPoolExecutor(len(SERVER_FAULT_PAIRS)) as pool:
+    with ThreadPoolExecutor(len(SERVER_FAULT_PAIRS)) as pool:
         for done in [pool.submit(crash_server_prefiller, cluster, ids, p, d) for p, d in SERVER_FAULT_PAIRS]:
             done.result()
 
