@@ -46,11 +46,25 @@ def create_panel_app(
     return create_app(open_state(data_dir, cluster_key, mdns, mdns_interfaces, login_limiter))
 
 
+async def start_discovery(state: PanelState) -> None:
+    """Start the mDNS watcher; where it cannot join the multicast group (two machines on a direct
+    cable with no default route: ENODEV), the panel serves without discovery and says why on the
+    Settings page, rather than fail its start after printing the one-time admin password."""
+    try:
+        await state.watcher.start()
+    except OSError as e:
+        await state.watcher.stop()  # whatever it had opened
+        where = ", ".join(state.watcher.interfaces)
+        state.discovery_error = f"{e.strerror or e} (on {where})"
+        state.watcher = None
+        log.warning("mDNS discovery is off: it could not start: %s", state.discovery_error)
+
+
 def create_app(state: PanelState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if state.watcher is not None:
-            await state.watcher.start()
+            await start_discovery(state)
         try:
             yield
         finally:

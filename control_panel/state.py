@@ -35,6 +35,7 @@ class PanelState:
     data_dir: Path
     cache_salts: CacheSalts  # each API key's prefix cache namespace, unless the admin shares it
     limits: RateLimiter = field(default_factory=RateLimiter)  # the API keys' requests in flight and tokens
+    discovery_error: str | None = None  # why mDNS was asked for and could not start (the panel runs on)
 
     async def aclose(self) -> None:
         await self.request_log.wait_finished(SHUTDOWN_GRACE_SECONDS)  # before the router's clients close

@@ -40,6 +40,7 @@ def settings_context(panel: Panel, **extra) -> dict:
         "share_prefix_cache": panel.cache_salts.shared,
         "mdns": panel.watcher is not None,
         "mdns_seen": len(panel.watcher.peers) if panel.watcher else 0,
+        "mdns_error": panel.discovery_error,
         **extra,
     }
 

@@ -145,3 +145,43 @@ def test_the_panel_follows_a_node_that_comes_back_elsewhere(two_hosts, tiny_dir,
             assert f"moved from {first_url} to {again.url}" in "".join(panel.log)
     finally:
         panel.stop()
+
+
+@needs_netns
+def test_a_panel_with_no_multicast_route_serves_without_discovery_and_says_why(tmp_path):
+    """Two machines on a direct cable, no gateway: the panel's host has no default route, so no
+    route for mDNS's multicast group, and joining it fails (ENODEV). The panel starts anyway, serves
+    its UI and API, and its Settings page says discovery is off, why, and what to do. (Before, it
+    printed its one-time admin password and "ready", then "Application startup failed" and exited.)"""
+    tag = secrets.token_hex(2)
+    ns, dev, addr = f"tdm-nr-{tag}", f"tnr{tag}", f"10.232.{int(tag, 16) % 250}.1"
+    try:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", f"{dev}p")
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        for link in (dev, f"{dev}p", "lo"):
+            sh("ip", "-n", ns, "link", "set", link, "up")
+        with PanelProcess(tmp_path, "--host", "0.0.0.0", "--tls", "--mdns", netns=ns) as panel:
+            # from inside the namespace: sign in, read the Settings page's discovery card and the API
+            code = (
+                "import httpx, re, sys; c = httpx.Client(base_url=sys.argv[1], verify=False, timeout=30); "
+                'csrf = re.search(r\'name="csrf" value="([^"]+)"\', c.get(\'/login\').text).group(1); '
+                "assert c.post('/login', data={'password': sys.argv[2], 'csrf': csrf}).status_code == 303; "
+                "page = c.get('/settings').text; "
+                "print(re.search(r'<p id=\"discovery-state\">(.*?)</p>', page, re.S).group(1).strip()); "
+                "print(c.get('/v1/models', headers={'Authorization': 'Bearer ' + sys.argv[3]}).status_code)"
+            )
+            out = subprocess.run(
+                ["ip", "netns", "exec", ns, sys.executable, "-c", code, panel.url, panel.admin_password, panel.api_key],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 0, out.stderr
+            card, models = out.stdout.strip().splitlines()
+            assert card.startswith("mDNS discovery is off: it could not start on this network (No such device"), card
+            assert "--mdns-interface ADDRESS" in card and models == "200", out.stdout
+            assert panel.proc.poll() is None
+            assert any("mDNS discovery is off" in line for line in panel.log), panel.log[-20:]
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
