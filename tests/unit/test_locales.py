@@ -64,6 +64,8 @@ def test_catalog_is_complete(lang, used):
             problems.append(f"fuzzy: {message.id!r}")
         if sorted(PLACEHOLDER.findall(message.id)) != sorted(PLACEHOLDER.findall(message.string)):
             problems.append(f"placeholders differ: {message.id!r} -> {message.string!r}")
+        if "%%" in message.string and not PLACEHOLDER.findall(message.id):  # never formatted: shown as is
+            problems.append(f"a literal %% where nothing formats it: {message.id!r} -> {message.string!r}")
         for err in message.check(catalog):
             problems.append(f"{message.id!r}: {err}")
     assert not problems, f"{lang}: " + "; ".join(problems[:10])
