@@ -23,7 +23,7 @@ from rich.text import Text
 from tandem_protocol.auth import canonical_address
 from tandem_protocol.page_memory import keep_freed_pages
 from tandem_protocol.pages import PROTOCOL_VERSION
-from tandem_protocol.settings import data_dir, hash_cache_path, settings
+from tandem_protocol.settings import AGENT_PORT, data_dir, hash_cache_path, settings
 from tandem_protocol.tls import certificate_fingerprint, client_context, ensure_certificate, peer_fingerprint, spaced
 from tandem_protocol.wire import HEARTBEAT_SECONDS
 
@@ -51,7 +51,7 @@ MAX_CONNECTIONS = 256
 
 app = typer.Typer(help="Run and diagnose a node agent.", no_args_is_help=True)
 console = Console()
-DEFAULT_PORT = 7411
+DEFAULT_PORT = AGENT_PORT
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
 _UNITS = {

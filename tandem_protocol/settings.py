@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from .errors import TandemError
 
 ENV_PREFIX = "TANDEM_"
+AGENT_PORT = 7411  # where an agent listens unless told (`tandem agent serve --port`)
 S = TypeVar("S", bound=BaseSettings)
 
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Form
 from fastapi.responses import RedirectResponse
 from sqlalchemy import Engine
 from sqlmodel import Session, select
+
+from tandem_protocol.settings import AGENT_PORT
 
 from ..deps import SIGNED_IN, AgentRouter, CsrfForm, Db, Panel, Render, Tr
 from ..models import Node, Pool, PoolMember
@@ -151,22 +154,44 @@ async def nodes_table(db: Db, agents: AgentRouter, render: Render):
 @router.post("/nodes")
 async def nodes_add(_csrf: CsrfForm, panel: Panel, render: Render, t: Tr, url: Annotated[str, Form()] = ""):
     _ = t.gettext
-    url = url.strip().rstrip("/")
-    key = panel.router.cluster_key
+    url, key = agent_url(url), panel.router.cluster_key
     error = None
-    if not url.startswith(("http://", "https://")):
-        error = _("Give the agent's URL, for example http://192.168.1.20:7411")
-    elif (probed := await node_status.probe_proved(url, key))["health"] != "ok":
-        error = _("Could not add %(url)s: %(reason)s", url=url, reason=_(HEALTH[probed["health"]]))
-        error += f" ({probed['detail']})" if probed["detail"] else ""
+    if not url:
+        error = _("Give the agent's URL, for example https://192.168.1.20:7411")
     else:
-        try:
-            await add_node(panel.db, url, key)
-        except PanelError as e:
-            error = _("Could not add %(url)s: %(reason)s", url=url, reason=str(e))
+        url, probed = await prove_either_scheme(url, key)
+        if probed["health"] != "ok":
+            error = _("Could not add %(url)s: %(reason)s", url=url, reason=_(HEALTH[probed["health"]]))
+            error += f" ({probed['detail']})" if probed["detail"] else ""
+        else:
+            try:
+                await add_node(panel.db, url, key)
+            except PanelError as e:
+                error = _("Could not add %(url)s: %(reason)s", url=url, reason=str(e))
     if error:
         return render("nodes.html", status_code=400, **(await nodes_page_context(panel, error=error, url_value=url)))
     return RedirectResponse("/nodes", status_code=303)
+
+
+def agent_url(typed: str) -> str:
+    """What a user typed as an agent's address, as a URL: `host` or `host:port` is an agent's
+    default, HTTPS (on AGENT_PORT unless a port is given); a URL stays as it is. "" if empty."""
+    typed = typed.strip().rstrip("/")
+    if not typed or typed.startswith(("http://", "https://")):
+        return typed
+    return f"https://{typed}" if urlsplit(f"//{typed}").port else f"https://{typed}:{AGENT_PORT}"
+
+
+async def prove_either_scheme(url: str, key: str) -> tuple[str, dict]:
+    """probe_proved at `url`; an http:// URL nothing answers is tried again as https:// (an agent
+    serves HTTPS unless started with --insecure-http: its TLS port drops a plain request), and
+    where that answers, the node is added at the HTTPS address. (url, what the probe found)"""
+    probed = await node_status.probe_proved(url, key)
+    if probed["health"] == "unreachable" and url.startswith("http://"):
+        secure = "https://" + url.removeprefix("http://")
+        if (again := await node_status.probe_proved(secure, key))["health"] != "unreachable":
+            return secure, again
+    return url, probed
 
 
 @router.post("/nodes/{node_id}/delete")

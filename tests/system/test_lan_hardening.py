@@ -21,7 +21,7 @@ import pytest
 from control_panel import services
 from tandem_cli.processes import ServiceProcess
 
-from ..agents import TEST_KEY, LocalHTTPServer
+from ..agents import TEST_KEY, AgentProcess, LocalHTTPServer
 
 MIB = 1 << 20
 # services.IDENTITY_DEADLINE and MAX_IDENTITY_ANSWER (written out, so this file runs on a panel
@@ -200,3 +200,17 @@ def test_a_panel_on_the_network_serves_plain_http_only_when_told(tmp_path):
         assert httpx.get(f"https://127.0.0.1:{port}/healthz", verify=False).status_code == 200
     finally:
         tls.stop()
+
+
+def test_an_agent_typed_as_http_is_added_at_its_https_address(panel, tiny_dir, tmp_path):
+    """UX walk finding 3: agents serve HTTPS unless told otherwise, but the Help page and the form's
+    placeholder said http://, and the form then answered "unreachable (RemoteProtocolError: Server
+    disconnected …)". An http:// address nothing answers on is tried as https://: the node is
+    added there (after proving its identity, as any)."""
+    with AgentProcess("torch", tiny_dir, tmp_path / "agent", tls=True) as agent:
+        assert agent.url.startswith("https://")
+        typed = "http://" + agent.url.removeprefix("https://")
+        r = add_node(panel["client"], typed)
+        assert r.status_code == 303, r.text[-2000:]
+        table = panel["client"].get("/nodes/table").text
+        assert agent.url in table and typed not in table, table[-2000:]

@@ -392,3 +392,22 @@ def test_a_new_model_with_a_live_models_name_is_replaced_only_when_asked(panel):
     assert [m[0] for m in members_of(panel, "pd")] == ["p", "d"]
     assert as_admin(panel, ("POST", "/models", {**other, "replace": "1"}))[0].status_code == 303
     assert [m[0] for m in members_of(panel, "pd")] == ["d", "e"]
+
+
+@pytest.mark.parametrize(
+    "typed, url",
+    [
+        ("192.168.1.20", "https://192.168.1.20:7411"),
+        (" 192.168.1.20:8000/ ", "https://192.168.1.20:8000"),
+        ("mac.local", "https://mac.local:7411"),
+        ("http://192.168.1.20:7411", "http://192.168.1.20:7411"),
+        ("https://[fe80::1]:7411/", "https://[fe80::1]:7411"),
+        ("[fe80::1]", "https://[fe80::1]:7411"),
+        ("  ", ""),
+    ],
+)
+def test_an_address_typed_in_the_add_node_form_becomes_an_agents_url(typed, url):
+    """A bare host or host:port is an agent at its defaults: HTTPS, port 7411 unless given."""
+    from control_panel.ui.nodes import agent_url
+
+    assert agent_url(typed) == url
