@@ -19,15 +19,18 @@ console = Console()
 MAX_CONNECTIONS = 1024
 
 
-def issue_credentials(data_dir: Path, api_key_name: str) -> tuple[str | None, str]:
+def issue_credentials(data_dir: Path, api_key_name: str, replaces: str | None = None) -> tuple[str | None, str]:
     """For a program that starts the panel (`tandem up`): the admin password if none was set yet
     (None otherwise: it is stored hashed) and a new API key, written to the panel's database in
-    `data_dir` before the panel starts, and returned to the caller rather than printed."""
+    `data_dir` before the panel starts, and returned to the caller rather than printed. The keys
+    named `api_key_name`, or starting with `replaces`, are revoked first: a program that makes one
+    at each start would otherwise pile them up (a key is stored hashed: it cannot be shown again)."""
     from .db import open_db
-    from .security import create_api_key, ensure_admin_password
+    from .security import create_api_key, ensure_admin_password, revoke_api_keys_named
 
     engine = open_db(data_dir / "panel.db")
     try:
+        revoke_api_keys_named(engine, api_key_name, prefix=replaces)
         return ensure_admin_password(engine), create_api_key(engine, api_key_name)
     finally:
         engine.dispose()

@@ -3,13 +3,13 @@
 Starts a torch agent (prefill) and an MLX agent (decode) on the embedded model, and the panel with
 the pair `smollm2` (torch -> MLX) and `smollm2-reverse` (MLX -> torch), all bound to 127.0.0.1 and
 without LAN announcements. Prints the panel URL, the admin password, an API key and one example
-answer through the pair, then runs until Ctrl-C and stops everything cleanly.
+answer through the pair, then runs until Ctrl-C and stops everything cleanly. The API key is made
+anew at each start and the one the last start printed is revoked: keys do not pile up.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 import signal
 import threading
 import time
@@ -24,6 +24,8 @@ from tandem_protocol.settings import data_dir
 from .model_cmd import ensure_embedded_model
 from .processes import ServiceProcess, agent_serve_args
 from .progress import console
+
+UP_KEY_NAME = "tandem up"  # the API key it prints: one, made anew at each start
 
 
 def up(
@@ -56,7 +58,9 @@ def up(
             services += agents
             p_url, d_url = (a.wait_ready() for a in agents)
         panel_dir = home / "panel"
-        password, api_key = issue_credentials(panel_dir, f"make-run-{secrets.token_hex(2)}")
+        # one key for `tandem up`, made anew at each start (the last one's revoked, and those of
+        # versions that named theirs make-run-XXXX)
+        password, api_key = issue_credentials(panel_dir, UP_KEY_NAME, replaces="make-run-")
         with console.status("starting the panel…"):
             panel = ServiceProcess(
                 [
