@@ -89,20 +89,18 @@ def falls_back(cluster, ids: list[int], p: str, d: str, damage: dict) -> tuple[s
         proxy.set_faults()
 
 
+@pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
 @pytest.mark.parametrize(
     "damage, reason",
     [(dict(flip_at=300_000), "checksum mismatch on page 0"), (dict(cut_at=700_000), "broke off")],
     ids=["flipped-bit", "truncated"],
 )
-def test_damaged_stream_through_the_panel_falls_back(cluster, long_ids, damage, reason):
-    """On every fault pair at once (they share no agent, and each proxy damages its own link)."""
-    with ThreadPoolExecutor(len(FAULT_PAIRS)) as pool:
-        answers = list(pool.map(lambda pd: falls_back(cluster, prompt(long_ids, 130), *pd, damage), FAULT_PAIRS))
-    for (p, d), (text, expected) in zip(FAULT_PAIRS, answers, strict=True):
-        assert text == expected, (p, d, text, expected)
-        row = cluster.last_row(pair_name(p, d))
-        assert row.route == "decode_alone" and reason in row.reason, row
-    cluster.idle(*{name for pair in FAULT_PAIRS for name in pair})
+def test_damaged_stream_through_the_panel_falls_back(cluster, long_ids, p, d, damage, reason):
+    text, expected = falls_back(cluster, prompt(long_ids, 130), p, d, damage)
+    assert text == expected, (text, expected)
+    row = cluster.last_row()
+    assert row.route == "decode_alone" and reason in row.reason, row
+    cluster.idle(p, d)
 
 
 def test_a_stalled_stream_through_the_panel_falls_back(cluster, long_ids):
@@ -147,9 +145,12 @@ MAX_GROWTH = 0.9
 MAX_DECODER_GROWTH = {"torch": 1.6}
 
 
-def slow_link(cluster, p: str, d: str, rate: float) -> dict:
-    """One pair's request through its link held to `rate`, its memory sampled meanwhile: the
-    figures the test asserts."""
+@pytest.mark.parametrize("p, d", FAULT_PAIRS, ids=FAULT_IDS)
+def test_a_slow_link_holds_memory_flat(cluster, p, d, rate=4e6):
+    """16 pages through a link held to 4 MB/s: the request completes P->D and neither side's
+    memory (the agent and its engine server's processes) grows with the backed-up stream (the
+    prefiller holds what it reserved, the decoder a few pages). A first request of the same
+    length, at full speed, warms both up. (Their text is not compared: 2 tokens each, was 16.)"""
     ids, pair, proxy = prompt_ids(1000, 5, VOCAB), pair_name(p, d), cluster.proxies[(p, d)]
     complete(cluster.client, pair, ids[::-1], False, 2)
     procs = {name: process_tree(cluster[name].proc.pid) for name in (p, d)}
@@ -166,32 +167,20 @@ def slow_link(cluster, p: str, d: str, rate: float) -> dict:
         took = time.monotonic() - t0
     finally:
         proxy.set_faults()
+    assert "text" in result, result
+    row = cluster.last_row()
+    assert row.route == "pd" and row.bytes_moved >= 15 * PAGE_BYTES, row
+    assert took >= 0.9 * row.bytes_moved / rate, (took, row.bytes_moved)  # the pages did cross the slow link
     kv = len(ids) * 23_040
     grew = {name: (peak[name] - base[name]) / kv for name in procs}
     processes = {name: len(tree) for name, tree in procs.items()}
     print(f"\n{p}->{d} RSS growth over a 16-page stream at 4 MB/s: {grew} (x the prompt's KV; processes {processes})")
     write_report(f"slow_link_{p}_to_{d}", {"rss_growth_x_kv": grew, "processes": processes})
-    return {"result": result, "row": cluster.last_row(pair), "took": took, "grew": grew}
-
-
-def test_a_slow_link_holds_memory_flat(cluster, rate=4e6):
-    """16 pages through a link held to 4 MB/s, on every fault pair at once (they share no agent;
-    each side's memory is its own processes'): the request completes P->D and neither side's
-    memory (the agent and its engine server's processes) grows with the backed-up stream (the
-    prefiller holds what it reserved, the decoder a few pages). A first request of the same
-    length, at full speed, warms both up. (Their text is not compared: 2 tokens each, was 16.)"""
-    with ThreadPoolExecutor(len(FAULT_PAIRS)) as pool:
-        figures = list(pool.map(lambda pd: slow_link(cluster, *pd, rate), FAULT_PAIRS))
-    for (p, d), f in zip(FAULT_PAIRS, figures, strict=True):
-        row, grew = f["row"], f["grew"]
-        assert "text" in f["result"], (p, d, f["result"])
-        assert row.route == "pd" and row.bytes_moved >= 15 * PAGE_BYTES, row
-        assert f["took"] >= 0.9 * row.bytes_moved / rate, (p, d, f["took"], row.bytes_moved)  # it crossed the slow link
-        # P stages the pages it reserved in memory the warm-up left it; D imports the prompt's KV
-        # (a server engine into its preallocated pool). Without back-pressure the wire would
-        # buffer the whole stream again on either side (+1x).
-        assert grew[p] < MAX_GROWTH and grew[d] < MAX_DECODER_GROWTH.get(cluster[d].engine, MAX_GROWTH), (p, d, grew)
-    cluster.idle(*{name for pair in FAULT_PAIRS for name in pair})
+    # P stages the pages it reserved in memory the warm-up left it; D imports the prompt's KV (a
+    # server engine into its preallocated pool). Without back-pressure the wire would buffer the
+    # whole stream again on either side (+1x).
+    assert grew[p] < MAX_GROWTH and grew[d] < MAX_DECODER_GROWTH.get(cluster[d].engine, MAX_GROWTH), grew
+    cluster.idle(p, d)
 
 
 def test_panel_killed_or_stopped_while_requests_stream(cluster):

@@ -1,12 +1,10 @@
-"""Bad input, against real processes (two torch agents and a panel pairing them): schemathesis over the panel's OpenAI API and the agent's API, then targeted bad requests
+"""Bad input, against real processes (two torch agents on the embedded model and a panel pairing
+them): schemathesis over the panel's OpenAI API and the agent's API, then targeted bad requests
 through the panel. Whatever comes in: no 5xx, no crash (the processes stay up and answer), no
 hang (every call has a timeout), no leak (the agents end idle), each refusal a clear JSON error,
 and the next good request works.
 
-The agents serve the tiny random-weight Llama (`tiny_dir`, tests/conftest.py: SmolLM2's tokenizer
-and chat template): what is asserted — statuses, errors, processes up, agents idle — holds
-whatever the weights (on the embedded model: 142 s for this file in a make test run). Cost is
-kept bounded on two cores: the agents serve a 64-token context, so the product's own
+Cost is kept bounded on two cores: the agents serve a 64-token context, so the product's own
 check (prompt + max_tokens within the context, a 400 otherwise) caps what any request can make
 the model generate; the fuzzed schemas ask for at most 4 tokens and short prompts in valid cases,
 and cases that would still run the model for longer are skipped (`runs_long`). The schemathesis
@@ -45,16 +43,16 @@ COUNTS: dict[str, dict] = {}  # schemathesis cases and 5xx per API, written to r
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dir, tmp_path_factory):
+def cluster(smol_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("bad-input")
     args = ("--context-length", str(CONTEXT), "--handoff-ttl", "3")  # fuzzed handoffs nobody reads expire soon
     # one compute thread each: two agents, the panel and the test share two cores, and OpenMP
     # threads that spin-wait on a busy core made every forward pass several times slower
     env = {"OMP_NUM_THREADS": "1"}
     with contextlib.ExitStack() as stack:
-        p = AgentProcess("torch", tiny_dir, home / "p", *args, env=env)
+        p = AgentProcess("torch", smol_dir, home / "p", *args, env=env)
         stack.callback(p.stop)
-        d = AgentProcess("torch", tiny_dir, home / "d", *args, env=env)
+        d = AgentProcess("torch", smol_dir, home / "d", *args, env=env)
         stack.callback(d.stop)
         p.wait_ready(), d.wait_ready()  # both load at once
         panel = stack.enter_context(PanelProcess(home / "panel", "--pair", f"pd={p.url},{d.url},threshold=1"))
