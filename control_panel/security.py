@@ -80,14 +80,13 @@ def revoke_api_key(engine: Engine, key_id: int) -> None:
         s.commit()
 
 
-def revoke_api_keys_named(engine: Engine, *names: str, prefix: str | None = None) -> int:
-    """Revoke every key with one of `names` (or whose name starts with `prefix`); how many."""
+def revoke_api_keys_named(engine: Engine, name: str, prefix: str | None = None) -> None:
+    """Revoke every key named `name` (or whose name starts with `prefix`)."""
     with Session(engine) as s:
         keys = s.exec(select(ApiKey)).all()
-        ids = [k.id for k in keys if k.name in names or (prefix is not None and k.name.startswith(prefix))]
+        ids = [k.id for k in keys if k.name == name or (prefix is not None and k.name.startswith(prefix))]
     for key_id in ids:
         revoke_api_key(engine, key_id)
-    return len(ids)
 
 
 def api_key_valid(engine: Engine, presented: str | None) -> bool:

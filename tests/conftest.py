@@ -115,9 +115,10 @@ def pytest_collection_modifyitems(items):
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # outside pytest-timeout's wrapper: the wait is not the test's
 def pytest_runtest_protocol(item, nextitem):
     global _apart_lock
-    if lane_of(item.nodeid.split("::", 1)[0]) != ENGINE_SERVER_LANE:
+    path = item.nodeid.split("::", 1)[0]
+    if lane_of(path) != ENGINE_SERVER_LANE:
         wait_while_a_lane_goes_first()
-    if _apart_lock is None and item.nodeid.split("::", 1)[0] in APART_FILES:
+    if _apart_lock is None and path in APART_FILES:
         _apart_lock = CLUSTER_LOCK.open("a")
         fcntl.flock(_apart_lock, fcntl.LOCK_SH)  # blocks while a cluster is up; held until this process ends
     return (yield)
